@@ -1,0 +1,303 @@
+"""The index plan: where each real token of a batch lives in the padded, nested and packed layouts.
+
+A plan is built once per batch (from a mask, from lengths, or from offsets) and then moves every
+per-token field with the same gather or scatter, so no caller re-derives boundaries its own way.
+
+Shapes: B rows, padded width S, ``total`` real tokens. ``offsets`` is cu_seqlens (B+1,).
+Host syncs are named in each docstring; everything else stays on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from nopad.ops import index_first_axis, index_put_first_axis
+
+
+def to_host(*scalars: Tensor) -> list[int]:
+    """Fetch several 0-d device tensors in ONE device->host copy (one host sync)."""
+    if not scalars:
+        return []
+    stacked = torch.stack([s.reshape(()).to(torch.int64) for s in scalars])
+    return stacked.to("cpu", copy=True).tolist()
+
+
+def prepare_offsets(lengths: Tensor) -> Tensor:
+    """(B,) lengths -> (B+1,) int64 offsets (cu_seqlens) starting at 0. No sync."""
+    return torch.nn.functional.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
+
+
+def prepare_row_ids(lengths: Tensor, total: int) -> Tensor:
+    """(total,) index of the row each packed token belongs to. No sync (``total`` is given)."""
+    rows = torch.arange(lengths.shape[0], device=lengths.device)
+    return torch.repeat_interleave(rows, lengths, output_size=total)
+
+
+def prepare_position_ids(offsets: Tensor, row_ids: Tensor) -> Tensor:
+    """(total,) position of each packed token inside its own sequence, restarting at 0. No sync."""
+    return torch.arange(row_ids.shape[0], device=row_ids.device) - offsets[row_ids]
+
+
+def gather_rows(values: Tensor, src_start: Tensor, lo: Tensor, hi: Tensor, width: int) -> Tensor:
+    """out[b, k] = values[src_start[b] + k] where lo[b] <= k < hi[b], else 0: (N, *) -> (B, width, *).
+
+    A dense gather over B * width slots: no sync, no Python loop, autograd flows to ``values``.
+    """
+    k = torch.arange(width, device=values.device)
+    valid = (k >= lo.unsqueeze(1)) & (k < hi.unsqueeze(1))
+    src = (src_start.unsqueeze(1) + k).clamp(0, max(values.shape[0] - 1, 0))
+    out = values.index_select(0, src.flatten()).unflatten(0, (src_start.shape[0], width))
+    valid = valid.view(*valid.shape, *([1] * (values.dim() - 1)))
+    return torch.where(valid, out, out.new_zeros(()))
+
+
+def _fail(field: str, row: int | None, expected: str, actual: str) -> ValueError:
+    where = f"{field}" if row is None else f"{field} row {row}"
+    return ValueError(f"{where}: expected {expected}, got {actual}")
+
+
+class IndexPlan:
+    """Lengths, offsets and gather indices of one batch, shared by every per-token field.
+
+    Attributes:
+        lengths: (B,) int64 real tokens per row.
+        offsets: (B+1,) int64 cu_seqlens; ``cu_seqlens`` gives the int32 copy kernels want.
+        total: int, the number of real tokens (known on the host).
+        width: int | None, the padded row width S.
+        starts: (B,) int64 where each row's run of real tokens begins in the padded row
+            (0 for right padding); None when the plan comes from an arbitrary mask.
+    """
+
+    def __init__(
+        self,
+        lengths: Tensor,
+        offsets: Tensor,
+        *,
+        total: int,
+        width: int | None = None,
+        starts: Tensor | None = None,
+        indices: Tensor | None = None,
+        max_seqlen: int | None = None,
+        min_seqlen: int | None = None,
+    ):
+        self.lengths = lengths
+        self.offsets = offsets
+        self.total = total
+        self.width = width
+        self.starts = starts
+        self._indices = indices
+        self._max_seqlen = max_seqlen
+        self._min_seqlen = min_seqlen
+        self._row_ids: Tensor | None = None
+        self._cu_seqlens: Tensor | None = None
+
+    # ---- constructors -------------------------------------------------------------------
+    @classmethod
+    def from_mask(cls, mask: Tensor) -> IndexPlan:
+        """Any (B, S) 0/1 mask, holes allowed. One sync (``nonzero``)."""
+        if mask.dim() != 2:
+            raise _fail("mask", None, "a (batch, seqlen) tensor", f"shape {tuple(mask.shape)}")
+        indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
+        lengths = mask.bool().sum(-1)
+        return cls(lengths, prepare_offsets(lengths), total=indices.shape[0], width=mask.shape[1], indices=indices)
+
+    @classmethod
+    def from_lengths(
+        cls,
+        lengths: Tensor | Sequence[int],
+        *,
+        width: int | None = None,
+        starts: Tensor | None = None,
+        total: int | None = None,
+        max_seqlen: int | None = None,
+        min_seqlen: int | None = None,
+    ) -> IndexPlan:
+        """Rows whose real tokens are one run starting at ``starts`` (default 0: right padding).
+
+        One sync fetching total, max and min length together, unless ``total`` is given.
+        ``width`` defaults to the max length.
+        """
+        lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        if lengths.dim() != 1 or lengths.shape[0] == 0:
+            raise _fail("lengths", None, "a non-empty 1-D tensor", f"shape {tuple(lengths.shape)}")
+        if total is None:
+            total, max_seqlen, min_seqlen = to_host(lengths.sum(), lengths.max(), lengths.min())
+            if min_seqlen < 0:
+                raise _fail("lengths", None, "lengths >= 0", f"min length {min_seqlen}")
+        if width is None:
+            width = max_seqlen if max_seqlen is not None else to_host(lengths.max())[0]
+        if starts is None:
+            starts = torch.zeros_like(lengths)
+        return cls(
+            lengths, prepare_offsets(lengths), total=total, width=width, starts=starts,
+            max_seqlen=max_seqlen, min_seqlen=min_seqlen,
+        )
+
+    @classmethod
+    def from_offsets(cls, offsets: Tensor, *, width: int | None = None) -> IndexPlan:
+        """(B+1,) cu_seqlens -> plan of right-padded rows. One sync (total, max, min)."""
+        offsets = torch.as_tensor(offsets, dtype=torch.int64)
+        if offsets.dim() != 1 or offsets.shape[0] < 2:
+            raise _fail("offsets", None, "a 1-D tensor of batch+1 >= 2 boundaries", f"shape {tuple(offsets.shape)}")
+        first, total, max_len, min_len = to_host(offsets[0], offsets[-1], offsets.diff().max(), offsets.diff().min())
+        if first != 0 or min_len < 0:
+            raise _fail("offsets", None, "boundaries starting at 0 that never go down", f"{offsets.tolist()}")
+        return cls.from_lengths(offsets.diff(), width=width, total=total, max_seqlen=max_len, min_seqlen=min_len)
+
+    @classmethod
+    def from_nested(cls, nested: Tensor, *, width: int | None = None) -> IndexPlan:
+        """Plan of a jagged nested tensor's rows (right padding). No sync if width is given."""
+        if not getattr(nested, "is_nested", False):
+            raise _fail("tensor", None, "a jagged nested tensor", f"a dense tensor of shape {tuple(nested.shape)}")
+        offsets = nested.offsets().to(torch.int64)
+        total = nested.values().shape[nested._ragged_idx - 1]
+        lengths = offsets.diff()
+        return cls(
+            lengths, offsets, total=total, width=width, starts=torch.zeros_like(lengths),
+            max_seqlen=_cached_seqlen(nested, "_maybe_max_seqlen"), min_seqlen=_cached_seqlen(nested, "_maybe_min_seqlen"),
+        )
+
+    # ---- derived quantities -------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def cu_seqlens(self) -> Tensor:
+        """(B+1,) int32 offsets, as flash-attn and Megatron take them."""
+        if self._cu_seqlens is None:
+            self._cu_seqlens = self.offsets.to(torch.int32)
+        return self._cu_seqlens
+
+    @property
+    def max_seqlen(self) -> int:
+        """Longest row. One sync the first time if the constructor did not learn it."""
+        if self._max_seqlen is None:
+            self._max_seqlen, self._min_seqlen = to_host(self.lengths.max(), self.lengths.min())
+        return self._max_seqlen
+
+    @property
+    def min_seqlen(self) -> int:
+        """Shortest row. One sync the first time if the constructor did not learn it."""
+        if self._min_seqlen is None:
+            self._max_seqlen, self._min_seqlen = to_host(self.lengths.max(), self.lengths.min())
+        return self._min_seqlen
+
+    @property
+    def row_ids(self) -> Tensor:
+        """(total,) row of each packed token. No sync."""
+        if self._row_ids is None:
+            self._row_ids = prepare_row_ids(self.lengths, self.total)
+        return self._row_ids
+
+    @property
+    def position_ids(self) -> Tensor:
+        """(total,) position of each packed token in its own sequence, from 0. No sync."""
+        return prepare_position_ids(self.offsets, self.row_ids)
+
+    @property
+    def indices(self) -> Tensor:
+        """(total,) positions of the real tokens in the flattened (B * width) padded buffer."""
+        if self._indices is None:
+            if self.width is None or self.starts is None:
+                raise ValueError("this plan has no padded width; build it with width=")
+            row = self.row_ids
+            self._indices = row * self.width + self.starts[row] + self.position_ids
+        return self._indices
+
+    # ---- moving tensors -----------------------------------------------------------------
+    def pack(self, x: Tensor, seq_dim: int = 1) -> Tensor:
+        """Padded (B, ..., S, ...) with the sequence at ``seq_dim`` -> (total, ...) real tokens."""
+        self._check_padded(x, seq_dim)
+        return index_first_axis(x.movedim(seq_dim, 1).flatten(0, 1), self.indices)
+
+    def unpack(self, values: Tensor, width: int | None = None) -> Tensor:
+        """(total, *) -> padded (B, width, *) with zeros at padding; inverse of :meth:`pack`.
+
+        No sync when the width is known. ``width`` may differ from the plan's only for
+        right-padded plans (``starts`` all 0), e.g. to pad nested rows to a chosen width.
+        """
+        if values.shape[0] != self.total:
+            raise _fail("values", None, f"{self.total} tokens on dim 0", f"shape {tuple(values.shape)}")
+        width = self._width(width)
+        if self.starts is None:
+            if width != self.width:
+                raise _fail("width", None, f"the mask's width {self.width}", f"{width}")
+            flat = index_put_first_axis(values, self.indices, self.batch_size * width)
+            return flat.view(self.batch_size, width, *values.shape[1:])
+        return gather_rows(values, self.offsets[:-1] - self.starts, self.starts, self.starts + self.lengths, width)
+
+    def to_nested(self, values: Tensor, ragged_dim: int = 1) -> Tensor:
+        """Wrap (total, *) values (or (C, total) for ragged_dim=2) in a jagged nested tensor."""
+        return torch.nested.nested_tensor_from_jagged(
+            values, self.offsets, jagged_dim=ragged_dim,
+            min_seqlen=self._min_seqlen, max_seqlen=self._max_seqlen,
+        )
+
+    def nest(self, x: Tensor, seq_dim: int = 1) -> Tensor:
+        """Padded (B, S, *) -> nested (B, j, *); (B, C, S) with seq_dim=2 -> nested (B, C, j).
+
+        The ragged dim is set explicitly, so all-equal lengths or B=1 never confuse torch.
+        """
+        values = self.pack(x, seq_dim)
+        return self.to_nested(values.movedim(0, seq_dim - 1), ragged_dim=seq_dim)
+
+    def unnest(self, nested: Tensor, width: int | None = None) -> Tensor:
+        """Nested (B, j, *) or (B, C, j) -> padded (B, width, *) or (B, C, width)."""
+        ragged = nested._ragged_idx
+        values = nested.values().movedim(ragged - 1, 0)
+        return self.unpack(values, width).movedim(1, ragged)
+
+    def split(self, values: Tensor) -> list[Tensor]:
+        """(total, *) -> one tensor per row. One sync; for inspection, not for a hot path."""
+        return list(values.split(self.lengths.tolist()))
+
+    # ---- checks -------------------------------------------------------------------------
+    def validate(self) -> IndexPlan:
+        """Check the plan is self-consistent (one sync); raise ValueError naming the bad row."""
+        lengths, offsets = self.lengths, self.offsets
+        if offsets.shape != (self.batch_size + 1,) or lengths.dtype.is_floating_point:
+            raise _fail("offsets", None, f"an integer tensor of shape ({self.batch_size + 1},)", f"{tuple(offsets.shape)}")
+        starts = self.starts if self.starts is not None else torch.zeros_like(lengths)
+        width = self.width if self.width is not None else torch.iinfo(torch.int64).max
+        checks = {
+            "length >= 0": lengths < 0,
+            "offsets[b+1] - offsets[b] == lengths[b]": offsets.diff() != lengths,
+            f"the run of real tokens to end within width {width}": starts + lengths > width,
+        }
+        first, last, *flags = to_host(offsets[0], offsets[-1], *(bad.any() for bad in checks.values()))
+        if (first, last) != (0, self.total):
+            raise _fail("offsets", None, f"boundaries from 0 to total {self.total}", f"{first}..{last}")
+        for (expected, bad), flag in zip(checks.items(), flags):
+            if flag:
+                row = int(bad.nonzero()[0])
+                raise _fail("lengths", row, expected, f"length {int(lengths[row])}, start {int(starts[row])}")
+        return self
+
+    # ---- internals ----------------------------------------------------------------------
+    def _width(self, width: int | None) -> int:
+        if width is not None:
+            return width
+        if self.width is not None:
+            return self.width
+        return self.max_seqlen
+
+    def _check_padded(self, x: Tensor, seq_dim: int) -> None:
+        if getattr(x, "is_nested", False):
+            raise _fail("tensor", None, "a padded (dense) tensor", "a nested tensor")
+        if x.dim() <= seq_dim or x.shape[0] != self.batch_size or (self.width is not None and x.shape[seq_dim] != self.width):
+            raise _fail(
+                "tensor", None, f"batch {self.batch_size} on dim 0 and width {self.width} on dim {seq_dim}",
+                f"shape {tuple(x.shape)}",
+            )
+
+    def __repr__(self) -> str:
+        return f"IndexPlan(batch={self.batch_size}, total={self.total}, width={self.width})"
+
+
+def _cached_seqlen(nested: Tensor, attr: str) -> int | None:
+    value = getattr(nested, attr, None)
+    return None if value is None else int(value)
