@@ -1,0 +1,460 @@
+"""verl-compatible PPO policy, value and SFT losses over nested model outputs.
+
+The engine returns per-token outputs (log-probs, entropy, values) as jagged nested tensors over
+the whole sequence; the rollout fields (old_log_probs, advantages, returns, ...) stay padded to
+the response width R. ``no_padding_2_padding`` moves the response part of each output into that
+(B, R) frame with one gather, and the losses below are plain masked tensor math on it.
+
+Global normalisation (verl's ``dp_size`` / ``batch_num_tokens`` / ``global_batch_size``): when a
+mini batch is split into micro batches and data-parallel ranks, each micro-batch loss is divided
+by the figures of the WHOLE mini batch (all ranks) and multiplied by ``dp_size`` to cancel the
+gradient averaging of FSDP/DDP, so summing the micro-batch gradients gives the mini-batch gradient
+however the batch was split. :func:`global_batch_info` computes the figures.
+
+No host syncs: metrics are returned as detached 0-d tensors (call ``.item()`` or
+:func:`nopad.to_host` once per step to log them). Every function is a fixed number of tensor ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from nopad.layout import IndexPlan, _fail, to_host
+from nopad.padding import no_padding_2_padding
+
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: a bound that keeps the ratio finite in fp32
+LOW_VAR_KL_CLAMP = 10.0
+
+
+# ---- configuration --------------------------------------------------------------------------
+@dataclass
+class LossConfig:
+    """The loss settings, with verl's ActorConfig / CriticConfig field names.
+
+    ``clip_ratio_low`` / ``clip_ratio_high`` default to ``clip_ratio``; ``clip_ratio_c`` is the
+    dual-clip bound for negative advantages (must be > 1). ``loss_scale_factor`` is the divisor of
+    ``seq-mean-token-sum-norm`` (default: the padded response width).
+    """
+
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_type: str = "low_var_kl"
+    kl_loss_coef: float = 0.001
+    cliprange_value: float = 0.5
+    loss_scale_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_agg_mode(self.loss_agg_mode, "config.loss_agg_mode")
+        _check_kl_kind(self.kl_loss_type, "config.kl_loss_type")
+        _check_clip(self.clip_ratio, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c)
+        if self.cliprange_value < 0:
+            raise _fail("config.cliprange_value", None, "a value >= 0", f"{self.cliprange_value}")
+
+    @classmethod
+    def from_any(cls, config: Any) -> LossConfig:
+        """A LossConfig, a dict, or any object with these attributes (verl ActorConfig, omegaconf)."""
+        if isinstance(config, cls):
+            return config
+        if config is None:
+            return cls()
+        values = {}
+        for field in dataclasses.fields(cls):
+            if isinstance(config, Mapping) or (hasattr(config, "keys") and hasattr(config, "get")):
+                value = config.get(field.name, None)
+            else:
+                value = getattr(config, field.name, None)
+            if value is not None:
+                values[field.name] = value
+        return cls(**values)
+
+
+def global_batch_info(response_mask: Tensor, dp_group=None) -> dict[str, int]:
+    """dp_size, batch_num_tokens and global_batch_size of a mini batch, summed over ``dp_group``.
+
+    Call it once per mini batch, before splitting it into micro batches, and put the three figures
+    into every micro batch (``data.set_non_tensor(key, value)``). ``global_batch_size`` counts the
+    rows with at least one loss token: fully masked rows are excluded from sequence means.
+    One host sync, plus one all_reduce when torch.distributed is initialised.
+    """
+    if response_mask.dim() != 2:
+        raise _fail("response_mask", None, "shape (batch, response_len)", f"{tuple(response_mask.shape)}")
+    mask = response_mask.bool()
+    figures = torch.stack([mask.sum(), mask.any(-1).sum()])
+    dp_size = 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        dp_size = torch.distributed.get_world_size(dp_group)
+        torch.distributed.all_reduce(figures, group=dp_group)
+    num_tokens, num_seqs = to_host(figures[0], figures[1])
+    return {"dp_size": dp_size, "batch_num_tokens": num_tokens, "global_batch_size": num_seqs}
+
+
+# ---- aggregation ----------------------------------------------------------------------------
+def agg_loss(
+    loss_mat: Tensor,
+    loss_mask: Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: int | Tensor | None = None,
+    global_batch_size: int | Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> Tensor:
+    """(B, R) per-token losses -> scalar, over the tokens where ``loss_mask`` is set.
+
+    token-mean:              sum / N_tokens
+    token-sum:               sum
+    seq-mean-token-sum:      sum_rows(row sum) / N_seqs
+    seq-mean-token-mean:     sum_rows(row mean) / N_seqs
+    seq-mean-token-sum-norm: sum_rows(row sum) / N_seqs / loss_scale_factor (default R)
+
+    N_tokens is ``batch_num_tokens`` and N_seqs ``global_batch_size`` when given (the global mini
+    batch), else this micro batch's own counts; rows without a loss token are never counted in
+    N_seqs. Every mode is multiplied by ``dp_size``. Values under a zero mask never reach the
+    result, not even NaN or inf. No sync.
+    """
+    _check_agg_mode(loss_agg_mode, "loss_agg_mode")
+    _check_same_shape(loss_mask, "loss_mask", loss_mat, "loss_mat")
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise _fail("dp_size", None, "an int >= 1", f"{dp_size!r}")
+    needs = "batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size"
+    given = batch_num_tokens if loss_agg_mode == "token-mean" else global_batch_size
+    if dp_size > 1 and loss_agg_mode != "token-sum" and given is None:
+        raise _fail(needs, None, f"the global mini-batch figure when dp_size={dp_size} with {loss_agg_mode!r} "
+                    "(see nopad.losses.global_batch_info)", "None")
+    mask = loss_mask.bool()
+    row_sums = torch.where(mask, loss_mat, 0.0).sum(-1)
+    if loss_agg_mode == "token-mean":
+        return row_sums.sum() / _count(batch_num_tokens, mask.sum()) * dp_size
+    if loss_agg_mode == "token-sum":
+        return row_sums.sum() * dp_size
+    row_tokens = mask.sum(-1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        row_sums = row_sums / row_tokens.clamp(min=1)
+    loss = row_sums.sum() / _count(global_batch_size, (row_tokens > 0).sum()) * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        loss = loss / (loss_scale_factor if loss_scale_factor is not None else loss_mask.shape[-1])
+    return loss
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` where ``mask`` is set; 0 for an empty mask. No sync."""
+    mask = mask.bool()
+    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+# ---- the loss formulas ----------------------------------------------------------------------
+def compute_policy_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    rollout_is_weights: Tensor | None = None,
+    dp_size: int = 1,
+    batch_num_tokens: int | Tensor | None = None,
+    global_batch_size: int | Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate with dual clip (verl's ``vanilla`` policy loss). All tensors (B, R).
+
+    ratio = exp(clamp(log_prob - old_log_prob, -20, 20)); per token
+    loss = max(-A * ratio, -A * clamp(ratio, 1 - low, 1 + high)), and for A < 0 additionally
+    min(that, -A * clip_ratio_c); times ``rollout_is_weights`` when given; then :func:`agg_loss`.
+    Metrics (means over this micro batch's masked tokens, detached): actor/pg_clipfrac,
+    actor/ppo_kl, actor/pg_clipfrac_lower.
+    """
+    low, high = _check_clip(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    for name, x in (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages),
+                    ("rollout_is_weights", rollout_is_weights)):
+        if x is not None:
+            _check_same_shape(x, name, response_mask, "response_mask")
+    log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    clip_loss = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    pg_losses = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
+                    loss_scale_factor)
+    with torch.no_grad():
+        metrics = {
+            "actor/pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
+            "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
+            "actor/pg_clipfrac_lower": masked_mean(((clip_loss > dual_bound) & negative).float(), response_mask),
+        }
+    return loss, metrics
+
+
+def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
+    """Per-token KL(pi || ref) estimate (Schulman's k1/k2/k3), same shape as the inputs.
+
+    k1 / kl: d = logprob - ref_logprob;  abs: |d|;  k2 / mse: d^2 / 2;
+    k3 / low_var_kl: exp(-d) + d - 1 with -d clamped to [-20, 20] and the result to [-10, 10].
+    A trailing ``+`` (``k3+``, ``k1+``, ...) keeps the named estimator's VALUE with k2's GRADIENT
+    (straight-through), the gradient that is unbiased for KL.
+    """
+    _check_kl_kind(kind, "kind")
+    _check_same_shape(ref_logprob, "ref_logprob", logprob, "logprob")
+    value = _kl_value(logprob, ref_logprob, kind.removesuffix("+"))
+    if not kind.endswith("+") or kind in ("k2+", "mse+"):
+        return value
+    k2 = 0.5 * (logprob - ref_logprob).square()
+    return k2 - k2.detach() + value.detach()
+
+
+def _kl_value(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
+    diff = logprob - ref_logprob
+    if kind in ("k1", "kl"):
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind in ("k2", "mse"):
+        return 0.5 * diff.square()
+    neg = torch.clamp(-diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.clamp(torch.exp(neg) - neg - 1, -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+
+
+def compute_value_loss(
+    vpreds: Tensor,
+    returns: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    *,
+    dp_size: int = 1,
+    batch_num_tokens: int | Tensor | None = None,
+    global_batch_size: int | Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Clipped value loss 0.5 * agg(max((v - R)^2, (clip(v, V - c, V + c) - R)^2)), and its clip fraction.
+
+    All tensors (B, R); ``values`` are the rollout's old value estimates. The clip fraction is the
+    masked mean, over this micro batch, of tokens where the clipped term is the larger (detached).
+    """
+    for name, x in (("vpreds", vpreds), ("returns", returns), ("values", values)):
+        _check_same_shape(x, name, response_mask, "response_mask")
+    vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
+    unclipped = (vpreds - returns).square()
+    clipped = (vpred_clipped - returns).square()
+    loss = 0.5 * agg_loss(torch.maximum(unclipped, clipped), response_mask, loss_agg_mode, dp_size,
+                          batch_num_tokens, global_batch_size, loss_scale_factor)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
+    return loss, clipfrac
+
+
+# ---- the verl-style loss functions over nested outputs --------------------------------------
+def ppo_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, dp_group=None):
+    """PPO actor loss of one micro batch: policy loss - entropy_coeff * entropy + kl_loss_coef * KL.
+
+    ``model_output``: "log_probs" and optionally "entropy", nested (B, j) over whole sequences
+    (position t holds the output for token t + 1), flat (total,), or already (B, R).
+    ``data``: the micro batch as ``left_right_2_no_padding`` returns it, with padded (B, R)
+    response_mask, old_log_probs, advantages, optionally rollout_is_weights and (for the KL loss)
+    ref_log_prob, and the non-tensor figures dp_size, batch_num_tokens, global_batch_size.
+    ``dp_group`` is accepted for verl compatibility and unused. Returns ``(loss, metrics)``.
+    """
+    cfg = LossConfig.from_any(config)
+    response_mask = _response_mask(data)
+    figures = _figures(data, cfg)
+    log_prob = _response_slice(model_output, "log_probs", data, response_mask)
+    pg_loss, metrics = compute_policy_loss(
+        _field(data, "old_log_probs", response_mask), log_prob, _field(data, "advantages", response_mask),
+        response_mask, cfg.loss_agg_mode, clip_ratio=cfg.clip_ratio, clip_ratio_low=cfg.clip_ratio_low,
+        clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+        rollout_is_weights=_field(data, "rollout_is_weights", response_mask, required=False), **figures,
+    )
+    metrics["actor/pg_loss"] = pg_loss.detach()
+    loss = pg_loss
+    if model_output.get("entropy", None) is not None:
+        entropy = _response_slice(model_output, "entropy", data, response_mask)
+        entropy_loss = agg_loss(entropy, response_mask, cfg.loss_agg_mode, **figures)
+        loss = loss - cfg.entropy_coeff * entropy_loss
+        metrics["actor/entropy_loss"] = entropy_loss.detach()
+    if cfg.use_kl_loss:
+        kld = kl_penalty(log_prob, _field(data, "ref_log_prob", response_mask), cfg.kl_loss_type)
+        kl_loss = agg_loss(kld, response_mask, cfg.loss_agg_mode, **figures)
+        loss = loss + cfg.kl_loss_coef * kl_loss
+        metrics["actor/kl_loss"] = kl_loss.detach()
+        metrics["actor/kl_coef"] = torch.tensor(cfg.kl_loss_coef)
+    return loss, metrics
+
+
+def value_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, dp_group=None):
+    """Critic loss of one micro batch from nested ``model_output["values"]`` (see :func:`ppo_loss`).
+
+    ``data`` carries padded (B, R) response_mask, values (the rollout's) and returns.
+    Metrics: critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean (detached tensors).
+    """
+    cfg = LossConfig.from_any(config)
+    response_mask = _response_mask(data)
+    vpreds = _response_slice(model_output, "values", data, response_mask)
+    vf_loss, clipfrac = compute_value_loss(
+        vpreds, _field(data, "returns", response_mask), _field(data, "values", response_mask), response_mask,
+        cfg.cliprange_value, cfg.loss_agg_mode, **_figures(data, cfg),
+    )
+    metrics = {
+        "critic/vf_loss": vf_loss.detach(),
+        "critic/vf_clipfrac": clipfrac,
+        "critic/vpred_mean": masked_mean(vpreds.detach(), response_mask),
+    }
+    return vf_loss, metrics
+
+
+def sft_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, dp_group=None):
+    """Negative log-likelihood, token-mean over the global batch (verl's SFT loss).
+
+    Two layouts, as in verl. Nested: ``data["loss_mask"]`` nested (B, j) marks the tokens to learn
+    and ``model_output["log_probs"]`` nested (B, j) holds at position t the log-prob of token t + 1;
+    the mask is shifted by one WITHIN each sequence (a sequence's first token has no prediction,
+    and its last position predicts nothing). Padded: ``data["response_mask"]`` (B, R) and log-probs
+    nested over whole sequences (sliced like :func:`ppo_loss`) or (B, R).
+    ``batch_num_tokens`` should count the tokens that have a prediction. Returns ``(loss, {})``.
+    """
+    cfg = LossConfig.from_any(config)
+    figures = _figures(data, cfg)
+    figures.pop("global_batch_size")
+    log_probs = model_output["log_probs"]
+    loss_mask = data.get("loss_mask", None)
+    if _is_nested(log_probs) and _is_nested(loss_mask):
+        mask = shifted_loss_mask(loss_mask)
+        if log_probs.values().shape[0] != mask.shape[0]:
+            raise _fail("model_output['log_probs']", None, f"{mask.shape[0]} tokens like data['loss_mask']",
+                        f"{log_probs.values().shape[0]}")
+        loss = agg_loss(-log_probs.values().unsqueeze(0), mask.unsqueeze(0), "token-mean", **figures)
+        return loss, {}
+    response_mask = _response_mask(data)
+    log_prob = _response_slice(model_output, "log_probs", data, response_mask)
+    return agg_loss(-log_prob, response_mask, "token-mean", **figures), {}
+
+
+def shifted_loss_mask(loss_mask: Tensor) -> Tensor:
+    """Nested (B, j) token mask -> flat (total,) mask of the positions whose NEXT token is learned.
+
+    Position t gets loss_mask[t + 1] of the same sequence; each sequence's last position gets 0,
+    so no label crosses a sequence boundary. No sync.
+    """
+    plan = IndexPlan.from_nested(loss_mask)
+    values = loss_mask.values().bool()
+    is_last = plan.position_ids == (plan.lengths[plan.row_ids] - 1)
+    return torch.roll(values, -1, 0) & ~is_last
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def _is_nested(x: object) -> bool:
+    return bool(getattr(x, "is_nested", False))
+
+
+def _non_tensor(data: TensorDict, key: str, default=None):
+    if key not in data.keys():
+        return default
+    value = data[key]
+    return getattr(value, "data", value)
+
+
+def _figures(data: TensorDict, cfg: LossConfig) -> dict[str, Any]:
+    """The global-batch figures a micro batch carries (verl's config.global_batch_info)."""
+    return {
+        "dp_size": _non_tensor(data, "dp_size", 1),
+        "batch_num_tokens": _non_tensor(data, "batch_num_tokens"),
+        "global_batch_size": _non_tensor(data, "global_batch_size"),
+        "loss_scale_factor": cfg.loss_scale_factor,
+    }
+
+
+def _response_mask(data: TensorDict) -> Tensor:
+    mask = data.get("response_mask", None)
+    if not isinstance(mask, Tensor) or _is_nested(mask) or mask.dim() != 2:
+        actual = "missing" if mask is None else f"{type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}"
+        raise _fail("data['response_mask']", None, "a padded (batch, response_len) tensor", actual)
+    return mask.bool()
+
+
+def _field(data: TensorDict, key: str, response_mask: Tensor, required: bool = True) -> Tensor | None:
+    x = data.get(key, None)
+    if x is None:
+        if required:
+            raise _fail(f"data[{key!r}]", None, f"a padded {tuple(response_mask.shape)} tensor", "missing")
+        return None
+    _check_same_shape(x, f"data[{key!r}]", response_mask, "response_mask")
+    return x
+
+
+def _response_slice(model_output: Mapping[str, Tensor], key: str, data: TensorDict, response_mask: Tensor) -> Tensor:
+    """model_output[key] -> padded (B, R): the response part of a nested/flat whole-sequence output."""
+    if key not in model_output or model_output[key] is None:
+        raise _fail("model_output", None, f"a {key!r} entry", f"keys {list(model_output.keys())}")
+    x = model_output[key]
+    B, R = response_mask.shape
+    field = f"model_output[{key!r}]"
+    if _is_nested(x):
+        if x.size(0) != B:
+            raise _fail(field, None, f"{B} sequences like response_mask", f"{x.size(0)}")
+        indices = _non_tensor(data, "indices")
+        if isinstance(indices, Tensor) and x.values().shape[0] != indices.shape[0]:
+            raise _fail(field, None, f"{indices.shape[0]} tokens (the batch's total)", f"{x.values().shape[0]}")
+        return no_padding_2_padding(x, data, max_response_len=R)
+    if x.dim() == 1:
+        return no_padding_2_padding(x, data, max_response_len=R)
+    _check_same_shape(x, field, response_mask, "response_mask")
+    return x
+
+
+def _count(given: int | Tensor | None, local: Tensor) -> Tensor | int | float:
+    if given is None:
+        return local.clamp(min=1)
+    if isinstance(given, Tensor):
+        return given.clamp(min=1)
+    return max(given, 1)
+
+
+def _check_same_shape(x: Tensor, name: str, ref: Tensor, ref_name: str) -> None:
+    if not isinstance(x, Tensor) or _is_nested(x) or tuple(x.shape) != tuple(ref.shape):
+        actual = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) and not _is_nested(x) else type(x).__name__
+        if _is_nested(x):
+            actual = "a nested tensor"
+        raise _fail(name, None, f"shape {tuple(ref.shape)} like {ref_name}", actual)
+
+
+def _check_agg_mode(mode: str, field: str) -> None:
+    if mode not in AGG_MODES:
+        raise _fail(field, None, f"one of {list(AGG_MODES)}", f"{mode!r}")
+
+
+def _check_kl_kind(kind: str, field: str) -> None:
+    if not isinstance(kind, str) or kind.removesuffix("+") not in KL_KINDS:
+        raise _fail(field, None, f"one of {list(KL_KINDS)}, optionally with a trailing '+'", f"{kind!r}")
+
+
+def _check_clip(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c) -> tuple[float, float]:
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    for name, value in (("clip_ratio_low", low), ("clip_ratio_high", high)):
+        if value is None or value < 0:
+            raise _fail(name, None, "a clip ratio >= 0 (or clip_ratio)", f"{value}")
+    if not clip_ratio_c > 1.0:
+        raise _fail("clip_ratio_c", None, "a dual-clip bound > 1", f"{clip_ratio_c}")
+    return low, high
