@@ -92,7 +92,8 @@ class ThdPlan:
         self.lengths, self.source_offsets = lengths, source_offsets
         self.padded_lengths = padded_lengths
         self.total, self.total_padded, self.max_seqlen = total, total_padded, max_seqlen
-        self.tp_size, self.cp_size, self.cp_rank, self.cp_layout, self.align = tp_size, cp_size, cp_rank, cp_layout, align
+        self.tp_size, self.cp_size, self.cp_rank, self.cp_layout = tp_size, cp_size, cp_rank, cp_layout
+        self.align = align
         self.cu_seqlens_padded = prepare_offsets(padded_lengths).to(torch.int32)
         self.local_len = total_padded // cp_size
         self.global_index = shard_index(self.cu_seqlens_padded, self.local_len, cp_size, cp_rank, cp_layout)
@@ -200,7 +201,8 @@ def build_thd_plan(
     check_cp_args(tp_size, cp_size, cp_rank, cp_layout)
     lengths = torch.as_tensor(lengths)
     if lengths.dim() != 1 or lengths.shape[0] == 0 or lengths.dtype.is_floating_point:
-        raise ValueError(f"{field}: expected a non-empty 1-D integer tensor, got {lengths.dtype} {tuple(lengths.shape)}")
+        got = f"{lengths.dtype} of shape {tuple(lengths.shape)}"
+        raise ValueError(f"{field}: expected a non-empty 1-D integer tensor, got {got}")
     if pad_to_length_bucket is not None and (not isinstance(pad_to_length_bucket, int) or pad_to_length_bucket <= 0):
         raise ValueError(f"pad_to_length_bucket: expected a positive int or None, got {pad_to_length_bucket!r}")
     lengths = lengths.to(torch.int64)
