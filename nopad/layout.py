@@ -46,12 +46,14 @@ def gather_rows(values: Tensor, src_start: Tensor, lo: Tensor, hi: Tensor, width
 
     A dense gather over B * width slots: no sync, no Python loop, autograd flows to ``values``.
     """
+    if values.shape[0] == 0:  # nothing to gather from (every row empty)
+        return values.new_zeros((src_start.shape[0], width, *values.shape[1:]))
     k = torch.arange(width, device=values.device)
     valid = (k >= lo.unsqueeze(1)) & (k < hi.unsqueeze(1))
-    src = (src_start.unsqueeze(1) + k).clamp(0, max(values.shape[0] - 1, 0))
-    out = values.index_select(0, src.flatten()).unflatten(0, (src_start.shape[0], width))
-    valid = valid.view(*valid.shape, *([1] * (values.dim() - 1)))
-    return torch.where(valid, out, out.new_zeros(()))
+    # invalid slots read an appended zero row, so no clamp and no masking pass over the output
+    src = torch.where(valid, src_start.unsqueeze(1) + k, values.shape[0])
+    padded = torch.cat([values, values.new_zeros((1, *values.shape[1:]))])
+    return padded.index_select(0, src.flatten()).unflatten(0, (src_start.shape[0], width))
 
 
 def _fail(field: str, row: int | None, expected: str, actual: str) -> ValueError:
@@ -132,8 +134,13 @@ class IndexPlan:
         if starts is None:
             starts = torch.zeros_like(lengths)
         return cls(
-            lengths, prepare_offsets(lengths), total=total, width=width, starts=starts,
-            max_seqlen=max_seqlen, min_seqlen=min_seqlen,
+            lengths,
+            prepare_offsets(lengths),
+            total=total,
+            width=width,
+            starts=starts,
+            max_seqlen=max_seqlen,
+            min_seqlen=min_seqlen,
         )
 
     @classmethod
@@ -156,8 +163,13 @@ class IndexPlan:
         total = nested.values().shape[nested._ragged_idx - 1]
         lengths = offsets.diff()
         return cls(
-            lengths, offsets, total=total, width=width, starts=torch.zeros_like(lengths),
-            max_seqlen=_cached_seqlen(nested, "_maybe_max_seqlen"), min_seqlen=_cached_seqlen(nested, "_maybe_min_seqlen"),
+            lengths,
+            offsets,
+            total=total,
+            width=width,
+            starts=torch.zeros_like(lengths),
+            max_seqlen=_cached_seqlen(nested, "_maybe_max_seqlen"),
+            min_seqlen=_cached_seqlen(nested, "_maybe_min_seqlen"),
         )
 
     # ---- derived quantities -------------------------------------------------------------
@@ -204,8 +216,11 @@ class IndexPlan:
         if self._indices is None:
             if self.width is None or self.starts is None:
                 raise ValueError("this plan has no padded width; build it with width=")
-            row = self.row_ids
-            self._indices = row * self.width + self.starts[row] + self.position_ids
+            # token t of row b sits at b * width + starts[b] + (t - offsets[b]): one shift per row
+            rows = torch.arange(self.batch_size, device=self.lengths.device)
+            shift = rows * self.width + self.starts - self.offsets[:-1]
+            per_token = torch.repeat_interleave(shift, self.lengths, output_size=self.total)
+            self._indices = per_token + torch.arange(self.total, device=shift.device)
         return self._indices
 
     # ---- moving tensors -----------------------------------------------------------------
@@ -233,8 +248,11 @@ class IndexPlan:
     def to_nested(self, values: Tensor, ragged_dim: int = 1) -> Tensor:
         """Wrap (total, *) values (or (C, total) for ragged_dim=2) in a jagged nested tensor."""
         return torch.nested.nested_tensor_from_jagged(
-            values, self.offsets, jagged_dim=ragged_dim,
-            min_seqlen=self._min_seqlen, max_seqlen=self._max_seqlen,
+            values,
+            self.offsets,
+            jagged_dim=ragged_dim,
+            min_seqlen=self._min_seqlen,
+            max_seqlen=self._max_seqlen,
         )
 
     def nest(self, x: Tensor, seq_dim: int = 1) -> Tensor:
@@ -260,7 +278,9 @@ class IndexPlan:
         """Check the plan is self-consistent (one sync); raise ValueError naming the bad row."""
         lengths, offsets = self.lengths, self.offsets
         if offsets.shape != (self.batch_size + 1,) or lengths.dtype.is_floating_point:
-            raise _fail("offsets", None, f"an integer tensor of shape ({self.batch_size + 1},)", f"{tuple(offsets.shape)}")
+            raise _fail(
+                "offsets", None, f"an integer tensor of shape ({self.batch_size + 1},)", f"{tuple(offsets.shape)}"
+            )
         starts = self.starts if self.starts is not None else torch.zeros_like(lengths)
         width = self.width if self.width is not None else torch.iinfo(torch.int64).max
         checks = {
@@ -288,9 +308,15 @@ class IndexPlan:
     def _check_padded(self, x: Tensor, seq_dim: int) -> None:
         if getattr(x, "is_nested", False):
             raise _fail("tensor", None, "a padded (dense) tensor", "a nested tensor")
-        if x.dim() <= seq_dim or x.shape[0] != self.batch_size or (self.width is not None and x.shape[seq_dim] != self.width):
+        if (
+            x.dim() <= seq_dim
+            or x.shape[0] != self.batch_size
+            or (self.width is not None and x.shape[seq_dim] != self.width)
+        ):
             raise _fail(
-                "tensor", None, f"batch {self.batch_size} on dim 0 and width {self.width} on dim {seq_dim}",
+                "tensor",
+                None,
+                f"batch {self.batch_size} on dim 0 and width {self.width} on dim {seq_dim}",
                 f"shape {tuple(x.shape)}",
             )
 

@@ -34,6 +34,12 @@ def _first_row(bad: Tensor) -> int:
     return int(bad.nonzero()[0])
 
 
+def _ones_before(ones_upto: Tensor, col: Tensor) -> Tensor:
+    """(B,) count of ones in columns [0, col) of each row, from an inclusive (B, S) cumsum."""
+    before = ones_upto.gather(1, (col - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(col > 0, before, 0)
+
+
 def plan_left_right(attention_mask: Tensor, response_mask: Tensor) -> IndexPlan:
     """Plan of a left-padded-prompt / right-padded-response batch, validated. ONE host sync.
 
@@ -49,16 +55,23 @@ def plan_left_right(attention_mask: Tensor, response_mask: Tensor) -> IndexPlan:
     if B == 0:
         raise _fail("attention_mask", None, "at least one row", "an empty batch")
     prompt_width = S - R
-    mask = attention_mask.bool()
-    lengths = mask.sum(-1)
-    prompt_lens = mask[:, :prompt_width].sum(-1)
+    # One cumsum pass answers everything: row lengths, prompt lengths, and whether all of a row's
+    # ones sit inside the run [start, start + length) that the left/right layout requires.
+    ones_upto = attention_mask.cumsum(-1)
+    lengths = ones_upto[:, -1].long()
+    prompt_lens = ones_upto[:, prompt_width - 1].long()
     starts = prompt_width - prompt_lens
-    col = torch.arange(S, device=mask.device)
-    run = (col >= starts.unsqueeze(1)) & (col < (starts + lengths).unsqueeze(1))
+    in_run = _ones_before(ones_upto, starts + lengths) - _ones_before(ones_upto, starts)
+    resp_lens = lengths - prompt_lens
+    resp_ones_upto = response_mask.cumsum(-1)
+    resp_ones_in_run = _ones_before(resp_ones_upto, resp_lens.clamp(0, R))
     checks = {
-        "attention_mask": ((mask != run).any(-1), "ones forming one run: prompt left-padded, response right-padded"),
-        "prompt": ((prompt_lens == 0) & (lengths > 0), "a non-empty prompt (the first response log-prob comes from it)"),
-        "response_mask": ((response_mask.bool() & ~mask[:, prompt_width:]).any(-1), "ones only where attention_mask is 1"),
+        "attention_mask": (in_run != lengths, "ones forming one run: prompt left-padded, response right-padded"),
+        "prompt": (
+            (prompt_lens == 0) & (lengths > 0),
+            "a non-empty prompt (the first response log-prob comes from it)",
+        ),
+        "response_mask": (resp_ones_in_run != resp_ones_upto[:, -1], "ones only where attention_mask is 1"),
     }
     total, max_len, min_len, *flags = to_host(
         lengths.sum(), lengths.max(), lengths.min(), *(bad.any() for bad, _ in checks.values())
@@ -67,9 +80,7 @@ def plan_left_right(attention_mask: Tensor, response_mask: Tensor) -> IndexPlan:
         if flag:
             row = _first_row(bad)
             raise _fail(field, row, expected, f"attention_mask {attention_mask[row].tolist()}")
-    return IndexPlan.from_lengths(
-        lengths, width=S, starts=starts, total=total, max_seqlen=max_len, min_seqlen=min_len
-    )
+    return IndexPlan.from_lengths(lengths, width=S, starts=starts, total=total, max_seqlen=max_len, min_seqlen=min_len)
 
 
 def _check_per_token(data: TensorDict, key: str, B: int, S: int) -> Tensor:
@@ -95,7 +106,9 @@ def left_right_2_no_padding(data: TensorDict, fields: Iterable[str] = ()) -> Ten
     input_ids, attention_mask = data["input_ids"], data["attention_mask"]
     response_mask, position_ids = data["response_mask"], data["position_ids"]
     if any(_is_nested(x) for x in (input_ids, attention_mask, response_mask, position_ids)):
-        raise _fail("data", None, "padded (dense) input_ids, attention_mask, response_mask, position_ids", "a nested tensor")
+        raise _fail(
+            "data", None, "padded (dense) input_ids, attention_mask, response_mask, position_ids", "a nested tensor"
+        )
     if input_ids.dim() != 2:
         raise _fail("input_ids", None, "shape (batch, seqlen)", f"{tuple(input_ids.shape)}")
     B, S = input_ids.shape
@@ -104,8 +117,12 @@ def left_right_2_no_padding(data: TensorDict, fields: Iterable[str] = ()) -> Ten
     if attention_mask.dtype.is_floating_point:
         raise _fail("attention_mask", None, "an integer or bool mask", f"dtype {attention_mask.dtype}")
     mrope = position_ids.dim() == 3
-    if position_ids.shape[0] != B or position_ids.shape[-1] != S or (mrope and position_ids.shape[1] not in (3, 4)) \
-            or position_ids.dim() not in (2, 3):
+    if (
+        position_ids.shape[0] != B
+        or position_ids.shape[-1] != S
+        or (mrope and position_ids.shape[1] not in (3, 4))
+        or position_ids.dim() not in (2, 3)
+    ):
         raise _fail("position_ids", None, f"shape ({B}, {S}) or ({B}, 3|4, {S})", f"{tuple(position_ids.shape)}")
 
     plan = plan_left_right(attention_mask, response_mask)
@@ -139,7 +156,9 @@ def _response_lengths(data: TensorDict) -> tuple[Tensor, int | None]:
         return data["attention_mask"][:, -width:].bool().sum(-1), width
     if _is_nested(response_mask):
         return response_mask.offsets().diff(), width
-    raise _fail("data", None, "nested responses, or attention_mask with responses/response_mask", f"keys {list(data.keys())}")
+    raise _fail(
+        "data", None, "nested responses, or attention_mask with responses/response_mask", f"keys {list(data.keys())}"
+    )
 
 
 def _sequence_ends(tensor: Tensor, data: TensorDict) -> Tensor:
@@ -208,8 +227,12 @@ def build_attention_mask_from_nested(input_ids: Tensor, max_seq_len: int | None 
 
 def _embeds_to_nested(embeds: Tensor, mask: Tensor, field: str) -> tuple[Tensor, Tensor]:
     if embeds.dim() != 3 or tuple(mask.shape) != tuple(embeds.shape[:2]):
-        raise _fail(field, None, f"(batch, seqlen, dim) embeds with a {tuple(embeds.shape[:2])} mask",
-                    f"embeds {tuple(embeds.shape)}, mask {tuple(mask.shape)}")
+        raise _fail(
+            field,
+            None,
+            f"(batch, seqlen, dim) embeds with a {tuple(embeds.shape[:2])} mask",
+            f"embeds {tuple(embeds.shape)}, mask {tuple(mask.shape)}",
+        )
     plan = IndexPlan.from_mask(mask)
     return plan.nest(embeds), plan.nest(mask.bool())
 

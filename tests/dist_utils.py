@@ -36,8 +36,13 @@ def run_distributed(fn, world_size: int, *args):
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, results), nprocs=world_size,
-                           join=True, start_method="spawn")
+        mp.start_processes(
+            _worker,
+            args=(world_size, _free_port(), fn, args, results),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
         out = dict(results)
     errors = [f"rank {r}:\n{msg}" for r, (status, msg) in sorted(out.items()) if status == "error"]
     if errors:

@@ -1,0 +1,237 @@
+"""`nopad bench`: each conversion beside a per-row reference loop and the bare gather of the same bytes.
+
+All timings of one table come from one run on one machine, so only their ratios are meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+
+from nopad.ops import unpad_input
+from nopad.padding import left_right_2_no_padding, no_padding_2_padding
+
+
+def synthetic_batch(
+    B: int, prompt_width: int, resp_width: int, *, seed: int = 0, device: str = "cpu", mrope: int = 0
+) -> TensorDict:
+    """A padded RL batch: long-tailed prompt and response lengths, prompts left-padded, responses right."""
+    g = torch.Generator().manual_seed(seed)
+
+    def lengths(width: int, low: int) -> torch.Tensor:
+        draw = torch.distributions.Exponential(4.0 / width).sample((B,)) if B else torch.zeros(0)
+        return (draw + low).round().long().clamp(low, width)
+
+    torch.manual_seed(seed)
+    prompt_lens, resp_lens = lengths(prompt_width, 1), lengths(resp_width, 1)
+    cols_p, cols_r = torch.arange(prompt_width), torch.arange(resp_width)
+    response_mask = (cols_r < resp_lens[:, None]).long()
+    attention_mask = torch.cat([(cols_p >= prompt_width - prompt_lens[:, None]).long(), response_mask], 1)
+    S = prompt_width + resp_width
+    input_ids = torch.randint(1, 150_000, (B, S), generator=g) * attention_mask
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if mrope:
+        position_ids = position_ids.unsqueeze(1).expand(B, mrope, S).contiguous()
+    td = TensorDict(
+        dict(
+            input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, position_ids=position_ids
+        ),
+        batch_size=[B],
+    )
+    return td.to(device)
+
+
+# ---- the references ------------------------------------------------------------------------------
+def reference_left_right(data: TensorDict) -> TensorDict:
+    """verl 0.9's way: unpad_input for the ids, then one boolean index per row for position ids."""
+    out = data.copy()
+    mask = data["attention_mask"]
+    ids, indices, cu_seqlens, *_ = unpad_input(data["input_ids"].unsqueeze(-1), mask)
+    rows = [data["position_ids"][b][..., mask[b].bool()] for b in range(mask.shape[0])]
+    out["input_ids"] = torch.nested.nested_tensor_from_jagged(ids.squeeze(-1), cu_seqlens)
+    out["position_ids"] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    out.set_non_tensor("indices", indices)
+    return out
+
+
+def bare_gather(data: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The floor: one nonzero on the mask and one index_select per field; no checks, no nesting."""
+    indices = data["attention_mask"].flatten().nonzero().flatten()
+    return data["input_ids"].flatten()[indices], data["position_ids"].flatten()[indices]
+
+
+def reference_no_padding(values: torch.Tensor, ends: list[int], resp_lens: list[int], width: int) -> torch.Tensor:
+    """verl 0.9's way: one slice and one pad per row, then a stack."""
+    return torch.stack([F.pad(values[e - r - 1 : e - 1], (0, width - r)) for e, r in zip(ends, resp_lens)])
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timeit(fn: Callable[[], object], device: str, repeats: int) -> float:
+    """Best wall time in milliseconds over ``repeats`` calls after one warm-up.
+
+    The minimum, not the mean: on a shared machine noise only ever adds time.
+    """
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return min(times)
+
+
+def bench_conversions(
+    batch_sizes=(8, 256, 1024),
+    prompt_width: int = 256,
+    resp_width: int = 512,
+    device: str = "cpu",
+    repeats: int = 5,
+    progress: bool = False,
+) -> list[dict]:
+    """Rows of {conversion, B, nopad_ms, loop_ms, gather_ms, loop/nopad, nopad/gather}."""
+    rows = []
+    iterator = batch_sizes
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(batch_sizes, desc="bench conversions", leave=False)
+    for B in iterator:
+        rows += _bench_batch(B, prompt_width, resp_width, device, repeats)
+    return rows
+
+
+def _bench_batch(B: int, prompt_width: int, resp_width: int, device: str, repeats: int) -> list[dict]:
+    data = synthetic_batch(B, prompt_width, resp_width, device=device)
+    out = left_right_2_no_padding(data)
+    total = out.get_non_tensor("indices").shape[0]
+    to_nested = _row(
+        "padded -> nested",
+        B,
+        device,
+        repeats,
+        lambda: left_right_2_no_padding(data),
+        lambda: reference_left_right(data),
+        lambda: bare_gather(data),
+    )
+    offsets = out["input_ids"].offsets()
+    logp = torch.nested.nested_tensor_from_jagged(torch.randn(total, device=device), offsets)
+    ends, resp = offsets[1:].tolist(), data["response_mask"].sum(-1).tolist()
+    src = torch.randint(0, total, (B * resp_width,), device=device)
+    to_padded = _row(
+        "nested -> padded",
+        B,
+        device,
+        repeats,
+        lambda: no_padding_2_padding(logp, out),
+        lambda: reference_no_padding(logp.values(), ends, resp, resp_width),
+        lambda: logp.values().index_select(0, src),
+    )
+    return [to_nested, to_padded]
+
+
+def _row(name, B, device, repeats, ours, loop, gather) -> dict:
+    t_ours, t_loop, t_gather = (timeit(f, device, repeats) for f in (ours, loop, gather))
+    return {
+        "conversion": name,
+        "B": B,
+        "nopad_ms": t_ours,
+        "loop_ms": t_loop,
+        "gather_ms": t_gather,
+        "loop/nopad": t_loop / t_ours,
+        "nopad/gather": t_ours / t_gather,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    cols = list(rows[0])
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(fmt(r[c]).rjust(w) for c, w in zip(cols, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["conversion"] for r in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        sel = [r for r in rows if r["conversion"] == name]
+        Bs = [r["B"] for r in sel]
+        for key, label, style in (
+            ("loop_ms", "per-row loop (verl 0.9)", "o--"),
+            ("nopad_ms", "nopad", "s-"),
+            ("gather_ms", "bare gather (floor)", "^:"),
+        ):
+            ax.plot(Bs, [r[key] for r in sel], style, label=label)
+        ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="ms (best of repeats)", title=name)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle("nopad vs a per-row loop: time against batch size (one run, one machine)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 256, 1024])
+    parser.add_argument("--prompt-len", type=int, default=256, help="padded prompt width")
+    parser.add_argument("--response-len", type=int, default=512, help="padded response width")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--packing", action="store_true", help="also run the bin-packing benchmark")
+    parser.add_argument("--engines", action="store_true", help="also run the engine (THD) benchmark")
+    parser.add_argument("--plot", metavar="FILE.png", help="write time against batch size to this PNG")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    results: dict[str, list[dict]] = {}
+    results["conversions"] = bench_conversions(
+        args.batch_sizes, args.prompt_len, args.response_len, args.device, args.repeats, progress=not args.json
+    )
+    if args.engines:
+        from nopad.engines.megatron import bench_thd
+
+        results["megatron preprocess_thd"] = [
+            dict(r) if isinstance(r, dict) else dict(zip(("B", "ref_ms", "nopad_ms", "ratio"), r))
+            for r in bench_thd(args.batch_sizes)
+        ]
+    if args.packing:
+        from nopad.packing.bench import packing_bench
+
+        results["packing"] = [dict(r) if isinstance(r, dict) else r for r in packing_bench()]
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(
+            f"device={args.device}  prompt_width={args.prompt_len}  response_width={args.response_len}  "
+            f"threads={torch.get_num_threads()}  (best of {args.repeats}; ratios from one run)"
+        )
+        for name, rows in results.items():
+            print(f"\n== {name} ==\n{format_table(rows)}")
+    if args.plot:
+        plot(results["conversions"], args.plot)
+        if not args.json:
+            print(f"\nplot written to {args.plot}")
+    return 0
+
+
+__all__ = ["bench_conversions", "bare_gather", "format_table", "plot", "reference_left_right", "synthetic_batch"]

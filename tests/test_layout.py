@@ -1,0 +1,105 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import nopad
+from nopad import IndexPlan
+
+lengths_st = st.lists(st.integers(0, 9), min_size=1, max_size=12)
+
+
+def _naive_right_padded_indices(lengths, width):
+    return torch.tensor([b * width + k for b, n in enumerate(lengths) for k in range(n)], dtype=torch.long)
+
+
+@given(lengths=lengths_st, extra=st.integers(0, 3))
+def test_from_lengths_matches_a_naive_loop(lengths, extra):
+    width = max(lengths) + extra
+    plan = IndexPlan.from_lengths(torch.tensor(lengths), width=width)
+    assert plan.total == sum(lengths) and plan.max_seqlen == max(lengths) and plan.min_seqlen == min(lengths)
+    assert plan.offsets.tolist() == [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    assert plan.cu_seqlens.dtype == torch.int32 and plan.offsets.dtype == torch.int64
+    assert torch.equal(plan.indices, _naive_right_padded_indices(lengths, width))
+    assert plan.row_ids.tolist() == [b for b, n in enumerate(lengths) for _ in range(n)]
+    assert plan.position_ids.tolist() == [k for n in lengths for k in range(n)]
+    plan.validate()
+
+
+@given(lengths=lengths_st)
+def test_from_offsets_and_from_nested_agree_with_from_lengths(lengths):
+    ref = IndexPlan.from_lengths(torch.tensor(lengths))
+    by_offsets = IndexPlan.from_offsets(ref.offsets)
+    nested = torch.nested.nested_tensor_from_jagged(torch.arange(ref.total), ref.offsets)
+    by_nested = IndexPlan.from_nested(nested, width=ref.width)
+    for plan in (by_offsets, by_nested):
+        assert plan.total == ref.total and plan.max_seqlen == ref.max_seqlen
+        assert torch.equal(plan.indices, ref.indices)
+
+
+@given(mask=st.lists(st.lists(st.integers(0, 1), min_size=5, max_size=5), min_size=1, max_size=6))
+def test_from_mask_accepts_any_mask_and_round_trips(mask):
+    mask = torch.tensor(mask)
+    x = torch.randn(*mask.shape, 3)
+    plan = IndexPlan.from_mask(mask)
+    packed = plan.pack(x)
+    assert torch.equal(packed, x[mask.bool()])
+    assert torch.equal(plan.unpack(packed), x * mask.unsqueeze(-1))
+    nested = plan.nest(x)
+    assert all(torch.equal(r, x[b][mask[b].bool()]) for b, r in enumerate(nested.unbind()))
+
+
+@given(lengths=lengths_st, trailing=st.sampled_from([(), (2,), (2, 3)]))
+def test_pack_unpack_are_exact_inverses_with_a_left_offset(lengths, trailing):
+    width = max(lengths) + 2
+    starts = torch.tensor([(b % 3) for b in range(len(lengths))]).clamp(max=width - torch.tensor(lengths))
+    plan = IndexPlan.from_lengths(torch.tensor(lengths), width=width, starts=starts)
+    col = torch.arange(width)
+    mask = (col >= starts[:, None]) & (col < (starts + torch.tensor(lengths))[:, None])
+    x = torch.randn(len(lengths), width, *trailing) * mask.view(*mask.shape, *[1] * len(trailing))
+    assert torch.equal(plan.pack(x), x[mask])
+    assert torch.equal(plan.unpack(plan.pack(x)), x)
+
+
+def test_nest_mrope_sets_ragged_dim_last():
+    plan = IndexPlan.from_lengths(torch.tensor([2, 2]), width=3)
+    x = torch.arange(2 * 4 * 3).view(2, 4, 3)
+    nested = plan.nest(x, seq_dim=2)
+    assert nested._ragged_idx == 2 and nested.shape[:2] == (2, 4)
+    assert torch.equal(nested.unbind()[1], x[1, :, :2])
+    assert torch.equal(plan.unnest(nested), x * (torch.arange(3) < 2))
+
+
+def test_gather_rows_gradient():
+    values = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    starts, lo, hi = torch.tensor([0, 3]), torch.tensor([0, 1]), torch.tensor([2, 3])
+    assert torch.autograd.gradcheck(lambda v: nopad.gather_rows(v, starts, lo, hi, 4), (values,))
+
+
+@pytest.mark.parametrize(
+    "offsets, match",
+    [
+        (torch.tensor([1, 3]), r"offsets: expected boundaries starting at 0"),
+        (torch.tensor([0, 4, 2]), r"offsets: expected boundaries starting at 0 that never go down"),
+        (torch.tensor([0]), r"offsets: expected a 1-D tensor of batch\+1 >= 2 boundaries, got shape \(1,\)"),
+    ],
+)
+def test_bad_offsets(offsets, match):
+    with pytest.raises(ValueError, match=match):
+        IndexPlan.from_offsets(offsets)
+
+
+def test_validate_names_the_row():
+    plan = IndexPlan.from_lengths(torch.tensor([2, 5, 1]), width=4, total=8, max_seqlen=5, min_seqlen=1)
+    with pytest.raises(ValueError, match=r"lengths row 1: expected the run of real tokens to end within width 4"):
+        plan.validate()
+    with pytest.raises(ValueError, match=r"lengths: expected lengths >= 0"):
+        IndexPlan.from_lengths(torch.tensor([2, -1]))
+
+
+def test_pack_refuses_wrong_shapes():
+    plan = IndexPlan.from_lengths(torch.tensor([2, 1]), width=3)
+    with pytest.raises(ValueError, match=r"expected batch 2 on dim 0 and width 3 on dim 1, got shape \(2, 4\)"):
+        plan.pack(torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"values: expected 3 tokens on dim 0, got shape \(4,\)"):
+        plan.unpack(torch.zeros(4))

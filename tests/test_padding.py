@@ -1,0 +1,232 @@
+import pickle
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+import nopad
+from tests.batches import batch_shapes, make_batch, reference_nest, reference_response
+
+PER_TOKEN = ("input_ids", "routed_experts", "teacher_logprobs", "teacher_ids")
+
+
+def _rows(nested: torch.Tensor) -> list[torch.Tensor]:
+    return list(nested.unbind())
+
+
+@given(shape=batch_shapes(), mrope=st.sampled_from([0, 3, 4]))
+def test_padded_nested_padded_round_trip_is_bit_exact(shape, mrope):
+    prompt_lens, resp_lens, P, R = shape
+    data = make_batch(prompt_lens, resp_lens, P, R, mrope=mrope, float_ids=True)
+    out = nopad.left_right_2_no_padding(data, fields=["values"])
+    mask = data["attention_mask"]
+    plan = nopad.plan_left_right(mask, data["response_mask"])
+    for key in (*PER_TOKEN, "values"):
+        nested = out[key]
+        assert nested.is_nested and nested._ragged_idx == 1 and nested.dtype == data[key].dtype
+        for got, want in zip(_rows(nested), reference_nest(data[key], mask)):
+            assert torch.equal(got, want)
+        back = plan.unnest(nested)
+        assert torch.equal(back, data[key] * mask.view(*mask.shape, *[1] * (data[key].dim() - 2)).to(data[key].dtype))
+    pos = out["position_ids"]
+    seq_dim = 2 if mrope else 1
+    assert pos._ragged_idx == seq_dim and pos.shape[:seq_dim] == data["position_ids"].shape[:seq_dim]
+    for got, want in zip(_rows(pos), reference_nest(data["position_ids"], mask, seq_dim)):
+        assert torch.equal(got, want)
+    assert torch.equal(out["loss_mask"], data["response_mask"])
+    assert out.get_non_tensor("max_seq_len") == P + R and out.get_non_tensor("max_response_len") == R
+
+
+@given(shape=batch_shapes(), trailing=st.sampled_from([(), (3,), (2, 2)]))
+def test_no_padding_2_padding_matches_per_row_slices(shape, trailing):
+    prompt_lens, resp_lens, P, R = shape
+    data = make_batch(prompt_lens, resp_lens, P, R, extras=False)
+    out = nopad.left_right_2_no_padding(data)
+    offsets = out["input_ids"].offsets()
+    total = int(offsets[-1])
+    logp = torch.randn(total, *trailing, dtype=torch.float64)
+    nested = torch.nested.nested_tensor_from_jagged(logp, offsets)
+    want = reference_response(list(logp.split(offsets.diff().tolist())), resp_lens, R)
+    assert torch.equal(nopad.no_padding_2_padding(nested, out), want)
+    assert torch.equal(nopad.no_padding_2_padding(logp, out), want)  # flat (total, *) input
+    # nested prompts/responses instead of padded ones, as verl's rollout produces them
+    alt = TensorDict({}, batch_size=[len(prompt_lens)])
+    alt["prompts"] = torch.nested.nested_tensor_from_jagged(
+        torch.zeros(sum(prompt_lens), dtype=torch.long), nopad.prepare_offsets(torch.tensor(prompt_lens))
+    )
+    alt["responses"] = torch.nested.nested_tensor_from_jagged(
+        torch.zeros(sum(resp_lens), dtype=torch.long), nopad.prepare_offsets(torch.tensor(resp_lens))
+    )
+    assert torch.equal(nopad.no_padding_2_padding(nested, alt, max_response_len=R), want)
+
+
+def test_no_padding_2_padding_gradient_reaches_each_source_token_once():
+    data = make_batch([2, 3, 1], [3, 0, 2], 3, 3, extras=False)
+    out = nopad.left_right_2_no_padding(data)
+    offsets = out["input_ids"].offsets()
+    values = torch.randn(int(offsets[-1]), dtype=torch.float64, requires_grad=True)
+    nested = torch.nested.nested_tensor_from_jagged(values, offsets)
+    weights = torch.randn(3, 3, dtype=torch.float64)
+    (nopad.no_padding_2_padding(nested, out) * weights).sum().backward()
+    expected = torch.zeros_like(values)
+    for b, (end, r) in enumerate(zip(offsets[1:].tolist(), [3, 0, 2])):
+        expected[end - r - 1 : end - 1] = weights[b, :r]
+    assert torch.equal(values.grad, expected)
+
+
+def test_caller_tensordict_is_not_mutated():
+    data = make_batch([2, 1], [1, 2], 2, 2)
+    before = {k: v.clone() for k, v in data.items()}
+    nopad.left_right_2_no_padding(data)
+    assert set(data.keys()) == set(before) and all(torch.equal(data[k], v) for k, v in before.items())
+    assert not data["input_ids"].is_nested
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_all_equal_lengths_and_single_row_keep_the_ragged_dim(B):
+    data = make_batch([3] * B, [2] * B, 3, 2, mrope=4)
+    out = nopad.left_right_2_no_padding(data)
+    assert out["input_ids"].is_nested and out["input_ids"].shape[0] == B
+    pos = out["position_ids"]
+    assert pos.is_nested and pos._ragged_idx == 2 and tuple(pos.shape[:2]) == (B, 4)
+    assert pos.values().shape == (4, 5 * B)
+
+
+def test_nested_fields_survive_pickle_and_tensordict_ops():
+    data = make_batch([2, 3, 1, 3], [2, 1, 2, 0], 3, 2, mrope=4)
+    out = nopad.left_right_2_no_padding(data)
+    tensors = out.select("input_ids", "position_ids", "routed_experts")
+    for label, td in [
+        ("pickle", pickle.loads(pickle.dumps(tensors))),
+        ("select", tensors.select("input_ids", "position_ids")),
+        ("clone", tensors.clone()),
+    ]:
+        for key in td.keys():
+            a, b = td[key], tensors[key]
+            assert a.is_nested and a._ragged_idx == b._ragged_idx, (label, key)
+            assert torch.equal(a.offsets(), b.offsets()), (label, key)
+            assert all(torch.equal(x, y) for x, y in zip(a.unbind(), b.unbind())), (label, key)
+    sub = tensors[1:3]
+    for key in ("input_ids", "position_ids"):
+        assert sub[key].is_nested and sub[key]._ragged_idx == tensors[key]._ragged_idx
+        assert all(torch.equal(x, y) for x, y in zip(sub[key].unbind(), tensors[key].unbind()[1:3]))
+    picked = tensors[torch.tensor([3, 0])]
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(picked["input_ids"].unbind(), [tensors["input_ids"].unbind()[i] for i in (3, 0)])
+    )
+
+
+def test_response_from_and_to_nested_are_the_shifted_slice_and_its_inverse():
+    data = make_batch([2, 3, 1], [3, 1, 2], 3, 3, extras=False)
+    out = nopad.left_right_2_no_padding(data)
+    offsets = out["input_ids"].offsets()
+    values = torch.randn(int(offsets[-1]), 2)
+    full = torch.nested.nested_tensor_from_jagged(values, offsets)
+    resp_mask = nopad.response_to_nested(
+        data["response_mask"],
+        torch.nested.nested_tensor_from_jagged(torch.ones(6, dtype=torch.long), torch.tensor([0, 3, 4, 6])),
+    )
+    sliced = nopad.response_from_nested(full, resp_mask)
+    padded = nopad.no_padding_2_padding(full, out)
+    for b, row in enumerate(sliced.unbind()):
+        assert torch.equal(row, padded[b, : row.shape[0]])
+    back = nopad.response_to_nested(padded, resp_mask)
+    assert all(torch.equal(x, y) for x, y in zip(back.unbind(), sliced.unbind()))
+
+
+def test_build_attention_mask_from_nested():
+    ids = torch.nested.nested_tensor_from_jagged(torch.arange(6), torch.tensor([0, 1, 4, 6]))
+    want = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.int32)
+    assert torch.equal(nopad.build_attention_mask_from_nested(ids, 4), want)
+    assert torch.equal(nopad.build_attention_mask_from_nested(ids), want[:, :3])
+
+
+def test_embeds_padding_2_no_padding():
+    embeds = torch.randn(2, 4, 3)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])
+    data = TensorDict(
+        {
+            "prompt_embeds": embeds,
+            "prompt_embeds_mask": mask,
+            "negative_prompt_embeds": embeds * 2,
+            "negative_prompt_embeds_mask": mask,
+        },
+        batch_size=[2],
+    )
+    out = nopad.embeds_padding_2_no_padding(data)
+    for prefix, scale in (("prompt", 1), ("negative_prompt", 2)):
+        rows = out[f"{prefix}_embeds"].unbind()
+        assert torch.equal(rows[0], embeds[0, :2] * scale) and torch.equal(rows[1], embeds[1, :3] * scale)
+        assert [m.tolist() for m in out[f"{prefix}_embeds_mask"].unbind()] == [[True] * 2, [True] * 3]
+    assert not data["prompt_embeds"].is_nested
+
+
+# ---- bad input: ValueError naming the field, the row and what was expected ---------------------------
+def _bad(data, match, **kw):
+    with pytest.raises(ValueError, match=match):
+        nopad.left_right_2_no_padding(data, **kw)
+
+
+def test_missing_key():
+    data = make_batch([1], [1], 2, 2)
+    del data["position_ids"]
+    _bad(data, r"missing \['position_ids'\]")
+
+
+def test_prompt_not_left_padded_names_the_row():
+    data = make_batch([2, 2], [1, 1], 3, 2)
+    data["attention_mask"][1] = torch.tensor([1, 1, 0, 1, 0])
+    _bad(data, r"attention_mask row 1: expected ones forming one run.*got attention_mask \[1, 1, 0, 1, 0\]")
+
+
+def test_hole_in_response_names_the_row():
+    data = make_batch([1, 2, 2], [2, 3, 1], 2, 3)
+    data["attention_mask"][2] = torch.tensor([1, 1, 1, 0, 1])
+    _bad(data, r"attention_mask row 2")
+
+
+def test_empty_prompt_with_response():
+    data = make_batch([1, 1], [1, 1], 2, 2)
+    data["attention_mask"][0] = torch.tensor([0, 0, 1, 1])
+    _bad(data, r"prompt row 0: expected a non-empty prompt")
+
+
+def test_response_mask_outside_attention():
+    data = make_batch([1, 1], [1, 1], 2, 2)
+    data["response_mask"][1] = torch.tensor([1, 1])
+    _bad(data, r"response_mask row 1: expected ones only where attention_mask is 1")
+
+
+def test_response_mask_wider_than_sequence():
+    data = make_batch([1], [1], 1, 1)
+    data["response_mask"] = torch.ones(1, 3, dtype=torch.long)
+    _bad(data, r"response_mask: expected shape \(1, R\) with R < seqlen 2, got \(1, 3\)")
+
+
+def test_shape_and_dtype_mismatches():
+    data = make_batch([1, 2], [1, 1], 2, 2)
+    bad = data.clone()
+    bad["position_ids"] = torch.zeros(2, 2, 4, dtype=torch.long)
+    _bad(bad, r"position_ids: expected shape \(2, 4\) or \(2, 3\|4, 4\), got \(2, 2, 4\)")
+    bad = data.clone()
+    bad["attention_mask"] = bad["attention_mask"].float()
+    _bad(bad, r"attention_mask: expected an integer or bool mask, got dtype torch.float32")
+    bad = data.clone()
+    bad["routed_experts"] = torch.zeros(2, 3, 1, dtype=torch.uint8)
+    _bad(bad, r"routed_experts: expected a per-token tensor of shape \(2, 4, \.\.\.\), got \(2, 3, 1\)")
+
+
+def test_unknown_field_name_is_refused():
+    data = make_batch([1, 2], [1, 1], 2, 2)
+    data["extra"] = torch.zeros(2, dtype=torch.long)
+    _bad(data, r"extra: expected a per-token tensor of shape \(2, 4, \.\.\.\), got \(2,\)", fields=["extra"])
+
+
+def test_no_padding_2_padding_refuses_a_flat_tensor_of_the_wrong_length():
+    data = make_batch([1, 2], [1, 1], 2, 2)
+    out = nopad.left_right_2_no_padding(data)
+    with pytest.raises(ValueError, match=r"tensor: expected 5 tokens \(the batch's total\), got shape \(4,\)"):
+        nopad.no_padding_2_padding(torch.zeros(4), out)
