@@ -16,35 +16,7 @@ from tensordict import TensorDict
 
 from nopad.ops import unpad_input
 from nopad.padding import left_right_2_no_padding, no_padding_2_padding
-
-
-def synthetic_batch(
-    B: int, prompt_width: int, resp_width: int, *, seed: int = 0, device: str = "cpu", mrope: int = 0
-) -> TensorDict:
-    """A padded RL batch: long-tailed prompt and response lengths, prompts left-padded, responses right."""
-    g = torch.Generator().manual_seed(seed)
-
-    def lengths(width: int, low: int) -> torch.Tensor:
-        draw = torch.distributions.Exponential(4.0 / width).sample((B,)) if B else torch.zeros(0)
-        return (draw + low).round().long().clamp(low, width)
-
-    torch.manual_seed(seed)
-    prompt_lens, resp_lens = lengths(prompt_width, 1), lengths(resp_width, 1)
-    cols_p, cols_r = torch.arange(prompt_width), torch.arange(resp_width)
-    response_mask = (cols_r < resp_lens[:, None]).long()
-    attention_mask = torch.cat([(cols_p >= prompt_width - prompt_lens[:, None]).long(), response_mask], 1)
-    S = prompt_width + resp_width
-    input_ids = torch.randint(1, 150_000, (B, S), generator=g) * attention_mask
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    if mrope:
-        position_ids = position_ids.unsqueeze(1).expand(B, mrope, S).contiguous()
-    td = TensorDict(
-        dict(
-            input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, position_ids=position_ids
-        ),
-        batch_size=[B],
-    )
-    return td.to(device)
+from nopad.synthetic import synthetic_batch
 
 
 # ---- the references ------------------------------------------------------------------------------
