@@ -1,0 +1,216 @@
+"""Ulysses sequence parallelism for a packed row: index math, autograd collectives, attention wrapper.
+
+The packed row of ``T`` tokens is padded to ``T_pad``, a multiple of the SP size ``W``; rank ``r``
+holds tokens ``[r * T_pad / W, (r + 1) * T_pad / W)``. Around attention an all-to-all swaps the
+sharded dimension: every rank then sees the WHOLE row for ``H / W`` of the heads, so attention
+keeps its sequence boundaries exactly as on one process. After the model, the per-token outputs
+are all-gathered and the pad is stripped.
+
+Every collective here is one call over the whole tensor (no loop over ranks) and is an autograd
+Function. ``group`` is always an explicit argument; nothing is read from a global.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ULYSSES_PREFIX = "nopad_ulysses_"
+SP_GROUP_KWARG = "nopad_sp_group"
+
+# ---- index math (pure arithmetic, no sync) -------------------------------------------------
+
+
+def padded_length(total: int, sp_size: int = 1, multiple: int = 1) -> int:
+    """Smallest length >= ``total`` divisible by both ``sp_size`` and ``multiple`` (>= 1 each)."""
+    if sp_size < 1 or multiple < 1:
+        raise ValueError(f"sp_size/multiple: expected >= 1, got {sp_size}/{multiple}")
+    step = math.lcm(sp_size, multiple)
+    return -(-total // step) * step
+
+
+def local_range(padded_total: int, sp_size: int, sp_rank: int) -> tuple[int, int]:
+    """[start, stop) of rank ``sp_rank``'s slice of a row of ``padded_total`` tokens."""
+    if padded_total % sp_size:
+        raise ValueError(f"padded_total: expected a multiple of sp_size {sp_size}, got {padded_total}")
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank: expected 0 <= rank < {sp_size}, got {sp_rank}")
+    local = padded_total // sp_size
+    return sp_rank * local, (sp_rank + 1) * local
+
+
+def slice_for_rank(x: Tensor, sp_size: int, sp_rank: int, dim: int = -1) -> Tensor:
+    """This rank's contiguous slice of ``x`` along ``dim`` (whose size must divide by ``sp_size``)."""
+    start, stop = local_range(x.shape[dim], sp_size, sp_rank)
+    return x.narrow(dim, start, stop - start)
+
+
+# ---- autograd collectives -------------------------------------------------------------------
+
+
+def _all_to_all(x: Tensor, group, scatter_dim: int, gather_dim: int) -> Tensor:
+    world = dist.get_world_size(group)
+    # Rank-major layout: chunk r of the scatter dim goes to rank r, in one all_to_all_single call.
+    # After moving the rank axis to the front, original dim d sits at d + 1.
+    chunks = x.unflatten(scatter_dim, (world, x.shape[scatter_dim] // world)).movedim(scatter_dim, 0).contiguous()
+    received = torch.empty_like(chunks)
+    dist.all_to_all_single(received, chunks, group=group)
+    # received[r] is rank r's piece of the gather dim: put the rank axis just before it and merge.
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad.contiguous(), ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def all_to_all(x: Tensor, group, scatter_dim: int, gather_dim: int) -> Tensor:
+    """Split ``x`` along ``scatter_dim`` across the group and concatenate what arrives along ``gather_dim``.
+
+    (…, S_local, …, H, …) -> (…, S_local * W, …, H / W, …). Its backward is the reverse all-to-all.
+    Both dims must be non-negative; ``x.shape[scatter_dim]`` must divide by the group size.
+    """
+    if scatter_dim < 0 or gather_dim < 0 or scatter_dim == gather_dim:
+        raise ValueError(f"scatter_dim/gather_dim: expected two distinct dims >= 0, got {scatter_dim}/{gather_dim}")
+    world = dist.get_world_size(group)
+    if x.shape[scatter_dim] % world:
+        raise ValueError(f"tensor: expected dim {scatter_dim} divisible by the group size {world}, "
+                         f"got shape {tuple(x.shape)}")
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def _gather(x: Tensor, group, dim: int) -> Tensor:
+    world = dist.get_world_size(group)
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group) if not hasattr(dist, "all_gather_single") \
+        else dist.all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x.movedim(dim, 0), group, 0).movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, dim = ctx.group, ctx.dim
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        # d(sum over ranks of each rank's loss) / d(local slice) = sum over ranks of that slice of grad.
+        summed = grad.contiguous()
+        dist.all_reduce(summed, group=group)
+        return summed.narrow(dim, rank * (grad.shape[dim] // world), grad.shape[dim] // world), None, None
+
+
+def gather_seq(x: Tensor, group, dim: int = -1) -> Tensor:
+    """All-gather equal local slices along ``dim`` (rank order): (…, L, …) -> (…, L * W, …).
+
+    Backward is the true derivative of the SUM of every rank's loss: the gathered gradients are
+    summed over the group and each rank keeps its slice. When every SP rank computes the same loss
+    from the gathered tensor, the per-rank parameter gradients therefore sum to W times the
+    one-process gradient; averaging gradients over the SP ranks (as FSDP does over its ranks)
+    gives the one-process gradient back.
+    """
+    return _GatherSeq.apply(x, group, dim % x.dim())
+
+
+# ---- attention wrapper ----------------------------------------------------------------------
+
+
+def block_causal_mask(cu_seqlens: Tensor, total: int, *, additive_dtype: torch.dtype | None = None) -> Tensor:
+    """(1, 1, T, T) mask letting token i see token j iff j <= i and both lie in the same segment.
+
+    Boolean (True = attend) for sdpa; with ``additive_dtype``, 0 / dtype-min for eager attention.
+    ``cu_seqlens`` must end at ``total`` (fold any tail padding into a last segment). No sync.
+    """
+    positions = torch.arange(total, device=cu_seqlens.device)
+    segment = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
+    allowed = (segment.unsqueeze(1) == segment.unsqueeze(0)) & (positions.unsqueeze(1) >= positions.unsqueeze(0))
+    allowed = allowed.view(1, 1, total, total)
+    if additive_dtype is None:
+        return allowed
+    zero = torch.zeros((), dtype=additive_dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(additive_dtype).min)
+
+
+class _HeadsView:
+    """The attention module as the base kernel should see it after the head all-to-all."""
+
+    def __init__(self, module: torch.nn.Module, num_key_value_groups: int):
+        self._module = module
+        self.num_key_value_groups = num_key_value_groups
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def _repeat_heads(x: Tensor, times: int) -> Tensor:
+    return x if times == 1 else x.repeat_interleave(times, dim=1)
+
+
+def ulysses_attention(base: str):
+    """An HF attention function that runs ``base`` ('sdpa', 'eager', 'flash_attention_2', ...) under Ulysses SP.
+
+    It reads the SP group from the ``nopad_sp_group`` kwarg and the full row's boundaries from
+    ``cu_seq_lens_q`` (both put there by :func:`nopad.engines.fsdp.prepare_model_inputs`). Without
+    a group it is ``base`` unchanged. Query/key/value arrive (B, H, L, D) for the local slice; the
+    all-to-all turns them into (B, H / W, L * W, D), ``base`` runs on the whole row, and the output
+    (B, L * W, H / W, D) goes back to (B, L, H, D).
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward  # the generic eager kernel
+
+    def forward(module, query, key, value, attention_mask, *args, **kwargs):
+        group = kwargs.pop(SP_GROUP_KWARG, None)
+        base_fn = ALL_ATTENTION_FUNCTIONS.get_interface(base, eager_attention_forward)
+        if group is None or dist.get_world_size(group) == 1:
+            return base_fn(module, query, key, value, attention_mask, *args, **kwargs)
+        world = dist.get_world_size(group)
+        heads, kv_heads = query.shape[1], key.shape[1]
+        if heads % world:
+            raise ValueError(f"attention heads: expected a multiple of the SP size {world}, got {heads}")
+        groups = heads // kv_heads
+        if kv_heads % world:  # too few kv heads to split: give every query head its own copy
+            key, value, groups = _repeat_heads(key, groups), _repeat_heads(value, groups), 1
+        query, key, value = (all_to_all(t, group, scatter_dim=1, gather_dim=2) for t in (query, key, value))
+        total = query.shape[2]
+        cu_seqlens = kwargs.get("cu_seq_lens_q")
+        if cu_seqlens is None:
+            raise ValueError("cu_seq_lens_q: expected the full row's boundaries in the model kwargs under Ulysses SP, "
+                             "got none (build the inputs with nopad.engines.fsdp.prepare_model_inputs)")
+        if "flash" not in base:
+            additive = None if base == "sdpa" else query.dtype
+            attention_mask = block_causal_mask(cu_seqlens, total, additive_dtype=additive)
+        out, weights = base_fn(_HeadsView(module, groups), query, key, value, attention_mask, *args, **kwargs)
+        return all_to_all(out, group, scatter_dim=1, gather_dim=2), weights
+
+    return forward
+
+
+def enable_ulysses(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch ``model``'s attention to the Ulysses wrapper around its current implementation.
+
+    Registers the wrapper as ``nopad_ulysses_<base>`` in transformers' attention registry (a name,
+    not state: the group still comes with each forward). Idempotent; returns the model.
+    """
+    from transformers import AttentionInterface
+
+    base = model.config._attn_implementation
+    if base.startswith(ULYSSES_PREFIX):
+        return model
+    name = ULYSSES_PREFIX + base
+    AttentionInterface.register(name, ulysses_attention(base))
+    for config in {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
+                                                                           "_attn_implementation")}.values():
+        config._attn_implementation = name
+    return model
