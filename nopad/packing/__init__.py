@@ -1,0 +1,51 @@
+"""Sequence packing: bin packing, online packing at step time, offline packed files, collate, THD."""
+
+from nopad.packing.algorithms import (
+    ALGORITHMS,
+    PackingMetrics,
+    best_fit_decreasing,
+    concatenative,
+    first_fit_decreasing,
+    modified_first_fit_decreasing,
+    pack_lengths,
+    packing_metrics,
+)
+from nopad.packing.collate import collate_packed, packed_segment_lengths, packed_to_nested
+from nopad.packing.files import PackedFile, read_metadata, read_packed, write_packed
+from nopad.packing.offline import PackReport, pack_conversations
+from nopad.packing.online import pack_online
+from nopad.packing.rows import ROW_FIELDS, Columns, thd_alignment, validate_columns
+from nopad.packing.thd import ThdBatch, packed_to_thd
+from nopad.packing.tokenizer import ByteTokenizer, HFTokenizer, TokenizerIdentity, encode_record, load_tokenizer
+
+__all__ = [
+    "ALGORITHMS",
+    "ROW_FIELDS",
+    "ByteTokenizer",
+    "Columns",
+    "HFTokenizer",
+    "PackReport",
+    "PackedFile",
+    "PackingMetrics",
+    "ThdBatch",
+    "TokenizerIdentity",
+    "best_fit_decreasing",
+    "collate_packed",
+    "concatenative",
+    "encode_record",
+    "first_fit_decreasing",
+    "load_tokenizer",
+    "modified_first_fit_decreasing",
+    "pack_conversations",
+    "pack_lengths",
+    "pack_online",
+    "packed_segment_lengths",
+    "packed_to_nested",
+    "packed_to_thd",
+    "packing_metrics",
+    "read_metadata",
+    "read_packed",
+    "thd_alignment",
+    "validate_columns",
+    "write_packed",
+]

@@ -1,0 +1,284 @@
+"""Bin packing of sequence lengths into rows of a fixed token capacity.
+
+Every algorithm takes integer ``lengths`` and a ``capacity`` and returns ``bins``: a list of bins,
+each a list of item indices (positions in ``lengths``). They run on the host over plain integers;
+a packer calls them once per batch on lengths it already fetched, never per token.
+
+    first_fit_decreasing           O(n log n): a max-segment-tree finds the leftmost bin that fits
+    best_fit_decreasing            O(n log C): a sorted set of distinct remaining capacities, bisected
+    modified_first_fit_decreasing  Johnson & Garey's MFFD (71/60 OPT + 1), large/medium/small phases
+    concatenative                  next fit in the given order (keeps order; what a streaming packer does)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Bins = list[list[int]]
+
+
+def _as_lengths(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[int]:
+    if capacity <= 0:
+        raise ValueError(f"capacity: expected a positive number of tokens, got {capacity}")
+    arr = np.asarray(lengths)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"lengths: expected a 1-D sequence of integers, got shape {arr.shape} dtype {arr.dtype}")
+    if arr.size:
+        bad = np.flatnonzero((arr <= 0) | (arr > capacity))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"lengths item {i}: expected 1 <= length <= capacity {capacity}, got {int(arr[i])}")
+    return arr.astype(np.int64).tolist()
+
+
+def _decreasing_order(lengths: list[int]) -> list[int]:
+    """Item indices by decreasing length; ties keep input order (stable), so results are deterministic."""
+    return np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable").tolist()
+
+
+class _FirstFitTree:
+    """Max segment tree over bin remaining capacities: the leftmost bin with room >= s in O(log n)."""
+
+    def __init__(self, max_bins: int, capacity: int):
+        size = 1
+        while size < max(max_bins, 1):
+            size *= 2
+        self.size, self.capacity = size, capacity
+        self.tree = [capacity] * (2 * size)  # unopened bins are full-capacity bins
+        self.opened = 0
+
+    def place(self, s: int) -> int:
+        tree, node = self.tree, 1
+        while node < self.size:  # descend to the leftmost leaf whose room fits s
+            node = 2 * node if tree[2 * node] >= s else 2 * node + 1
+        bin_id = node - self.size
+        tree[node] -= s
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
+        self.opened = max(self.opened, bin_id + 1)
+        return bin_id
+
+
+def _first_fit_into(order: list[int], lengths: list[int], capacity: int, bins: Bins) -> Bins:
+    """First fit of ``order`` into new bins appended after ``bins`` (which stay untouched)."""
+    tree = _FirstFitTree(len(order), capacity)
+    new: Bins = []
+    for i in order:
+        b = tree.place(lengths[i])
+        if b == len(new):
+            new.append([])
+        new[b].append(i)
+    return bins + new
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> Bins:
+    """Each item, longest first, goes to the first (oldest) bin with room. O(n log n)."""
+    ls = _as_lengths(lengths, capacity)
+    return _first_fit_into(_decreasing_order(ls), ls, capacity, [])
+
+
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> Bins:
+    """Each item, longest first, goes to the bin it leaves with the least room. O(n log C).
+
+    Bins are grouped by remaining room; a sorted list of the distinct rooms in use is bisected
+    for the smallest room >= the item, so no item scans the open bins.
+    """
+    ls = _as_lengths(lengths, capacity)
+    bins: Bins = []
+    rooms: list[int] = []  # sorted distinct remaining capacities of open bins
+    by_room: dict[int, list[int]] = {}  # room -> bin ids with that room (LIFO)
+    for i in _decreasing_order(ls):
+        s = ls[i]
+        k = bisect_left(rooms, s)
+        if k == len(rooms):
+            b, room = len(bins), capacity
+            bins.append([])
+        else:
+            room = rooms[k]
+            same = by_room[room]
+            b = same.pop()
+            if not same:
+                del by_room[room]
+                rooms.pop(k)
+        bins[b].append(i)
+        left = room - s
+        if left:  # a full bin can take nothing more; forget it
+            same = by_room.get(left)
+            if same is None:
+                by_room[left] = [b]
+                insort(rooms, left)
+            else:
+                same.append(b)
+    return bins
+
+
+def modified_first_fit_decreasing(lengths: Sequence[int], capacity: int) -> Bins:
+    """Johnson & Garey's MFFD (worst case 71/60 OPT + 1 against FFD's 11/9).
+
+    Classes: large > C/2, medium in (C/3, C/2], small in (C/6, C/3], tiny the rest.
+      1. one bin per large item, largest first;
+      2. forward over those bins: if the smallest medium fits, add the largest medium that fits;
+      3. backward over the large bins without a medium: if the two smallest smalls fit, add the
+         smallest small and then the largest small that still fits;
+      4. forward over all bins: while the smallest remaining item fits, add the largest that fits;
+      5. first fit decreasing for what is left, in new bins.
+    """
+    ls = _as_lengths(lengths, capacity)
+    order = _decreasing_order(ls)
+    large = [i for i in order if 2 * ls[i] > capacity]
+    medium = [i for i in order if 3 * ls[i] > capacity >= 2 * ls[i]]
+    small = [i for i in order if 6 * ls[i] > capacity >= 3 * ls[i]]
+    bins: Bins = [[i] for i in large]
+    room = [capacity - ls[i] for i in large]
+
+    # remaining items of a class, ascending by length, with parallel keys for bisect
+    def ascending(items: list[int]) -> tuple[list[int], list[int]]:
+        items = items[::-1]
+        return [ls[i] for i in items], items
+
+    med_keys, med_items = ascending(medium)
+    has_medium = [False] * len(bins)
+    for b in range(len(bins)):
+        if not med_keys or med_keys[0] > room[b]:
+            continue
+        k = bisect_right(med_keys, room[b]) - 1
+        room[b] -= med_keys.pop(k)
+        bins[b].append(med_items.pop(k))
+        has_medium[b] = True
+
+    sm_keys, sm_items = ascending(small)
+    for b in reversed(range(len(bins))):
+        if has_medium[b] or len(sm_keys) < 2 or sm_keys[0] + sm_keys[1] > room[b]:
+            continue
+        room[b] -= sm_keys.pop(0)
+        bins[b].append(sm_items.pop(0))
+        k = bisect_right(sm_keys, room[b]) - 1  # >= 0: the second smallest fits
+        room[b] -= sm_keys.pop(k)
+        bins[b].append(sm_items.pop(k))
+
+    taken = {i for bin_ in bins for i in bin_}
+    rest = [i for i in order if i not in taken]
+    all_keys, all_items = ascending(rest)
+    for b in range(len(bins)):
+        while all_keys and all_keys[0] <= room[b]:
+            k = bisect_right(all_keys, room[b]) - 1
+            room[b] -= all_keys.pop(k)
+            bins[b].append(all_items.pop(k))
+    return _first_fit_into(all_items[::-1], ls, capacity, bins)
+
+
+def concatenative(lengths: Sequence[int], capacity: int) -> Bins:
+    """Next fit in the given order: a bin closes as soon as the next item does not fit. O(n)."""
+    ls = _as_lengths(lengths, capacity)
+    bins: Bins = []
+    room = 0
+    for i, s in enumerate(ls):
+        if s > room:
+            bins.append([])
+            room = capacity
+        bins[-1].append(i)
+        room -= s
+    return bins
+
+
+ALGORITHMS: dict[str, Callable[[Sequence[int], int], Bins]] = {
+    "first_fit_decreasing": first_fit_decreasing,
+    "best_fit_decreasing": best_fit_decreasing,
+    "modified_first_fit_decreasing": modified_first_fit_decreasing,
+    "concatenative": concatenative,
+}
+
+
+def _split_largest_bins(bins: Bins, lengths: list[int], target: int) -> Bins:
+    """Split the fullest multi-item bin in two (greedy halves) until there are ``target`` bins."""
+    heap = [(-sum(lengths[i] for i in b), n, b) for n, b in enumerate(bins)]
+    heapq.heapify(heap)
+    stuck: list[tuple[int, int, list[int]]] = []
+    serial = len(bins)
+    while len(heap) + len(stuck) < target:
+        if not heap:
+            raise ValueError(
+                f"bins: expected at least {target} bins, but only {len(lengths)} items to spread across them"
+            )
+        load, n, b = heapq.heappop(heap)
+        if len(b) < 2:
+            stuck.append((load, n, b))
+            continue
+        halves: tuple[list[int], list[int]] = ([], [])
+        loads = [0, 0]
+        for i in sorted(b, key=lambda i: -lengths[i]):
+            h = 0 if loads[0] <= loads[1] else 1
+            halves[h].append(i)
+            loads[h] += lengths[i]
+        rank = {i: k for k, i in enumerate(b)}
+        for h in (0, 1):
+            heapq.heappush(heap, (-loads[h], serial, sorted(halves[h], key=rank.__getitem__)))
+            serial += 1
+    return [b for _, _, b in sorted(heap + stuck, key=lambda t: t[1])]
+
+
+def pack_lengths(
+    lengths: Sequence[int],
+    capacity: int,
+    *,
+    algorithm: str = "best_fit_decreasing",
+    min_bins: int = 1,
+    bins_multiple_of: int = 1,
+) -> Bins:
+    """Pack ``lengths`` into bins of ``capacity`` tokens with the named algorithm.
+
+    ``min_bins`` and ``bins_multiple_of`` (a data-parallel size, so every rank gets the same number
+    of micro-batches) raise the bin count by splitting the fullest bins, never by adding empty ones;
+    a ValueError says so when there are too few items to reach the count.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: expected one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    if min_bins < 0 or bins_multiple_of < 1:
+        raise ValueError(f"min_bins >= 0 and bins_multiple_of >= 1 expected, got {min_bins} and {bins_multiple_of}")
+    ls = _as_lengths(lengths, capacity)
+    bins = ALGORITHMS[algorithm](ls, capacity)
+    target = max(len(bins), min_bins if ls else 0)
+    target = -(-target // bins_multiple_of) * bins_multiple_of
+    return _split_largest_bins(bins, ls, target) if target > len(bins) else bins
+
+
+@dataclass(frozen=True)
+class PackingMetrics:
+    """Quality of a packing.
+
+    utilisation: sum of lengths / (bins * capacity); waste: empty slots, bins * capacity - sum;
+    balance: lightest bin load / heaviest (1.0 is perfectly even); lower_bound: ceil(sum / capacity),
+    no packing can use fewer bins; ratio_to_lower_bound: bins / lower_bound.
+    """
+
+    bins: int
+    lower_bound: int
+    ratio_to_lower_bound: float
+    utilisation: float
+    waste: int
+    balance: float
+
+
+def packing_metrics(bins: Bins, lengths: Sequence[int], capacity: int) -> PackingMetrics:
+    """Metrics of ``bins`` (item indices into ``lengths``) for rows of ``capacity`` tokens."""
+    ls = np.asarray(lengths, dtype=np.int64)
+    loads = [int(ls[b].sum()) for b in bins] if bins else [0]
+    total = int(ls.sum())
+    lower = math.ceil(total / capacity)
+    slots = len(bins) * capacity
+    return PackingMetrics(
+        bins=len(bins),
+        lower_bound=lower,
+        ratio_to_lower_bound=len(bins) / lower if lower else 1.0,
+        utilisation=total / slots if slots else 0.0,
+        waste=slots - total,
+        balance=min(loads) / max(loads) if max(loads) else 1.0,
+    )

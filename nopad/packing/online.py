@@ -1,0 +1,129 @@
+"""Online packing: a nested micro-batch -> packed rows of a token budget, at step time.
+
+The bin packing runs on the host over the sequence lengths (one host sync to fetch them); moving
+the tokens is a fixed number of tensor ops on the batch's device whatever the batch size. The
+result has exactly the fields of a collated offline batch (collate.py), so both paths reach the
+Megatron adapter through the same :func:`nopad.packing.thd.packed_to_thd`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from nopad.layout import prepare_row_ids
+from nopad.packing.algorithms import Bins, pack_lengths
+from nopad.packing.rows import thd_alignment
+from nopad.parallel import CpLayout
+
+
+def _check_nested(x: Tensor, field: str) -> None:
+    if not getattr(x, "is_nested", False) or x.layout != torch.jagged:
+        shape = tuple(x.shape) if not getattr(x, "is_nested", False) else "nested"
+        raise ValueError(f"{field}: expected a jagged nested (B, j) tensor, got {shape}")
+    if x._ragged_idx != 1 or x.values().dim() != 1:
+        raise ValueError(f"{field}: expected (B, j) token ids, got values of shape {tuple(x.values().shape)}")
+
+
+def bin_layout(bins: Bins, padded_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where each sequence goes: (bin, rank within bin, start slot within bin) per sequence, and bin fills.
+
+    Sequences keep their input order inside a bin. Host numpy over the B lengths.
+    """
+    order = np.concatenate([np.sort(np.asarray(b, dtype=np.int64)) for b in bins]) if bins else np.zeros(0, np.int64)
+    sizes = np.array([len(b) for b in bins], dtype=np.int64)
+    bin_of_item = np.repeat(np.arange(len(bins)), sizes)
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    ends = np.cumsum(padded_lengths[order])
+    begins = ends - padded_lengths[order]
+    seq_bin, seq_rank, seq_start = (np.empty_like(order) for _ in range(3))
+    seq_bin[order] = bin_of_item
+    seq_rank[order] = np.arange(len(order)) - first[bin_of_item]
+    seq_start[order] = begins - begins[first][bin_of_item]
+    fills = np.bincount(bin_of_item, weights=padded_lengths[order], minlength=len(bins)).astype(np.int64)
+    return seq_bin, seq_rank, seq_start, fills
+
+
+def pack_online(
+    input_ids: Tensor,
+    token_budget: int,
+    *,
+    loss_mask: Tensor | None = None,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    cp_layout: CpLayout = "zigzag",
+    algorithm: str = "best_fit_decreasing",
+    dp_size: int = 1,
+    min_bins: int = 1,
+    pad_token_id: int = 0,
+) -> tuple[TensorDict, Bins]:
+    """Nested (B, j) ids -> (packed rows TensorDict [N], bins: the sequence indices of each row).
+
+    Each sequence is padded to the THD alignment of (tp, cp, layout) before packing into rows of at
+    most ``token_budget`` tokens; N is a multiple of ``dp_size`` and at least ``min_bins``.
+    ``loss_mask`` (nested like ``input_ids``, optional, default all ones) marks tokens to predict.
+    A sequence longer than the budget raises ValueError (online packing never splits). One host
+    sync (the lengths); the token movement is a fixed number of tensor ops.
+    """
+    _check_nested(input_ids, "input_ids")
+    offsets = input_ids.offsets().to(torch.int64)
+    lengths = offsets.diff()
+    lengths_host = lengths.cpu().numpy()
+    align = thd_alignment(tp_size, cp_size, cp_layout)
+    padded = -(-lengths_host // align) * align
+    too_long = np.flatnonzero((padded > token_budget) | (lengths_host < 1))
+    if too_long.size:
+        i = int(too_long[0])
+        raise ValueError(
+            f"input_ids row {i}: expected 1 to {token_budget} tokens after padding to a multiple of {align}, "
+            f"got {int(lengths_host[i])} (padded {int(padded[i])}); online packing never splits a sequence"
+        )
+    bins = pack_lengths(padded, token_budget, algorithm=algorithm, min_bins=min_bins, bins_multiple_of=dp_size)
+    seq_bin, seq_rank, seq_start, fills = bin_layout(bins, padded)
+    n_rows, width, device = len(bins), int(fills.max()), input_ids.device
+    as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=device)  # noqa: E731
+    seq_bin_t, seq_start_t, padded_t = as_t(seq_bin), as_t(seq_start), as_t(padded)
+
+    values = input_ids.values()
+    total = values.shape[0]
+    row = prepare_row_ids(lengths, total)
+    pos = torch.arange(total, device=device) - offsets[row]
+    last = pos == lengths[row] - 1
+    dest = seq_bin_t[row] * width + seq_start_t[row] + pos
+    mask_values = torch.ones_like(values) if loss_mask is None else _mask_values(loss_mask, offsets)
+
+    def scatter(src: Tensor, fill: int) -> Tensor:
+        out = torch.full((n_rows * width,), fill, dtype=torch.int64, device=device)
+        return out.index_copy_(0, dest, src.to(torch.int64)).view(n_rows, width)
+
+    data = {
+        "input_ids": scatter(values, pad_token_id),
+        "target_ids": scatter(torch.where(last, pad_token_id, values.roll(-1)), pad_token_id),
+        "token_mask": scatter(torch.where(last, 0, mask_values.roll(-1)), 0),
+    }
+    # position within the padded segment: slot - the segment's start (a running max of starts per row)
+    marks = torch.zeros(n_rows * width, dtype=torch.int64, device=device)
+    marks.index_copy_(0, seq_bin_t * width + seq_start_t, seq_start_t)
+    slot = torch.arange(width, device=device)
+    positions = slot - marks.view(n_rows, width).cummax(1).values
+    data["position_ids"] = torch.where(slot < as_t(fills).unsqueeze(1), positions, 0)
+
+    counts = np.array([len(b) for b in bins], dtype=np.int64)
+    cu = torch.full((n_rows, int(counts.max()) + 1), -1, dtype=torch.int64, device=device)
+    cu[:, 0] = 0
+    cu[seq_bin_t, as_t(seq_rank) + 1] = seq_start_t + padded_t
+    data["packed_cu_seqlens"] = cu
+    data["packed_cu_seqlens_lengths"] = as_t(counts + 1)
+    data["packed_max_seqlen"] = torch.zeros(n_rows, dtype=torch.int64, device=device).scatter_reduce(
+        0, seq_bin_t, padded_t, reduce="amax"
+    )
+    return TensorDict(data, batch_size=[n_rows], device=device), bins
+
+
+def _mask_values(loss_mask: Tensor, offsets: Tensor) -> Tensor:
+    _check_nested(loss_mask, "loss_mask")
+    if not torch.equal(loss_mask.offsets().to(torch.int64), offsets):
+        raise ValueError("loss_mask: expected the same offsets (sequence lengths) as input_ids, got different ones")
+    return loss_mask.values().to(torch.int64)
