@@ -25,6 +25,21 @@ def to_host(*scalars: Tensor) -> list[int]:
     return stacked.to("cpu", copy=True).tolist()
 
 
+def is_nested(x: object) -> bool:
+    """True for a torch.nested tensor (jagged or strided)."""
+    return bool(getattr(x, "is_nested", False))
+
+
+def nested_offsets(nested: Tensor) -> Tensor:
+    """(B+1,) offsets of a jagged nested tensor (typed accessor; torch's stubs lack it)."""
+    return nested.offsets()  # type: ignore[attr-defined]
+
+
+def ragged_dim(nested: Tensor) -> int:
+    """Which dim of a jagged nested tensor is ragged: 1 for (B, j, *), 2 for (B, C, j)."""
+    return int(nested._ragged_idx)  # type: ignore[attr-defined]
+
+
 def prepare_offsets(lengths: Tensor) -> Tensor:
     """(B,) lengths -> (B+1,) int64 offsets (cu_seqlens) starting at 0. No sync."""
     return torch.nn.functional.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
@@ -157,10 +172,10 @@ class IndexPlan:
     @classmethod
     def from_nested(cls, nested: Tensor, *, width: int | None = None) -> IndexPlan:
         """Plan of a jagged nested tensor's rows (right padding). No sync if width is given."""
-        if not getattr(nested, "is_nested", False):
+        if not is_nested(nested):
             raise _fail("tensor", None, "a jagged nested tensor", f"a dense tensor of shape {tuple(nested.shape)}")
-        offsets = nested.offsets().to(torch.int64)
-        total = nested.values().shape[nested._ragged_idx - 1]
+        offsets = nested_offsets(nested).to(torch.int64)
+        total = nested.values().shape[ragged_dim(nested) - 1]
         lengths = offsets.diff()
         return cls(
             lengths,
@@ -265,7 +280,7 @@ class IndexPlan:
 
     def unnest(self, nested: Tensor, width: int | None = None) -> Tensor:
         """Nested (B, j, *) or (B, C, j) -> padded (B, width, *) or (B, C, width)."""
-        ragged = nested._ragged_idx
+        ragged = ragged_dim(nested)
         values = nested.values().movedim(ragged - 1, 0)
         return self.unpack(values, width).movedim(1, ragged)
 
@@ -306,7 +321,7 @@ class IndexPlan:
         return self.max_seqlen
 
     def _check_padded(self, x: Tensor, seq_dim: int) -> None:
-        if getattr(x, "is_nested", False):
+        if is_nested(x):
             raise _fail("tensor", None, "a padded (dense) tensor", "a nested tensor")
         if (
             x.dim() <= seq_dim

@@ -13,14 +13,11 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.layout import IndexPlan, _fail, gather_rows, to_host
+from nopad.layout import IndexPlan, _fail, gather_rows, nested_offsets, ragged_dim, to_host
+from nopad.layout import is_nested as _is_nested
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "position_ids")
 PER_TOKEN_KEYS = ("routed_experts", "teacher_logprobs", "teacher_ids")
-
-
-def _is_nested(x: object) -> bool:
-    return bool(getattr(x, "is_nested", False))
 
 
 def _non_tensor(data: TensorDict, key: str, default=None):
@@ -144,7 +141,7 @@ def _response_lengths(data: TensorDict) -> tuple[Tensor, int | None]:
     width = _non_tensor(data, "max_response_len")
     responses = data.get("responses", None)
     if _is_nested(responses):
-        return responses.offsets().diff(), width
+        return nested_offsets(responses).diff(), width
     response_mask = data.get("response_mask", None)
     if "attention_mask" in data.keys() and not _is_nested(data["attention_mask"]):
         if responses is not None:
@@ -155,7 +152,7 @@ def _response_lengths(data: TensorDict) -> tuple[Tensor, int | None]:
             raise _fail("data", None, "responses, response_mask or max_response_len", "none of them")
         return data["attention_mask"][:, -width:].bool().sum(-1), width
     if _is_nested(response_mask):
-        return response_mask.offsets().diff(), width
+        return nested_offsets(response_mask).diff(), width
     raise _fail(
         "data", None, "nested responses, or attention_mask with responses/response_mask", f"keys {list(data.keys())}"
     )
@@ -163,12 +160,12 @@ def _response_lengths(data: TensorDict) -> tuple[Tensor, int | None]:
 
 def _sequence_ends(tensor: Tensor, data: TensorDict) -> Tensor:
     if _is_nested(tensor):
-        return tensor.offsets()[1:]
+        return nested_offsets(tensor)[1:]
     for key in ("input_ids", "prompts"):
         if _is_nested(data.get(key, None)):
-            ends = data[key].offsets()[1:]
+            ends = nested_offsets(data[key])[1:]
             if key == "prompts":
-                ends = ends + data["responses"].offsets()[1:]
+                ends = ends + nested_offsets(data["responses"])[1:]
             return ends
     return data["attention_mask"].bool().sum(-1).cumsum(0)
 
@@ -182,8 +179,8 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
     ``response_mask``); gradients flow back to the values.
     """
     values = tensor.values() if _is_nested(tensor) else tensor
-    if _is_nested(tensor) and tensor._ragged_idx != 1:
-        raise _fail("tensor", None, "a nested tensor ragged on dim 1", f"ragged dim {tensor._ragged_idx}")
+    if _is_nested(tensor) and ragged_dim(tensor) != 1:
+        raise _fail("tensor", None, "a nested tensor ragged on dim 1", f"ragged dim {ragged_dim(tensor)}")
     resp_lens, width = _response_lengths(data)
     width = max_response_len if max_response_len is not None else width
     if width is None:
@@ -205,7 +202,7 @@ def response_from_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
     if not (_is_nested(tensor) and _is_nested(response_mask)):
         raise _fail("tensor/response_mask", None, "two nested tensors", "a dense tensor")
     resp = IndexPlan.from_nested(response_mask)
-    ends = tensor.offsets()[1:].to(resp.offsets.device)
+    ends = nested_offsets(tensor)[1:].to(resp.offsets.device)
     src = (ends - resp.lengths - 1)[resp.row_ids] + resp.position_ids
     return resp.to_nested(tensor.values().index_select(0, src))
 
