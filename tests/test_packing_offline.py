@@ -1,0 +1,297 @@
+"""Offline packing, packed Parquet files, collate and the pack/inspect CLI."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nopad.cli import main
+from nopad.packing import (
+    ALGORITHMS,
+    ByteTokenizer,
+    Columns,
+    collate_packed,
+    encode_record,
+    load_tokenizer,
+    pack_conversations,
+    read_packed,
+    validate_columns,
+    write_packed,
+)
+from nopad.packing.tokenizer import TokenizerIdentity
+
+BYTES = ByteTokenizer()
+
+
+def _conversations(lengths):
+    """Conversation k holds distinct ids (so a lost or repeated token is visible), mask all ones."""
+    out, nxt = [], 0
+    for n in lengths:
+        out.append((list(range(nxt, nxt + n)), [1] * n))
+        nxt += n
+    return out
+
+
+def _real_tokens(rows):
+    """Every non-padding token in row order (ids are >= 0, padding is the pad id -1 here)."""
+    return [int(t) for r in rows for t in r["input_ids"] if t != -1]
+
+
+# ---- seed 002: the exact fill ------------------------------------------------------------------
+def test_exact_fill_closes_the_pack_with_no_repeated_boundary():
+    rows, report = pack_conversations(_conversations([6, 3]), 6)
+    assert [r["packed_cu_seqlens"].tolist() for r in rows] == [[0, 6], [0, 3]]  # never [0, 6, 6]
+    assert report.rows == 2 and report.packed_conversations == 2
+
+
+def test_a_row_that_does_not_fill_keeps_every_conversation_whole():
+    rows, _ = pack_conversations(_conversations([4, 3]), 6)
+    assert [r["packed_cu_seqlens"].tolist() for r in rows] == [[0, 4], [0, 3]]  # B is not cut to [0, 4, 6]
+
+
+def test_row_fields_of_the_seed_example():
+    rows, _ = pack_conversations([([5, 6, 7, 8], [1, 1, 1, 1]), ([9, 10, 11], [0, 1, 1])], 7)
+    (row,) = rows
+    assert row["input_ids"].tolist() == [5, 6, 7, 8, 9, 10, 11]
+    assert row["target_ids"].tolist() == [6, 7, 8, 0, 10, 11, 0]
+    assert row["token_mask"].tolist() == [1, 1, 1, 0, 1, 1, 0]  # 0 on each conversation's last token
+    assert row["position_ids"].tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert row["packed_cu_seqlens"].tolist() == [0, 4, 7]
+
+
+streams = st.tuples(
+    st.sampled_from([1, 2, 4]),  # alignment (cp 1, cp 1 with tp 2, cp 2)
+    st.integers(1, 6),  # pack length in units of the alignment
+).flatmap(
+    lambda al: st.tuples(
+        st.just(al[0]), st.just(al[0] * al[1]),
+        # many lengths that divide the pack exactly, so exact fills are frequent, plus overflows
+        st.lists(st.one_of(st.sampled_from([al[0] * al[1], al[0], 1]), st.integers(0, 3 * al[0] * al[1])),
+                 max_size=30),
+        st.sampled_from(["split", "reject"]),
+    )
+)
+
+
+@given(streams)
+def test_random_streams_lose_nothing_repeat_nothing_and_every_row_is_valid(case):
+    alignment, pack_length, lengths, overflow = case
+    convs = _conversations(lengths)
+    rows, report = pack_conversations(convs, pack_length, alignment=alignment, pad_token_id=-1, overflow=overflow)
+    for r in rows:
+        assert (np.diff(r["packed_cu_seqlens"]) > 0).all()  # no zero-length segment
+        assert (np.diff(r["packed_cu_seqlens"]) % alignment == 0).all()
+        assert len(r["input_ids"]) <= pack_length
+    kept = [c for k, c in enumerate(convs) if k not in report.rejected_too_long]
+    assert _real_tokens(rows) == [t for ids, _ in kept for t in ids]  # order kept, nothing lost or repeated
+    assert report.rejected_empty == [k for k, n in enumerate(lengths) if n == 0]
+    too_long = [k for k, n in enumerate(lengths) if -(-n // alignment) * alignment > pack_length]
+    assert (report.split if overflow == "split" else report.rejected_too_long) == too_long
+    if rows:
+        validate_columns(Columns.from_rows(rows), pack_length=pack_length, alignment=alignment)
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_every_algorithm_keeps_every_conversation(algorithm):
+    lengths = [3, 8, 1, 5, 8, 2, 7, 4, 4]
+    rows, report = pack_conversations(_conversations(lengths), 8, pad_token_id=-1, algorithm=algorithm)
+    assert sorted(_real_tokens(rows)) == list(range(sum(lengths)))
+    assert report.rows == len(rows) <= len(lengths)
+
+
+def test_overflow_policies_are_explicit_and_counted():
+    convs = _conversations([3, 10, 2])
+    rows, report = pack_conversations(convs, 4, overflow="reject")
+    assert report.rejected_too_long == [1] and report.summary()["rejected_too_long"] == 1
+    rows, report = pack_conversations(convs, 4, overflow="split")
+    assert report.split == [1] and report.split_pieces == 3
+    with pytest.raises(ValueError, match="overflow"):
+        pack_conversations(convs, 4, overflow="truncate")
+    with pytest.raises(ValueError, match="pack_length"):
+        pack_conversations(convs, 6, alignment=4)
+
+
+# ---- packed files ------------------------------------------------------------------------------
+def _write(tmp_path, lengths=(6, 3, 5, 2, 7), pack_length=8, alignment=1):
+    convs = [([t % 250 for t in ids], mask) for ids, mask in _conversations(lengths)]
+    rows, report = pack_conversations(convs, pack_length, alignment=alignment, pad_token_id=BYTES.pad_token_id)
+    path = tmp_path / "packed.parquet"
+    write_packed(path, rows, pack_length=pack_length, tokenizer=BYTES.identity, pad_token_id=BYTES.pad_token_id,
+                 alignment=alignment, report=report.summary())
+    return path, rows
+
+
+def _rewrite(path, edit):
+    """Rewrite the file with ``edit(columns as lists)`` applied, keeping the original metadata."""
+    table = pq.read_table(path)
+    cols = {name: table.column(name).to_pylist() for name in table.column_names}
+    edit(cols)
+    new = pa.table({k: pa.array(v, type=pa.list_(pa.int32())) for k, v in cols.items()})
+    pq.write_table(new.replace_schema_metadata(table.schema.metadata), path)
+
+
+def test_file_round_trip_and_metadata(tmp_path):
+    path, rows = _write(tmp_path, alignment=2)
+    packed = read_packed(path, tokenizer=BYTES.identity)
+    assert len(packed) == len(rows)
+    for i, r in enumerate(rows):
+        assert all(np.array_equal(packed[i][f], r[f]) for f in r)
+    meta = packed.metadata
+    assert meta["pack_length"] == 8 and meta["alignment"] == 2 and meta["format_version"] == 1
+    assert meta["tokenizer"]["name"] == "nopad-byte-v1" and len(meta["tokenizer"]["vocab_hash"]) == 64
+    assert 0 < packed.utilisation <= 1
+
+
+def test_a_tampered_boundary_is_refused_naming_the_row(tmp_path):
+    path, _ = _write(tmp_path)
+    _rewrite(path, lambda c: c["packed_cu_seqlens"].__setitem__(1, [0, 2, 2, c["packed_cu_seqlens"][1][-1]]))
+    with pytest.raises(ValueError, match=r"packed_cu_seqlens row 1: expected boundaries rising strictly"):
+        read_packed(path)
+
+
+def test_a_truncated_row_is_refused_naming_the_row(tmp_path):
+    path, _ = _write(tmp_path)
+    _rewrite(path, lambda c: c["input_ids"].__setitem__(2, c["input_ids"][2][:-1]))
+    with pytest.raises(ValueError, match=r"row 2: expected as many entries as input_ids"):
+        read_packed(path)
+
+
+def test_a_file_from_another_tokenizer_is_refused(tmp_path):
+    path, _ = _write(tmp_path)
+    other = TokenizerIdentity("nopad-byte-v1", "0" * 64, BYTES.identity.vocab_size)
+    with pytest.raises(ValueError, match="another tokenizer: tokenizer vocab_hash"):
+        read_packed(path, tokenizer=other)
+
+
+def test_an_edit_that_keeps_rows_well_formed_is_caught_by_the_checksum(tmp_path):
+    path, _ = _write(tmp_path)
+    # change the label of a masked-out slot: structurally fine, but not the file that was written
+    _rewrite(path, lambda c: c["target_ids"][0].__setitem__(-1, 7))
+    with pytest.raises(ValueError, match="rows_checksum"):
+        read_packed(path)
+
+
+def test_a_label_that_is_not_the_next_token_is_refused(tmp_path):
+    path, _ = _write(tmp_path)
+    _rewrite(path, lambda c: c["target_ids"][0].__setitem__(0, c["target_ids"][0][0] + 1))
+    with pytest.raises(ValueError, match=r"target_ids row 0: expected the next input id"):
+        read_packed(path)
+
+
+def test_a_parquet_file_without_metadata_is_refused(tmp_path):
+    path = tmp_path / "plain.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2]]}), path)
+    with pytest.raises(ValueError, match="metadata"):
+        read_packed(path)
+
+
+# ---- collate -----------------------------------------------------------------------------------
+def test_collate_pads_boundaries_with_minus_one_and_counts_them():
+    rows, _ = pack_conversations([([5, 6, 7, 8], [1] * 4), ([9, 10, 11], [1] * 3), ([1, 2], [1, 1])], 7)
+    batch = collate_packed(rows, pad_token_id=0)
+    assert batch.batch_size == torch.Size([2]) and batch["input_ids"].shape == (2, 7)
+    assert batch["packed_cu_seqlens"].tolist() == [[0, 4, 7], [0, 2, -1]]
+    assert batch["packed_cu_seqlens_lengths"].tolist() == [3, 2]
+    assert batch["packed_max_seqlen"].tolist() == [4, 2]
+    assert batch["input_ids"][1].tolist() == [1, 2, 0, 0, 0, 0, 0]
+    assert batch["token_mask"][1].tolist() == [1, 0, 0, 0, 0, 0, 0]
+
+
+def test_collate_refuses_a_mix_of_packed_and_unpacked_rows():
+    rows, _ = pack_conversations(_conversations([3, 4]), 4)
+    unpacked = {k: v for k, v in rows[0].items() if k != "packed_cu_seqlens"}
+    with pytest.raises(ValueError, match=r"a mix of packed and unpacked rows: rows \[1\]"):
+        collate_packed([rows[0], unpacked])
+
+
+def test_collate_refuses_a_repeated_boundary():
+    rows, _ = pack_conversations(_conversations([6]), 6)
+    bad = dict(rows[0], packed_cu_seqlens=np.array([0, 6, 6]))
+    with pytest.raises(ValueError, match="packed_cu_seqlens row 0"):
+        collate_packed([bad])
+
+
+# ---- tokenizers and the CLI --------------------------------------------------------------------
+def test_records_are_encoded_with_the_documented_masks():
+    ids, mask = encode_record({"input_ids": [1, 2, 3]}, BYTES)
+    assert (ids, mask) == ([1, 2, 3], [1, 1, 1])
+    ids, mask = encode_record({"text": "ab"}, BYTES)
+    assert ids == [97, 98, BYTES.eos_token_id] and mask == [1, 1, 1]
+    ids, mask = encode_record({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+                              BYTES)
+    assert BYTES.decode(ids) == "<|user|>\nq\n<|assistant|>\na\n"
+    assert [BYTES.decode([i]) for i, m in zip(ids, mask) if m] == ["a", "\n", ""]  # the answer, its newline, eos
+    with pytest.raises(ValueError, match="record line 3: expected input_ids in"):
+        encode_record({"input_ids": [1, 999]}, BYTES, line=3)
+    with pytest.raises(ValueError, match="expected a key"):
+        encode_record({"prompt": "x"}, BYTES)
+
+
+def _jsonl(tmp_path, records):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_cli_pack_then_inspect(tmp_path, capsys):
+    src = _jsonl(tmp_path, [{"input_ids": [1, 2, 3, 4, 5, 6]}, {"input_ids": [7, 8, 9], "loss_mask": [0, 1, 1]},
+                            {"text": "a longer text than one pack holds"},
+                            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    out = tmp_path / "out.parquet"
+    assert main(["pack", str(src), "-o", str(out), "--pack-length", "16", "--cp-size", "2", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "split (conversation numbers, 0-based input order): [2, 3]" in printed
+    packed = read_packed(out, tokenizer=load_tokenizer().identity)
+    assert packed.metadata["alignment"] == 4 and packed.metadata["report"]["split"] == 2
+    assert main(["inspect", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "validation: OK" in printed and f"rows: {len(packed)}" in printed and "histogram" in printed
+    assert main(["pack", str(src), "-o", str(tmp_path / "r.parquet"), "--pack-length", "16", "--overflow", "reject",
+                 "--no-progress"]) == 0
+    assert "rejected as too long (conversation numbers, 0-based input order): [2, 3]" in capsys.readouterr().out
+
+
+def test_cli_inspect_fails_on_a_tampered_file(tmp_path, capsys):
+    path, _ = _write(tmp_path)
+    _rewrite(path, lambda c: c["position_ids"][0].__setitem__(1, 5))
+    assert main(["inspect", str(path)]) != 0
+    assert "validation: FAILED" in capsys.readouterr().out
+
+
+def test_cli_pack_reports_bad_input_and_exits_non_zero(tmp_path, capsys):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"input_ids": [1, 2]}\nnot json\n')
+    assert main(["pack", str(src), "-o", str(tmp_path / "o.parquet"), "--pack-length", "8", "--no-progress"]) == 2
+    assert "line 2" in capsys.readouterr().err
+
+
+def _save_local_hf_tokenizer(directory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, "hello": 3, "world": 4, "<|user|>": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.save_pretrained(directory)
+
+
+def test_cli_with_a_local_hf_tokenizer_and_refusing_the_other_one(tmp_path, capsys):
+    tok_dir = tmp_path / "tiny-tok"
+    _save_local_hf_tokenizer(tok_dir)
+    src = _jsonl(tmp_path, [{"text": "hello world"}, {"text": "world hello hello"}])
+    out = tmp_path / "hf.parquet"
+    assert main(["pack", str(src), "-o", str(out), "--pack-length", "8", "--tokenizer", str(tok_dir),
+                 "--no-progress"]) == 0
+    packed = read_packed(out, tokenizer=load_tokenizer(tok_dir).identity)
+    assert packed[0]["input_ids"].tolist() == [3, 4, 1, 4, 3, 3, 1]  # "hello world" eos "world hello hello" eos
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--tokenizer", "bytes"]) == 1
+    assert "another tokenizer" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="local directory"):
+        load_tokenizer(tmp_path / "missing")
