@@ -400,7 +400,8 @@ def _field(data: TensorDict, key: str, response_mask: Tensor, required: bool = T
             raise _fail(f"data[{key!r}]", None, f"a padded {tuple(response_mask.shape)} tensor", "missing")
         return None
     _check_same_shape(x, f"data[{key!r}]", response_mask, "response_mask")
-    return x
+    # whatever the rollout left in its padding (NaN included) must reach neither loss nor gradient
+    return torch.where(response_mask, x, 0.0)
 
 
 def _response_slice(model_output: Mapping[str, Tensor], key: str, data: TensorDict, response_mask: Tensor) -> Tensor:
