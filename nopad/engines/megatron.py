@@ -38,7 +38,6 @@ from nopad.parallel import (
     fp8_alignment,
     gather_cp_shards,
     prepare_padded_lengths,
-    prepare_row_ids,
     shard_index,
     unshard_index,
 )
@@ -77,8 +76,9 @@ class ThdPlan:
 
     Attributes:
         lengths: (B,) int64 real tokens per sequence.
-        source_offsets: (B,) int64 where each sequence starts in the (total, *) values it is read from.
+        source_offsets: (B,) int64 where each sequence starts in the (source_len, *) values it is read from.
         total: int, real tokens; ``total_padded``: int, T, the global padded buffer length.
+        source_len: int, tokens in the values it shards (``total`` unless built with source offsets).
         cu_seqlens_padded: (B+1,) int32 global padded boundaries, ending at T.
         max_seqlen: int, the longest padded segment.
         local_len: int, T / cp_size, the slots this rank holds.
@@ -87,18 +87,19 @@ class ThdPlan:
 
     def __init__(
         self, lengths: Tensor, source_offsets: Tensor, padded_lengths: Tensor, *, total: int, total_padded: int,
-        max_seqlen: int, tp_size: int, cp_size: int, cp_rank: int, cp_layout: CpLayout, align: int,
+        max_seqlen: int, source_len: int, tp_size: int, cp_size: int, cp_rank: int, cp_layout: CpLayout, align: int,
     ):
         self.lengths, self.source_offsets = lengths, source_offsets
         self.padded_lengths = padded_lengths
         self.total, self.total_padded, self.max_seqlen = total, total_padded, max_seqlen
+        self.source_len = source_len
         self.tp_size, self.cp_size, self.cp_rank, self.cp_layout = tp_size, cp_size, cp_rank, cp_layout
         self.align = align
         self.cu_seqlens_padded = prepare_offsets(padded_lengths).to(torch.int32)
         self.local_len = total_padded // cp_size
         self.global_index = shard_index(self.cu_seqlens_padded, self.local_len, cp_size, cp_rank, cp_layout)
         cu = self.cu_seqlens_padded.to(torch.int64)
-        self._segment = prepare_row_ids(padded_lengths // cp_size, self.local_len)
+        self._segment = torch.searchsorted(cu, self.global_index, right=True) - 1  # contiguous shards cut segments
         self._offset = self.global_index - cu[self._segment]  # slot's position inside its padded segment
         self._real = self._offset < lengths[self._segment]
 
@@ -177,8 +178,8 @@ class ThdPlan:
             if x._ragged_idx != 1:
                 raise ValueError(f"tensor: expected the ragged dim at 1 (B, j, *), got it at {x._ragged_idx}")
             x = x.values()
-        if x.dim() < 1 or x.shape[0] != self.total:
-            raise ValueError(f"tensor: expected {self.total} tokens on dim 0, got shape {tuple(x.shape)}")
+        if x.dim() < 1 or x.shape[0] != self.source_len:
+            raise ValueError(f"tensor: expected {self.source_len} tokens on dim 0, got shape {tuple(x.shape)}")
         return x
 
     def __repr__(self) -> str:
@@ -189,14 +190,15 @@ class ThdPlan:
 def build_thd_plan(
     lengths: Tensor, *, tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0, cp_layout: CpLayout = "zigzag",
     use_fp8_padding: bool = False, pad_to_length_bucket: int | None = None, source_offsets: Tensor | None = None,
-    field: str = "lengths",
+    source_len: int | None = None, field: str = "lengths",
 ) -> ThdPlan:
     """Plan this CP rank's THD shard from (B,) sequence lengths. ONE host sync.
 
-    ``source_offsets`` (B,) says where each sequence starts in the values later passed to
-    :meth:`ThdPlan.shard` (default: back to back, ``cumsum(lengths)``); offline packed rows with
-    row padding between them can point at their own flat buffer. Raises ValueError naming the
-    field and row for an empty sequence, and for out-of-range sizes, rank, layout or bucket.
+    ``source_offsets`` (B,) says where each sequence starts in the flat values of ``source_len``
+    tokens later passed to :meth:`ThdPlan.shard` (default: back to back, ``cumsum(lengths)``), so
+    offline packed rows (N, L) with row padding can be sharded from ``rows.flatten()`` directly.
+    Raises ValueError naming the field and row for an empty sequence or one that runs past the
+    source, and for out-of-range sizes, rank, layout or bucket.
     """
     check_cp_args(tp_size, cp_size, cp_rank, cp_layout)
     lengths = torch.as_tensor(lengths)
@@ -214,23 +216,33 @@ def build_thd_plan(
     if pad_to_length_bucket is not None:
         total_multiple = math.lcm(total_multiple, pad_to_length_bucket)
     padded = prepare_padded_lengths(lengths, align, total_multiple)
-    total, total_padded, max_seqlen, min_len = to_host(lengths.sum(), padded.sum(), padded.max(), lengths.min())
+    if source_offsets is None:
+        source_offsets = prepare_offsets(lengths)[:-1]
+    source_offsets = torch.as_tensor(source_offsets, device=lengths.device).to(torch.int64)
+    if source_offsets.shape != lengths.shape:
+        raise ValueError(f"source_offsets: expected shape {tuple(lengths.shape)}, got {tuple(source_offsets.shape)}")
+    ends = source_offsets + lengths
+    total, total_padded, max_seqlen, min_len, first, last_end = to_host(
+        lengths.sum(), padded.sum(), padded.max(), lengths.min(), source_offsets.min(), ends.max()
+    )
     if min_len < 1:
         row = int((lengths < 1).nonzero()[0])
         raise ValueError(f"{field} row {row}: expected a sequence of >= 1 token, got length {int(lengths[row])}")
-    if source_offsets is None:
-        source_offsets = prepare_offsets(lengths)[:-1]
+    source_len = total if source_len is None else source_len
+    if first < 0 or last_end > source_len:
+        row = int(((source_offsets < 0) | (ends > source_len)).nonzero()[0])
+        raise ValueError(f"source_offsets row {row}: expected a sequence inside the {source_len} source tokens, "
+                         f"got start {int(source_offsets[row])} length {int(lengths[row])}")
     return ThdPlan(
-        lengths, source_offsets.to(torch.int64), padded, total=total, total_padded=total_padded,
-        max_seqlen=max_seqlen, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout, align=align,
+        lengths, source_offsets, padded, total=total, total_padded=total_padded, max_seqlen=max_seqlen,
+        source_len=source_len, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout, align=align,
     )
 
 
 def thd_plan(input_ids_nested: Tensor, **kwargs) -> ThdPlan:
     """:func:`build_thd_plan` from a jagged nested (B, j, *) tensor's offsets. ONE host sync."""
     _check_nested(input_ids_nested, "input_ids")
-    offsets = input_ids_nested.offsets()
-    return build_thd_plan(offsets.diff(), source_offsets=offsets[:-1], field="input_ids", **kwargs)
+    return build_thd_plan(input_ids_nested.offsets().diff(), field="input_ids", **kwargs)
 
 
 # ---- the adapter ---------------------------------------------------------------------------------
@@ -340,10 +352,10 @@ def _check_nested(x: Tensor, field: str) -> None:
 def reference_preprocess_thd(input_ids_nested: Tensor, *, cp_size: int, cp_rank: int, need_roll: bool) -> tuple:
     """Per-sequence zigzag THD shard (verl's preprocess_thd_engine style), the benchmark's baseline.
 
-    Indexes one sequence of the nested tensor at a time, rolls it, pads it to a multiple of 2*cp,
-    splits it into 2*cp chunks and keeps chunks r and 2*cp-1-r. Deliberately a Python loop.
+    Indexes one sequence of the nested tensor at a time, rolls it, pads it to a multiple of 2*cp
+    (cp > 1), splits it into 2*cp chunks and keeps chunks r and 2*cp-1-r. Deliberately a Python loop.
     """
-    align = 2 * cp_size
+    align = 2 * cp_size if cp_size > 1 else 1
     tokens, positions = [], []
     for i in range(input_ids_nested.shape[0]):
         seq = input_ids_nested[i]
@@ -353,6 +365,10 @@ def reference_preprocess_thd(input_ids_nested: Tensor, *, cp_size: int, cp_rank:
         pad = (-n) % align
         seq = torch.cat([seq, seq.new_zeros(pad, *seq.shape[1:])])
         pos = torch.cat([torch.arange(n), torch.zeros(pad, dtype=torch.int64)])
+        if cp_size == 1:
+            tokens.append(seq)
+            positions.append(pos)
+            continue
         seq_chunks, pos_chunks = seq.chunk(align), pos.chunk(align)
         keep = (cp_rank, align - 1 - cp_rank)
         tokens += [seq_chunks[k] for k in keep]
