@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 
 Bins = list[list[int]]
+Lengths = Sequence[int] | np.ndarray
 
 
-def _as_lengths(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[int]:
+def _as_lengths(lengths: Lengths, capacity: int) -> list[int]:
     if capacity <= 0:
         raise ValueError(f"capacity: expected a positive number of tokens, got {capacity}")
     arr = np.asarray(lengths)
@@ -79,13 +80,13 @@ def _first_fit_into(order: list[int], lengths: list[int], capacity: int, bins: B
     return bins + new
 
 
-def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> Bins:
+def first_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
     """Each item, longest first, goes to the first (oldest) bin with room. O(n log n)."""
     ls = _as_lengths(lengths, capacity)
     return _first_fit_into(_decreasing_order(ls), ls, capacity, [])
 
 
-def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> Bins:
+def best_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
     """Each item, longest first, goes to the bin it leaves with the least room. O(n log C).
 
     Bins are grouped by remaining room; a sorted list of the distinct rooms in use is bisected
@@ -111,16 +112,15 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> Bins:
         bins[b].append(i)
         left = room - s
         if left:  # a full bin can take nothing more; forget it
-            same = by_room.get(left)
-            if same is None:
+            if left in by_room:
+                by_room[left].append(b)
+            else:
                 by_room[left] = [b]
                 insort(rooms, left)
-            else:
-                same.append(b)
     return bins
 
 
-def modified_first_fit_decreasing(lengths: Sequence[int], capacity: int) -> Bins:
+def modified_first_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
     """Johnson & Garey's MFFD (worst case 71/60 OPT + 1 against FFD's 11/9).
 
     Classes: large > C/2, medium in (C/3, C/2], small in (C/6, C/3], tiny the rest.
@@ -175,7 +175,7 @@ def modified_first_fit_decreasing(lengths: Sequence[int], capacity: int) -> Bins
     return _first_fit_into(all_items[::-1], ls, capacity, bins)
 
 
-def concatenative(lengths: Sequence[int], capacity: int) -> Bins:
+def concatenative(lengths: Lengths, capacity: int) -> Bins:
     """Next fit in the given order: a bin closes as soon as the next item does not fit. O(n)."""
     ls = _as_lengths(lengths, capacity)
     bins: Bins = []
@@ -189,7 +189,7 @@ def concatenative(lengths: Sequence[int], capacity: int) -> Bins:
     return bins
 
 
-ALGORITHMS: dict[str, Callable[[Sequence[int], int], Bins]] = {
+ALGORITHMS: dict[str, Callable[[Lengths, int], Bins]] = {
     "first_fit_decreasing": first_fit_decreasing,
     "best_fit_decreasing": best_fit_decreasing,
     "modified_first_fit_decreasing": modified_first_fit_decreasing,
@@ -226,7 +226,7 @@ def _split_largest_bins(bins: Bins, lengths: list[int], target: int) -> Bins:
 
 
 def pack_lengths(
-    lengths: Sequence[int],
+    lengths: Lengths,
     capacity: int,
     *,
     algorithm: str = "best_fit_decreasing",
@@ -267,7 +267,7 @@ class PackingMetrics:
     balance: float
 
 
-def packing_metrics(bins: Bins, lengths: Sequence[int], capacity: int) -> PackingMetrics:
+def packing_metrics(bins: Bins, lengths: Lengths, capacity: int) -> PackingMetrics:
     """Metrics of ``bins`` (item indices into ``lengths``) for rows of ``capacity`` tokens."""
     ls = np.asarray(lengths, dtype=np.int64)
     loads = [int(ls[b].sum()) for b in bins] if bins else [0]

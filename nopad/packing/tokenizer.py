@@ -88,7 +88,7 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+        return str(self._tok.decode(ids))
 
 
 def load_tokenizer(path: str | os.PathLike[str] | None = None) -> ByteTokenizer | HFTokenizer:
