@@ -8,6 +8,8 @@ The two losses and every parameter gradient must agree.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -96,3 +98,30 @@ def test_packed_micro_batches_with_global_figures_equal_one_padded_batch():
     torch.testing.assert_close(total, expected.detach(), atol=1e-5, rtol=0)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def _run_example(monkeypatch, capsys, *argv):
+    import runpy
+
+    monkeypatch.setattr("sys.argv", ["ppo_step.py", *argv])
+    runpy.run_path("examples/ppo_step.py", run_name="__main__")
+    return capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_example_ppo_step_prints_loss_metrics_and_skipped_padding(monkeypatch, capsys):
+    out4 = _run_example(monkeypatch, capsys, "--batch", "8", "--micro-batches", "4")
+    out1 = _run_example(monkeypatch, capsys, "--batch", "8", "--micro-batches", "1")
+    lines = dict(line.strip().split(" ", 1) for line in out4.splitlines() if line.startswith(("loss", "  actor/")))
+    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/pg_loss", "actor/entropy_loss",
+                "actor/kl_loss"):
+        assert key in lines, out4
+    assert 0 < float(lines["actor/pg_clipfrac"].split()[0]) < 1
+    # the padding line is the batch's real count of pad slots, none of which the model computed
+    skipped, slots, pct = re.search(r"padding never computed: (\d+)/(\d+) slots = ([\d.]+)%", out4).groups()
+    assert int(slots) == 8 * 56 and 0 < int(skipped) < int(slots)
+    assert abs(float(pct) - 100 * int(skipped) / int(slots)) < 0.06
+    # the update does not depend on the micro-batch split: same loss and same gradient norm
+    numbers = lambda out: [float(x) for x in re.search(r"^loss (\S+)  grad_norm (\S+)$", out, re.M).groups()]
+    assert numbers(out4) == pytest.approx(numbers(out1), abs=2e-6)
+    assert "after the update" in out4
