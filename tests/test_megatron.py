@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nopad.diagnostics import OpCounter
+from nopad.engines import megatron as megatron_engine
 from nopad.engines.megatron import (
     FallbackPackedSeqParams,
     ParallelDims,
@@ -271,6 +272,14 @@ def test_packed_seq_params_is_megatron_cores_class_with_a_same_named_fallback():
     assert isinstance(preprocess_thd(encoded_ids([3]))[1], megatron_params)
     names = lambda cls: [f.name for f in dataclasses.fields(cls)]
     assert names(FallbackPackedSeqParams) == names(megatron_params)
+
+
+def test_without_megatron_core_the_fallback_params_carry_the_same_batch(monkeypatch):
+    monkeypatch.setattr(megatron_engine, "packed_seq_params_class", lambda: FallbackPackedSeqParams)
+    ids = encoded_ids([3, 6, 1])
+    tokens, params, _ = preprocess_thd(ids, tp_size=2)
+    assert isinstance(params, FallbackPackedSeqParams) and params.cu_seqlens_q.tolist() == [0, 4, 10, 12]
+    assert torch.equal(postprocess_thd(tokens, params, ids).values(), ids.values())
 
 
 def test_from_parallel_state_refuses_uninitialised_megatron():

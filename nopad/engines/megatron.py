@@ -118,7 +118,7 @@ class ThdPlan:
         return (~self._real).unsqueeze(0)
 
     def source_index(self, need_roll: bool = False) -> Tensor:
-        """(local_len,) row of the (total, *) values each local slot reads (clamped on padding slots).
+        """(local_len,) row of the (source_len, *) values each local slot reads (0 on padding slots).
 
         ``need_roll`` reads the NEXT token of the same sequence; the last real token of a sequence
         reads the sequence's FIRST token (a roll within the sequence, as verl's need_roll does).
@@ -239,10 +239,19 @@ def build_thd_plan(
     )
 
 
-def thd_plan(input_ids_nested: Tensor, **kwargs) -> ThdPlan:
-    """:func:`build_thd_plan` from a jagged nested (B, j, *) tensor's offsets. ONE host sync."""
+def thd_plan(
+    input_ids_nested: Tensor, *, tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0, cp_layout: CpLayout = "zigzag",
+    use_fp8_padding: bool = False, pad_to_length_bucket: int | None = None,
+) -> ThdPlan:
+    """:func:`build_thd_plan` from a jagged nested (B, j, *) tensor's offsets. ONE host sync.
+
+    Shard the batch's companions (labels, loss masks, routed experts) with the returned plan.
+    """
     _check_nested(input_ids_nested, "input_ids")
-    return build_thd_plan(input_ids_nested.offsets().diff(), field="input_ids", **kwargs)
+    return build_thd_plan(
+        input_ids_nested.offsets().diff(), tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout,
+        use_fp8_padding=use_fp8_padding, pad_to_length_bucket=pad_to_length_bucket, field="input_ids",
+    )
 
 
 # ---- the adapter ---------------------------------------------------------------------------------
@@ -364,7 +373,7 @@ def reference_preprocess_thd(input_ids_nested: Tensor, *, cp_size: int, cp_rank:
             seq = torch.roll(seq, -1, 0)
         pad = (-n) % align
         seq = torch.cat([seq, seq.new_zeros(pad, *seq.shape[1:])])
-        pos = torch.cat([torch.arange(n), torch.zeros(pad, dtype=torch.int64)])
+        pos = torch.cat([torch.arange(n, device=seq.device), seq.new_zeros(pad, dtype=torch.int64)])
         if cp_size == 1:
             tokens.append(seq)
             positions.append(pos)
@@ -376,37 +385,41 @@ def reference_preprocess_thd(input_ids_nested: Tensor, *, cp_size: int, cp_rank:
     return torch.cat(tokens).unsqueeze(0), torch.cat(positions).unsqueeze(0)
 
 
-def _time_ms(fn, repeat: int) -> float:
+def _time_ms(fn, repeat: int, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()  # warm up (lazy imports, allocator)
     best = math.inf
     for _ in range(repeat):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
 
 
 def bench_thd(
     batch_sizes: tuple[int, ...] = (8, 256, 1024), *, max_len: int = 768, cp_size: int = 2, repeat: int = 3,
-    seed: int = 0,
+    seed: int = 0, device: str | torch.device = "cpu",
 ) -> list[tuple[int, float, float, float]]:
     """Time :func:`preprocess_thd` (need_roll, zigzag) against :func:`reference_preprocess_thd`.
 
-    Random lengths in [1, max_len]; rank 0 of ``cp_size``. Checks both agree, then returns rows
-    ``(B, ref_ms, nopad_ms, ref_ms / nopad_ms)`` (best of ``repeat``).
+    Random lengths in [1, max_len]; rank 0 of ``cp_size``; tensors on ``device``. Checks both agree,
+    then returns rows ``(B, ref_ms, nopad_ms, ref_ms / nopad_ms)`` (best of ``repeat``).
     """
+    device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for batch in batch_sizes:
         lengths = torch.randint(1, max_len + 1, (batch,), generator=gen)
         values = torch.randint(0, 32000, (int(lengths.sum()),), generator=gen)
-        nested = torch.nested.nested_tensor_from_jagged(values, prepare_offsets(lengths))
+        nested = torch.nested.nested_tensor_from_jagged(values.to(device), prepare_offsets(lengths).to(device))
         ref = lambda: reference_preprocess_thd(nested, cp_size=cp_size, cp_rank=0, need_roll=True)  # noqa: B023
         ours = lambda: preprocess_thd(nested, cp_size=cp_size, cp_rank=0, need_roll=True)  # noqa: B023
         ref_tokens, _ = ref()
         if not torch.equal(ref_tokens, ours()[0]):
             raise AssertionError(f"bench_thd: preprocess_thd disagrees with the reference at B={batch}")
-        ref_ms = _time_ms(ref, 1 if batch >= 512 else repeat)
-        ours_ms = _time_ms(ours, repeat)
+        ref_ms = _time_ms(ref, 1 if batch >= 512 else repeat, device)
+        ours_ms = _time_ms(ours, repeat, device)
         rows.append((batch, ref_ms, ours_ms, ref_ms / ours_ms))
     return rows
