@@ -108,7 +108,8 @@ class PackedFile:
         """Rows ``indices`` collated into a TensorDict (see :func:`nopad.packing.collate.collate_packed`)."""
         from nopad.packing.collate import collate_packed
 
-        return collate_packed([self[i] for i in indices], pad_token_id=self.metadata["pad_token_id"])
+        rows = [self[i] for i in indices]
+        return collate_packed(rows, pad_token_id=self.metadata["pad_token_id"], alignment=self.metadata["alignment"])
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
