@@ -71,15 +71,21 @@ class LossConfig:
             return config
         if config is None:
             return cls()
-        values = {}
-        for field in dataclasses.fields(cls):
-            if isinstance(config, Mapping) or (hasattr(config, "keys") and hasattr(config, "get")):
-                value = config.get(field.name, None)
-            else:
-                value = getattr(config, field.name, None)
-            if value is not None:
-                values[field.name] = value
-        return cls(**values)
+        loss_mode = _read(_read(config, "policy_loss"), "loss_mode")
+        if loss_mode not in (None, "vanilla"):
+            raise _fail("config.policy_loss.loss_mode", None, "'vanilla' (the PPO loss nopad implements)",
+                        repr(loss_mode))
+        values = {field.name: _read(config, field.name) for field in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in values.items() if value is not None})
+
+
+def _read(config: Any, key: str) -> Any:
+    """config[key] for a mapping (dict, omegaconf DictConfig), else the attribute; None if absent."""
+    if config is None:
+        return None
+    if isinstance(config, Mapping) or (hasattr(config, "keys") and hasattr(config, "get")):
+        return config.get(key, None)
+    return getattr(config, key, None)
 
 
 def global_batch_info(response_mask: Tensor, dp_group=None) -> dict[str, int]:
@@ -179,7 +185,8 @@ def compute_policy_loss(
     loss = max(-A * ratio, -A * clamp(ratio, 1 - low, 1 + high)), and for A < 0 additionally
     min(that, -A * clip_ratio_c); times ``rollout_is_weights`` when given; then :func:`agg_loss`.
     Metrics (means over this micro batch's masked tokens, detached): actor/pg_clipfrac,
-    actor/ppo_kl, actor/pg_clipfrac_lower.
+    actor/ppo_kl, actor/pg_clipfrac_lower. Inputs under a zero mask must be finite here (their
+    gradient is 0 * d(...)); :func:`ppo_loss` zeroes the rollout's padding before calling this.
     """
     low, high = _check_clip(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
     for name, x in (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages),
@@ -285,7 +292,7 @@ def ppo_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
         _field(data, "old_log_probs", response_mask), log_prob, _field(data, "advantages", response_mask),
         response_mask, cfg.loss_agg_mode, clip_ratio=cfg.clip_ratio, clip_ratio_low=cfg.clip_ratio_low,
         clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-        rollout_is_weights=_field(data, "rollout_is_weights", response_mask, required=False), **figures,
+        rollout_is_weights=_optional_field(data, "rollout_is_weights", response_mask), **figures,
     )
     metrics["actor/pg_loss"] = pg_loss.detach()
     loss = pg_loss
@@ -393,11 +400,16 @@ def _response_mask(data: TensorDict) -> Tensor:
     return mask.bool()
 
 
-def _field(data: TensorDict, key: str, response_mask: Tensor, required: bool = True) -> Tensor | None:
+def _field(data: TensorDict, key: str, response_mask: Tensor) -> Tensor:
+    x = _optional_field(data, key, response_mask)
+    if x is None:
+        raise _fail(f"data[{key!r}]", None, f"a padded {tuple(response_mask.shape)} tensor", "missing")
+    return x
+
+
+def _optional_field(data: TensorDict, key: str, response_mask: Tensor) -> Tensor | None:
     x = data.get(key, None)
     if x is None:
-        if required:
-            raise _fail(f"data[{key!r}]", None, f"a padded {tuple(response_mask.shape)} tensor", "missing")
         return None
     _check_same_shape(x, f"data[{key!r}]", response_mask, "response_mask")
     # whatever the rollout left in its padding (NaN included) must reach neither loss nor gradient

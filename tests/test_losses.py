@@ -413,6 +413,10 @@ def test_loss_config_accepts_dataclass_dict_attribute_and_mapping_objects():
     assert all(torch.equal(losses[0], x) for x in losses[1:])
     default = L.ppo_loss(None, out, data)[0]
     assert not torch.equal(default, losses[0])
+    nested_verl_style = {**fields, "policy_loss": {"loss_mode": "vanilla"}}
+    assert torch.equal(L.ppo_loss(nested_verl_style, out, data)[0], losses[0])
+    with pytest.raises(ValueError, match=r"config.policy_loss.loss_mode: expected 'vanilla'.*got 'gspo'"):
+        L.ppo_loss(SimpleNamespace(policy_loss=SimpleNamespace(loss_mode="gspo")), out, data)
 
 
 # ---- micro-batch and data-parallel invariance -----------------------------------------------
