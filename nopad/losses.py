@@ -306,7 +306,7 @@ def ppo_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
         kl_loss = agg_loss(kld, response_mask, cfg.loss_agg_mode, **figures)
         loss = loss + cfg.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = kl_loss.detach()
-        metrics["actor/kl_coef"] = torch.tensor(cfg.kl_loss_coef)
+        metrics["actor/kl_coef"] = kl_loss.new_tensor(cfg.kl_loss_coef)
     return loss, metrics
 
 

@@ -517,18 +517,19 @@ def test_data_parallel_gradient_equals_single_process_gradient():
 
 
 # ---- speed contract -------------------------------------------------------------------------
-def test_ppo_loss_op_count_is_independent_of_batch_size_and_sync_free():
+@pytest.mark.parametrize("loss_fn", [L.ppo_loss, L.value_loss, L.sft_loss], ids=["ppo", "value", "sft"])
+def test_loss_op_count_is_independent_of_batch_size_and_sync_free(loss_fn):
     counts = []
     for B in (4, 64):
         g = torch.Generator().manual_seed(B)
         prompt = torch.randint(1, 5, (B,), generator=g).tolist()
         resp = torch.randint(0, 6, (B,), generator=g).tolist()
         data, full, nested_of = rollout(prompt, resp, 4, 5, masked_rows=(0,))
-        out = {"log_probs": nested_of(full), "entropy": nested_of(full.detach())}
+        out = {"log_probs": nested_of(full), "entropy": nested_of(full.detach()), "values": nested_of(full)}
         cfg = L.LossConfig(loss_agg_mode="seq-mean-token-mean", use_kl_loss=True, entropy_coeff=0.1)
-        L.ppo_loss(cfg, out, data)
+        loss_fn(cfg, out, data)
         with OpCounter() as counter:
-            L.ppo_loss(cfg, out, data)
+            loss_fn(cfg, out, data)
         counts.append(counter)
     assert counts[0].by_op == counts[1].by_op
     assert counts[0].syncs == 0
