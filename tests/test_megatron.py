@@ -353,6 +353,9 @@ def _cp_worker(rank, world):
             dims = from_parallel_state()
             assert (dims.tp_size, dims.cp_size, dims.cp_rank) == (2, 2, rank // 2)  # order tp-cp: rank = tp + 2*cp
             results["megatron"] = (dims.cp_rank, _check_cp_round_trips(dims, seed=7))
+            tokens, params, _ = preprocess_thd(encoded_ids([3]), **dims.preprocess_kwargs())
+            with pytest.raises(ValueError, match="cp_group: expected a group of cp_size=2 ranks, got 4"):
+                postprocess_thd(tokens, params, encoded_ids([3]), cp_size=2, cp_rank=dims.cp_rank)  # world group
         finally:
             mpu.destroy_model_parallel()
     group = dist.new_group(list(range(world)))
