@@ -18,6 +18,7 @@ No host syncs: metrics are returned as detached 0-d tensors (call ``.item()`` or
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +127,9 @@ def agg_loss(
     seq-mean-token-mean:     sum_rows(row mean) / N_seqs
     seq-mean-token-sum-norm: sum_rows(row sum) / N_seqs / loss_scale_factor (default R)
 
+    As in verl's agg_loss with global batch info (newer releases; older ones divided the norm
+    mode by loss_scale_factor only). ``token-sum`` is nopad's addition: the plain global sum.
+
     N_tokens is ``batch_num_tokens`` and N_seqs ``global_batch_size`` when given (the global mini
     batch), else this micro batch's own counts; rows without a loss token are never counted in
     N_seqs. Every mode is multiplied by ``dp_size``. Values under a zero mask never reach the
@@ -133,8 +137,7 @@ def agg_loss(
     """
     _check_agg_mode(loss_agg_mode, "loss_agg_mode")
     _check_same_shape(loss_mask, "loss_mask", loss_mat, "loss_mat")
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise _fail("dp_size", None, "an int >= 1", f"{dp_size!r}")
+    dp_size = _positive_int(dp_size, "dp_size")
     needs = "batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size"
     given = batch_num_tokens if loss_agg_mode == "token-mean" else global_batch_size
     if dp_size > 1 and loss_agg_mode != "token-sum" and given is None:
@@ -434,6 +437,16 @@ def _response_slice(model_output: Mapping[str, Tensor], key: str, data: TensorDi
         return no_padding_2_padding(x, data, max_response_len=R)
     _check_same_shape(x, field, response_mask, "response_mask")
     return x
+
+
+def _positive_int(value: Any, field: str) -> int:
+    try:
+        number = operator.index(value)  # int, numpy or 0-d integer tensor; never a bool or a float
+    except TypeError:
+        number = 0
+    if isinstance(value, bool) or number < 1:
+        raise _fail(field, None, "an int >= 1", f"{value!r}")
+    return number
 
 
 def _count(given: int | Tensor | None, local: Tensor) -> Tensor | int | float:

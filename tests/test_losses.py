@@ -572,9 +572,12 @@ def test_dp_size_above_one_without_global_figures_is_rejected(mode):
         L.ppo_loss({"loss_agg_mode": mode}, {"log_probs": nested_of(full)}, data)
 
 
-def test_bad_dp_size_is_rejected():
-    with pytest.raises(ValueError, match=r"dp_size: expected an int >= 1, got 0"):
-        L.agg_loss(torch.zeros(2, 3), torch.ones(2, 3), "token-sum", dp_size=0)
+@pytest.mark.parametrize("dp_size", [0, -1, 2.0, True, "2"])
+def test_bad_dp_size_is_rejected(dp_size):
+    with pytest.raises(ValueError, match=rf"dp_size: expected an int >= 1, got {dp_size!r}"):
+        L.agg_loss(torch.zeros(2, 3), torch.ones(2, 3), "token-sum", dp_size=dp_size)
+    mat = torch.ones(2, 3)
+    assert L.agg_loss(mat, mat, "token-sum", dp_size=torch.tensor(2)).item() == 12.0
 
 
 def test_mismatched_shapes_name_the_field_and_the_expected_shape():
