@@ -224,9 +224,9 @@ class _TokenLogProbs(torch.autograd.Function):
         log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(dtype) * inv_temp.squeeze(-1) - lse
         entropy = None
         if with_entropy:
-            buf.div_(sum_exp)  # probabilities
-            # sum_v p_v * s_v without another (L, V) tensor: a batched dot product.
-            expected = torch.bmm(buf.unsqueeze(1), logits.unsqueeze(2).to(buf.dtype)).view(-1) * inv_temp.squeeze(-1)
+            # sum_v p_v * s_v in place (p is recomputed in backward): a row-wise reduction whose result
+            # does not depend on how many rows there are, unlike a batched matmul.
+            expected = buf.div_(sum_exp).mul_(logits).sum(-1) * inv_temp.squeeze(-1)
             entropy = lse - expected
         ctx.save_for_backward(logits, labels, inv_temp, lse, entropy if with_entropy else lse)
         ctx.with_entropy = with_entropy
