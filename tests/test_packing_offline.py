@@ -1,13 +1,15 @@
 """Offline packing, packed Parquet files, collate and the pack/inspect CLI."""
 
 import json
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nopad.cli import main
@@ -94,6 +96,23 @@ def test_random_streams_lose_nothing_repeat_nothing_and_every_row_is_valid(case)
     assert (report.split if overflow == "split" else report.rejected_too_long) == too_long
     if rows:
         validate_columns(Columns.from_rows(rows), pack_length=pack_length, alignment=alignment)
+
+
+@settings(max_examples=25)
+@given(streams, st.sampled_from(sorted(ALGORITHMS)))
+def test_packed_files_round_trip_every_row_exactly(case, algorithm):
+    alignment, pack_length, lengths, overflow = case
+    convs = [([t % 256 for t in ids], mask) for ids, mask in _conversations(lengths)]
+    rows, report = pack_conversations(convs, pack_length, alignment=alignment, pad_token_id=BYTES.pad_token_id,
+                                      overflow=overflow, algorithm=algorithm)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rows.parquet"
+        write_packed(path, rows, pack_length=pack_length, tokenizer=BYTES.identity, pad_token_id=BYTES.pad_token_id,
+                     alignment=alignment, report=report.summary())
+        packed = read_packed(path, tokenizer=BYTES.identity)
+        assert len(packed) == len(rows) and packed.metadata["report"] == report.summary()
+        for i, row in enumerate(rows):
+            assert all(packed[i][f].tolist() == row[f].tolist() for f in row)
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))

@@ -105,7 +105,8 @@ def test_online_and_offline_file_meet_at_the_same_thd_batch(cp, tmp_path):
 
 def test_thd_refuses_rows_packed_for_another_cp_size():
     online, _, _, _, _ = _both_paths([5, 6, 7], 16, cp=1)
-    with pytest.raises(ValueError, match=r"multiple of 4 \(tp=1, cp=2, zigzag\)"):
+    expected = r"packed_cu_seqlens row 0: expected segment lengths that are multiples of 4 \(tp=1, cp=2, zigzag\)"
+    with pytest.raises(ValueError, match=expected):
         packed_to_thd(online, cp_size=2, cp_rank=0)
 
 
@@ -160,3 +161,17 @@ def test_offline_file_through_cp2_shards_and_back_recovers_every_row(tmp_path):
     for recovered, segments in results:
         assert torch.equal(recovered, segments) and torch.equal(segments, flat_rows)
 
+
+
+def test_packed_to_thd_op_count_is_independent_of_the_number_of_rows():
+    counts = []
+    for batch in (8, 256):
+        g = torch.Generator().manual_seed(batch)
+        ids, masks = _conversations(torch.randint(1, 60, (batch,), generator=g).tolist())
+        rows, _ = pack_online(_nested(ids), 128, loss_mask=_nested(masks), cp_size=2)
+        packed_to_thd(rows, cp_size=2, cp_rank=1)  # warm-up
+        with OpCounter() as counter:
+            packed_to_thd(rows, cp_size=2, cp_rank=1)
+        counts.append(counter)
+    assert counts[0].by_op == counts[1].by_op
+    assert counts[0].syncs == counts[1].syncs == 2  # the rows' boundaries, the adapter's plan

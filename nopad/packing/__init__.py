@@ -10,7 +10,7 @@ from nopad.packing.algorithms import (
     pack_lengths,
     packing_metrics,
 )
-from nopad.packing.collate import collate_packed, packed_segment_lengths, packed_to_nested
+from nopad.packing.collate import collate_packed, packed_to_nested
 from nopad.packing.files import PackedFile, read_metadata, read_packed, write_packed
 from nopad.packing.offline import PackReport, pack_conversations
 from nopad.packing.online import pack_online
@@ -39,7 +39,6 @@ __all__ = [
     "pack_conversations",
     "pack_lengths",
     "pack_online",
-    "packed_segment_lengths",
     "packed_to_nested",
     "packed_to_thd",
     "packing_metrics",

@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad.layout import prepare_offsets, prepare_row_ids, to_host
 from nopad.packing.rows import ROW_FIELDS, TOKEN_FIELDS, Columns, validate_columns
 
 
@@ -66,27 +67,38 @@ def collate_packed(
     return TensorDict({k: torch.from_numpy(v) for k, v in data.items()}, batch_size=[len(rows)])
 
 
-def packed_segment_lengths(batch: TensorDict) -> Tensor:
-    """(S,) padded length of every conversation segment, row by row. One host sync (S)."""
-    cu = batch["packed_cu_seqlens"]
-    count = batch["packed_cu_seqlens_lengths"]
-    k = torch.arange(cu.shape[1] - 1, device=cu.device)
-    real = k.unsqueeze(0) < (count - 1).unsqueeze(1)
-    return (cu[:, 1:] - cu[:, :-1])[real]
-
-
-def packed_to_nested(batch: TensorDict, fields: Sequence[str] = TOKEN_FIELDS) -> dict[str, Tensor]:
+def packed_to_nested(
+    batch: TensorDict, fields: Sequence[str] = TOKEN_FIELDS, *, alignment: int = 1, context: str = ""
+) -> dict[str, Tensor]:
     """Collated packed rows -> one jagged nested (S, j) tensor per field, one sequence per segment.
 
     Row padding past each row's last boundary is dropped; segments keep their alignment padding.
-    Two host syncs (the segment count and the token count), whatever the batch size.
+    Every segment must be a multiple of ``alignment`` (ValueError naming the row otherwise).
+    ONE host sync (segment count, token count and the alignment check, fetched together),
+    whatever the batch size: the gathers are computed from the boundaries, not by boolean masks.
     """
     if "packed_cu_seqlens" not in batch.keys():
         raise ValueError("batch: expected packed rows carrying packed_cu_seqlens, got an unpacked batch")
-    lengths = packed_segment_lengths(batch)
     cu, count = batch["packed_cu_seqlens"], batch["packed_cu_seqlens_lengths"]
-    row_len = cu.gather(1, (count - 1).unsqueeze(1))  # (N, 1) the last real boundary
     width = batch["input_ids"].shape[1]
-    real = torch.arange(width, device=cu.device).unsqueeze(0) < row_len
-    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-    return {f: torch.nested.nested_tensor_from_jagged(batch[f][real], offsets) for f in fields}
+    segs_per_row = count - 1
+    seg = cu[:, 1:] - cu[:, :-1]  # (N, K-1); entries past a row's count are meaningless
+    real = torch.arange(seg.shape[1], device=cu.device).unsqueeze(0) < segs_per_row.unsqueeze(1)
+    row_len = cu.gather(1, segs_per_row.unsqueeze(1)).squeeze(1)
+    misaligned = real & (seg % alignment != 0)
+    n_seg, total, bad = to_host(segs_per_row.sum(), row_len.sum(), misaligned.any())
+    if bad:
+        r = int(misaligned.any(1).nonzero()[0])
+        raise ValueError(
+            f"packed_cu_seqlens row {r}: expected segment lengths that are multiples of {alignment}{context}, "
+            f"got boundaries {cu[r, : int(count[r])].tolist()}; repack for this parallel layout"
+        )
+    seg_row = prepare_row_ids(segs_per_row, n_seg)
+    seg_k = torch.arange(n_seg, device=cu.device) - prepare_offsets(segs_per_row)[seg_row]
+    lengths = seg[seg_row, seg_k]
+    tok_row = prepare_row_ids(row_len, total)
+    tok_col = torch.arange(total, device=cu.device) - prepare_offsets(row_len)[tok_row]
+    flat = tok_row * width + tok_col
+    offsets = prepare_offsets(lengths)
+    return {f: torch.nested.nested_tensor_from_jagged(batch[f].reshape(-1).index_select(0, flat), offsets)
+            for f in fields}
