@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from nopad.engines.fsdp import prepare_model_inputs
 from nopad.layout import IndexPlan
 
 
@@ -30,6 +29,10 @@ class IsolationReport:
     moved_sequences: list[int]
     max_change: float
     atol: float
+
+    def __bool__(self) -> bool:
+        """Truthy when it leaked: ``if check_isolation(model): ...``."""
+        return self.leaked
 
     def __str__(self) -> str:
         if not self.leaked:
@@ -78,6 +81,8 @@ def check_isolation(
     Change an early sequence (the default, 0): a causal leak only reaches later ones. Host syncs
     (it is a probe, not a hot path).
     """
+    from nopad.engines.fsdp import prepare_model_inputs  # here: nopad.engines.fsdp re-exports this module
+
     vocab = model.config.vocab_size
     if micro_batch is None:
         micro_batch = probe_batch(vocab, position_rows=4 if _is_mrope(model.config) else 1)

@@ -335,3 +335,11 @@ def padded_logprobs(model: torch.nn.Module, padded: TensorDict, temperature: flo
         scaled = scaled / float(temperature)
     log_probs = scaled.log_softmax(-1).gather(-1, input_ids[:, -R:].unsqueeze(-1)).squeeze(-1)
     return torch.where(response_mask.bool(), log_probs, log_probs.new_zeros(()))
+
+
+from nopad.leak import IsolationReport, check_isolation, probe_batch  # noqa: E402  (the probe is part of the adapter)
+
+__all__ = [
+    "IsolationReport", "OutputArgs", "check_isolation", "packed_logprobs", "padded_logprobs", "prepare_model_inputs",
+    "prepare_model_outputs", "probe_batch", "token_log_probs",
+]
