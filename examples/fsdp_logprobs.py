@@ -15,6 +15,7 @@ tokens, attention sees the whole row) and check it equals the single-process res
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,8 @@ def say(rank: int, world: int, text: str) -> None:
 def fsdp_part(rank: int, world: int, args: argparse.Namespace) -> None:
     model = tiny_causal_lm("llama", vocab=VOCAB, seed=0)
     mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
+    decoder: Any = model.model
+    for layer in decoder.layers:  # shard each decoder layer, then the rest
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 

@@ -8,6 +8,7 @@ default ``use_cache`` (packed detection silently off) and any attention that ign
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -83,10 +84,11 @@ def check_isolation(
     """
     from nopad.engines.fsdp import prepare_model_inputs  # here: nopad.engines.fsdp re-exports this module
 
-    vocab = model.config.vocab_size
+    config: Any = model.config
+    vocab: int = config.vocab_size
     if micro_batch is None:
-        micro_batch = probe_batch(vocab, position_rows=4 if _is_mrope(model.config) else 1)
-    inputs, args = prepare_model_inputs(micro_batch, attn_implementation=model.config._attn_implementation)
+        micro_batch = probe_batch(vocab, position_rows=4 if _is_mrope(config) else 1)
+    inputs, args = prepare_model_inputs(micro_batch, attn_implementation=config._attn_implementation)
     plan = args.plan
     if not 0 <= changed_sequence < plan.batch_size:
         raise ValueError(f"changed_sequence: expected 0 <= index < {plan.batch_size}, got {changed_sequence}")

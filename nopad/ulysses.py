@@ -13,6 +13,7 @@ Function. ``group`` is always an explicit argument; nothing is read from a globa
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -205,12 +206,14 @@ def enable_ulysses(model: torch.nn.Module) -> torch.nn.Module:
     """
     from transformers import AttentionInterface
 
-    base = model.config._attn_implementation
+    config: Any = model.config
+    base: str = config._attn_implementation
     if base.startswith(ULYSSES_PREFIX):
         return model
     name = ULYSSES_PREFIX + base
     AttentionInterface.register(name, ulysses_attention(base))
-    for config in {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
-                                                                           "_attn_implementation")}.values():
-        config._attn_implementation = name
+    configs: dict[int, Any] = {id(m.config): m.config for m in model.modules()
+                               if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    for each in configs.values():
+        each._attn_implementation = name
     return model

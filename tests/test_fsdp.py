@@ -172,6 +172,13 @@ def test_temperature_is_taken_from_the_micro_batch_when_not_given():
     micro = dict(_micro(), temperature=0.5)
     _, args = prepare_model_inputs(micro)
     assert args.temperature == 0.5
+    td = left_right_2_no_padding(make_padded_batch(3, 4, 3, seed=1))
+    td.set_non_tensor("temperature", 0.25)
+    assert prepare_model_inputs(td)[1].temperature == 0.25
+    td["temperature"] = torch.tensor([0.5, 1.0, 2.0])  # per sample, as a (B,) entry of the batch
+    _, args = prepare_model_inputs(td)
+    lengths = td["input_ids"].offsets().diff()
+    assert torch.equal(args.temperature, torch.tensor([0.5, 1.0, 2.0]).repeat_interleave(lengths))
 
 
 @given(L=st.integers(1, 6), V=st.integers(2, 9), entropy=st.booleans(), seed=st.integers(0, 1000))
@@ -271,9 +278,9 @@ def test_bad_input_fails_loudly_naming_the_field():
 def test_leak_probe_flags_default_use_cache_and_passes_the_adapter_inputs(name):
     m = model(name)
     clean = check_isolation(m)
-    assert not clean.leaked and clean.max_change == 0.0, str(clean)
+    assert not clean and not clean.leaked and clean.max_change == 0.0, str(clean)
     leaky = check_isolation(m, use_cache=None)  # None: the model's default, as when a caller omits it
-    assert leaky.leaked and leaky.moved_sequences == [1, 2] and leaky.max_change > 1e-2, str(leaky)
+    assert leaky and leaky.moved_sequences == [1, 2] and leaky.max_change > 1e-2, str(leaky)
     assert "LEAK" in str(leaky)
 
 

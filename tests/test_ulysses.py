@@ -118,6 +118,11 @@ def _ulysses_worker(rank, world_size):
     results["collectives"]["gather"] = (y.detach(), x.grad)
 
     td = _sp_batch()
+    try:  # a model whose attention was not wrapped would silently attend within its slice only
+        prepare_model_inputs(left_right_2_no_padding(td), sp_group=world, attn_implementation="sdpa")
+        results["unwrapped"] = "no error"
+    except ValueError as err:
+        results["unwrapped"] = str(err)
     for sp, group in ((2, pairs[rank // 2]), (4, world)):
         inputs, _ = prepare_model_inputs(left_right_2_no_padding(td), sp_group=group)
         for name, builder in (("llama", tiny_llama), ("qwen2_vl_text", tiny_qwen2_vl_text)):
@@ -181,6 +186,11 @@ def test_ulysses_log_probs_equal_one_process_exactly(four_ranks, single_process,
         # Averaged over the SP group, the parameter gradients are the one-process ones.
         for n, g in grads.items():
             assert torch.allclose(g, ref_grads[n], rtol=1e-4, atol=1e-5), n
+
+
+def test_sp_refuses_an_attention_that_is_not_wrapped(four_ranks):
+    for result in four_ranks:
+        assert result["unwrapped"].startswith("attn_implementation: expected a Ulysses wrapper"), result["unwrapped"]
 
 
 @pytest.mark.parametrize("sp", [2, 4])

@@ -18,7 +18,7 @@ Requires the ``hf`` extra (transformers) only for :func:`check_isolation`'s defa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from tensordict import TensorDict
@@ -301,8 +301,18 @@ def _attn_implementation(model: torch.nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
+@overload
+def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Tensor = ..., *,
+                    calculate_entropy: Literal[False] = ..., **input_kwargs) -> Tensor: ...
+
+
+@overload
+def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Tensor = ..., *,
+                    calculate_entropy: Literal[True], **input_kwargs) -> dict[str, Tensor]: ...
+
+
 def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Tensor = 1.0, *,
-                    calculate_entropy: bool = False, **input_kwargs) -> Tensor:
+                    calculate_entropy: bool = False, **input_kwargs) -> Tensor | dict[str, Tensor]:
     """Nested micro-batch -> nested (B, j) log-probs from ONE packed forward of ``model``.
 
     ``input_kwargs`` go to :func:`prepare_model_inputs` (pad_to_multiple, sp_group, ...). With
