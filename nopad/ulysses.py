@@ -144,15 +144,25 @@ def block_causal_mask(cu_seqlens: Tensor, total: int, *, additive_dtype: torch.d
     return torch.where(allowed, zero, torch.finfo(additive_dtype).min)
 
 
-class _HeadsView:
-    """The attention module as the base kernel should see it after the head all-to-all."""
+class _AttributeView:
+    """``target`` with some attributes overridden; everything else is read from ``target``."""
 
-    def __init__(self, module: torch.nn.Module, num_key_value_groups: int):
-        self._module = module
-        self.num_key_value_groups = num_key_value_groups
+    def __init__(self, target: Any, **overrides: Any):
+        self._target = target
+        self.__dict__.update(overrides)
 
     def __getattr__(self, name: str):
-        return getattr(self._module, name)
+        return getattr(self._target, name)
+
+
+def _heads_view(module: torch.nn.Module, num_key_value_groups: int, base: str) -> Any:
+    """The attention module as the base kernel should see it after the head all-to-all.
+
+    Its config names the base implementation: HF's flash path picks its kernel from
+    ``module.config._attn_implementation``, which on the real module names the wrapper.
+    """
+    config = _AttributeView(module.config, _attn_implementation=base)
+    return _AttributeView(module, num_key_value_groups=num_key_value_groups, config=config)
 
 
 def _repeat_heads(x: Tensor, times: int) -> Tensor:
@@ -192,7 +202,7 @@ def ulysses_attention(base: str):
         if "flash" not in base:
             additive = None if base == "sdpa" else query.dtype
             attention_mask = block_causal_mask(cu_seqlens, total, additive_dtype=additive)
-        out, weights = base_fn(_HeadsView(module, groups), query, key, value, attention_mask, *args, **kwargs)
+        out, weights = base_fn(_heads_view(module, groups, base), query, key, value, attention_mask, *args, **kwargs)
         return all_to_all(out, group, scatter_dim=1, gather_dim=2), weights
 
     return forward

@@ -6,6 +6,8 @@ and ranks {0, 1} / {2, 3} form two SP-2 groups, so both sizes are checked in one
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 from nopad import left_right_2_no_padding, no_padding_2_padding
 from nopad.engines.fsdp import packed_logprobs, prepare_model_inputs
 from nopad.ulysses import (
+    _heads_view,
     all_to_all,
     block_causal_mask,
     enable_ulysses,
@@ -132,6 +135,7 @@ def _ulysses_worker(rank, world_size):
                 dist.all_reduce(g, group=group)
                 g /= sp
             results["sp"][(sp, name)] = (lp, ent, grads, inputs["input_ids"], inputs["position_ids"])
+    results["sp_eager"] = _run_model(functools.partial(tiny_llama, attn_implementation="eager"), td, pairs[rank // 2])
     return results
 
 
@@ -191,6 +195,23 @@ def test_ulysses_log_probs_equal_one_process_exactly(four_ranks, single_process,
 def test_sp_refuses_an_attention_that_is_not_wrapped(four_ranks):
     for result in four_ranks:
         assert result["unwrapped"].startswith("attn_implementation: expected a Ulysses wrapper"), result["unwrapped"]
+
+
+def test_ulysses_wraps_eager_attention_too(four_ranks):
+    ref_lp, _, _ = _run_model(functools.partial(tiny_llama, attn_implementation="eager"), _sp_batch())
+    for result in four_ranks:
+        lp = result["sp_eager"][0]
+        assert torch.equal(lp, ref_lp), (lp - ref_lp).abs().max()
+
+
+def test_the_base_kernel_sees_its_own_implementation_and_the_split_head_groups():
+    m = enable_ulysses(tiny_llama())
+    attention = m.model.layers[0].self_attn
+    assert attention.config._attn_implementation == "nopad_ulysses_sdpa"
+    view = _heads_view(attention, 1, "flash_attention_2")
+    assert view.config._attn_implementation == "flash_attention_2" and view.num_key_value_groups == 1
+    assert view.q_proj is attention.q_proj and view.config.hidden_size == attention.config.hidden_size
+    assert enable_ulysses(m) is m and attention.config._attn_implementation == "nopad_ulysses_sdpa"
 
 
 @pytest.mark.parametrize("sp", [2, 4])
