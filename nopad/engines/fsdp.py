@@ -12,7 +12,7 @@ transformers (5.x) treats a row as packed only when there is no attention_mask A
 then finds the boundaries where position ids restart. ``use_cache`` left at its default silently
 lets every sequence attend to the ones before it; :func:`check_isolation` catches that.
 
-Requires the ``hf`` extra (transformers) only for :func:`check_isolation`'s default batch and Ulysses.
+Needs the ``hf`` extra (transformers) only for Ulysses (:func:`nopad.ulysses.enable_ulysses`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.layout import IndexPlan, _fail
+from nopad.layout import IndexPlan, _fail, is_nested, nested_offsets, ragged_dim
 from nopad.ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
 PAD_TOKEN_ID = 0
@@ -34,9 +34,9 @@ PAD_TOKEN_ID = 0
 class OutputArgs:
     """What :func:`prepare_model_outputs` needs besides the logits; built by :func:`prepare_model_inputs`.
 
-    labels / temperature are this rank's slice (L,) of the padded row; label_mask (T_pad,) is False at
-    the last token of every sequence and at the pad; ``plan`` is the
-    micro-batch's index plan; ``padded_total`` = T_pad; ``sp_group`` / ``sp_size`` as given.
+    labels / temperature are this rank's slice (L,) of the padded row; label_mask (T_pad,) is False
+    at the last token of every sequence and at the pad; ``plan`` is the micro-batch's index plan;
+    ``padded_total`` = T_pad; ``sp_group`` / ``sp_size`` as given.
     """
 
     plan: IndexPlan
@@ -46,10 +46,6 @@ class OutputArgs:
     padded_total: int
     sp_group: Any = None
     sp_size: int = 1
-
-
-def _is_nested(x: object) -> bool:
-    return bool(getattr(x, "is_nested", False))
 
 
 def _get(micro_batch, key: str, default=None):
@@ -64,22 +60,24 @@ def _get(micro_batch, key: str, default=None):
 def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
     input_ids, position_ids = _get(micro_batch, "input_ids"), _get(micro_batch, "position_ids")
     for key, x in (("input_ids", input_ids), ("position_ids", position_ids)):
-        if not _is_nested(x):
+        if not is_nested(x):
             raise _fail(key, None, "a jagged nested tensor (the output of left_right_2_no_padding)",
                         "nothing" if x is None else f"a dense tensor of shape {tuple(x.shape)}")
-    if input_ids.dim() != 2 or input_ids._ragged_idx != 1:
-        raise _fail("input_ids", None, "nested (batch, j) ragged on dim 1", f"{input_ids.dim()} dims, ragged dim "
-                    f"{input_ids._ragged_idx}")
+    if input_ids.dim() != 2 or ragged_dim(input_ids) != 1:
+        raise _fail("input_ids", None, "nested (batch, j) ragged on dim 1",
+                    f"{input_ids.dim()} dims, ragged dim {ragged_dim(input_ids)}")
     total = input_ids.values().shape[0]
     expected_ragged = 1 if position_ids.dim() == 2 else 2
-    pos_total = position_ids.values().shape[position_ids._ragged_idx - 1]
-    if position_ids._ragged_idx != expected_ragged or position_ids.dim() not in (2, 3) or pos_total != total:
+    pos_ragged = ragged_dim(position_ids)
+    pos_total = position_ids.values().shape[pos_ragged - 1]
+    if pos_ragged != expected_ragged or position_ids.dim() not in (2, 3) or pos_total != total:
         raise _fail("position_ids", None, f"nested (batch, j) or (batch, C, j) with {total} tokens like input_ids",
-                    f"{position_ids.dim()} dims, ragged dim {position_ids._ragged_idx}, {pos_total} tokens")
-    if position_ids.offsets() is not input_ids.offsets() and not torch.equal(position_ids.offsets(),
-                                                                               input_ids.offsets()):
+                    f"{position_ids.dim()} dims, ragged dim {pos_ragged}, {pos_total} tokens")
+    ids_offsets, pos_offsets = nested_offsets(input_ids), nested_offsets(position_ids)
+    # left_right_2_no_padding shares one offsets tensor; comparing values (a sync) only when they differ.
+    if pos_offsets is not ids_offsets and not torch.equal(pos_offsets, ids_offsets):
         raise _fail("position_ids", None, "the same sequence boundaries as input_ids",
-                    f"offsets {position_ids.offsets().tolist()} vs {input_ids.offsets().tolist()}")
+                    f"offsets {pos_offsets.tolist()} vs {ids_offsets.tolist()}")
     return input_ids, position_ids
 
 
@@ -125,10 +123,11 @@ def prepare_model_inputs(
     """Nested micro-batch -> (model kwargs for one packed row, :class:`OutputArgs`). No host sync.
 
     ``micro_batch`` (TensorDict or dict) holds nested ``input_ids`` (B, j) and ``position_ids``
-    (B, j) or (B, C, j) (C = 3/4 for mrope; passed to the model as (4, 1, T): 3-row ids get
-    each token's position in its own sequence prepended as row 0, where Qwen2/3-VL look for packed
-    boundaries). ``temperature``: a
-    float or a (B,) tensor; when None, the micro-batch's ``temperature`` entry, else 1.0.
+    (B, j) or (B, C, j). mrope ids go to the model as (4, 1, T): 3-row ids get each token's
+    position in its own sequence prepended as row 0, where Qwen2/3-VL look for packed boundaries
+    (an mrope model given 1-row ids sees no boundaries at all: :func:`check_isolation` shows it).
+    ``temperature``: a float or a (B,) tensor; when None, the micro-batch's ``temperature`` entry,
+    else 1.0 (a CPU tensor is checked > 0).
     ``attn_implementation`` (the model's ``config._attn_implementation``): when it names a flash
     kernel, or under Ulysses, the kwargs also carry ``cu_seq_lens_q/k`` (int32, ending at T_pad)
     and ``max_length_q/k`` (ints; a sync only if the nested tensors lost their cached max length).
@@ -138,6 +137,8 @@ def prepare_model_inputs(
     """
     input_ids, position_ids = _checked_nested(micro_batch)
     sp_size, sp_rank = _sp_size_rank(sp_group, sp_size, sp_rank)
+    if pad_to_multiple < 1:
+        raise _fail("pad_to_multiple", None, "an int >= 1", f"{pad_to_multiple}")
     if sp_size > 1 and attn_implementation is not None and not attn_implementation.startswith(ULYSSES_PREFIX):
         raise _fail("attn_implementation", None, f"a Ulysses wrapper ('{ULYSSES_PREFIX}*', see enable_ulysses) "
                     f"for sp_size {sp_size}", repr(attn_implementation))
