@@ -91,12 +91,13 @@ def _sp_batch():
     return make_padded_batch(3, 6, 5, seed=4)
 
 
-def _run_model(builder, td, sp_group=None, mrope=False):
+def _run_model(builder, td, sp_group=None, **input_kwargs):
     m = builder()
     if sp_group is not None:
         enable_ulysses(m)
     micro = left_right_2_no_padding(td)
-    out = packed_logprobs(m, micro, torch.tensor(TEMPERATURE), calculate_entropy=True, sp_group=sp_group)
+    out = packed_logprobs(m, micro, torch.tensor(TEMPERATURE), calculate_entropy=True, sp_group=sp_group,
+                          **input_kwargs)
     no_padding_2_padding(out["log_probs"], micro).sum().backward()
     grads = {n: p.grad for n, p in m.named_parameters()}
     return out["log_probs"].values().detach(), out["entropy"].values().detach(), grads
@@ -135,6 +136,7 @@ def _ulysses_worker(rank, world_size):
                 dist.all_reduce(g, group=group)
                 g /= sp
             results["sp"][(sp, name)] = (lp, ent, grads, inputs["input_ids"], inputs["position_ids"])
+    results["sp_bucket"] = _run_model(tiny_llama, td, world, pad_to_multiple=6)  # row padded to lcm(4, 6) = 12
     results["sp_eager"] = _run_model(functools.partial(tiny_llama, attn_implementation="eager"), td, pairs[rank // 2])
     return results
 
@@ -195,6 +197,12 @@ def test_ulysses_log_probs_equal_one_process_exactly(four_ranks, single_process,
 def test_sp_refuses_an_attention_that_is_not_wrapped(four_ranks):
     for result in four_ranks:
         assert result["unwrapped"].startswith("attn_implementation: expected a Ulysses wrapper"), result["unwrapped"]
+
+
+def test_ulysses_with_bucket_padding_pads_to_a_common_multiple_and_still_equals_one_process(four_ranks,
+                                                                                              single_process):
+    for result in four_ranks:
+        assert torch.equal(result["sp_bucket"][0], single_process["llama"][0])
 
 
 def test_ulysses_wraps_eager_attention_too(four_ranks):
