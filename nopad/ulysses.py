@@ -89,28 +89,27 @@ def all_to_all(x: Tensor, group, scatter_dim: int, gather_dim: int) -> Tensor:
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
-def _gather(x: Tensor, group, dim: int) -> Tensor:
-    world = dist.get_world_size(group)
-    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group) if not hasattr(dist, "all_gather_single") \
-        else dist.all_gather_single(out, x.contiguous(), group=group)
-    return out
+# torch 2.13 renamed the tensor collectives; older releases only have the *_tensor names.
+_all_gather_rows = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_rows = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _gather(x.movedim(dim, 0), group, 0).movedim(0, dim)
+        rows = x.movedim(dim, 0).contiguous()  # rank-major along dim 0
+        out = rows.new_empty((dist.get_world_size(group) * rows.shape[0], *rows.shape[1:]))
+        _all_gather_rows(out, rows, group=group)
+        return out.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        group, dim = ctx.group, ctx.dim
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        # d(sum over ranks of each rank's loss) / d(local slice) = sum over ranks of that slice of grad.
-        summed = grad.contiguous()
-        dist.all_reduce(summed, group=group)
-        return summed.narrow(dim, rank * (grad.shape[dim] // world), grad.shape[dim] // world), None, None
+        # d(sum over ranks of each rank's loss) / d(local slice) = that slice of the grads, summed over ranks.
+        rows = grad.movedim(ctx.dim, 0).contiguous()
+        out = rows.new_empty((rows.shape[0] // dist.get_world_size(ctx.group), *rows.shape[1:]))
+        _reduce_scatter_rows(out, rows, group=ctx.group)
+        return out.movedim(0, ctx.dim), None, None
 
 
 def gather_seq(x: Tensor, group, dim: int = -1) -> Tensor:
