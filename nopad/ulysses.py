@@ -213,7 +213,8 @@ def enable_ulysses(model: torch.nn.Module) -> torch.nn.Module:
     Registers the wrapper as ``nopad_ulysses_<base>`` in transformers' attention registry (a name,
     not state: the group still comes with each forward). Idempotent; returns the model.
     """
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     config: Any = model.config
     base: str = config._attn_implementation
@@ -221,6 +222,10 @@ def enable_ulysses(model: torch.nn.Module) -> torch.nn.Module:
         return model
     name = ULYSSES_PREFIX + base
     AttentionInterface.register(name, ulysses_attention(base))
+    # transformers builds masks only for implementations it knows: give the wrapper its base's mask
+    # builder, so a forward without a group (or a padded forward) is masked exactly as before.
+    if base in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
     configs: dict[int, Any] = {id(m.config): m.config for m in model.modules()
                                if hasattr(getattr(m, "config", None), "_attn_implementation")}
     for each in configs.values():

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nopad import left_right_2_no_padding, no_padding_2_padding
-from nopad.engines.fsdp import packed_logprobs, prepare_model_inputs
+from nopad.engines.fsdp import check_isolation, packed_logprobs, padded_logprobs, prepare_model_inputs
 from nopad.ulysses import (
     _heads_view,
     all_to_all,
@@ -210,6 +210,16 @@ def test_ulysses_wraps_eager_attention_too(four_ranks):
     for result in four_ranks:
         lp = result["sp_eager"][0]
         assert torch.equal(lp, ref_lp), (lp - ref_lp).abs().max()
+
+
+def test_a_wrapped_model_without_a_group_computes_exactly_what_it_did_before():
+    td = _sp_batch()
+    micro = left_right_2_no_padding(td)
+    plain, wrapped = tiny_llama(), enable_ulysses(tiny_llama())
+    with torch.no_grad():
+        assert torch.equal(packed_logprobs(wrapped, micro).values(), packed_logprobs(plain, micro).values())
+        assert torch.equal(padded_logprobs(wrapped, td), padded_logprobs(plain, td))  # its 2-D mask still applies
+    assert not check_isolation(wrapped)
 
 
 def test_the_base_kernel_sees_its_own_implementation_and_the_split_head_groups():
