@@ -1,6 +1,28 @@
 """nopad: padded <-> nested <-> packed LLM training batches, exact and without per-row loops."""
 
-from nopad.layout import IndexPlan, gather_rows, prepare_offsets, prepare_position_ids, prepare_row_ids, to_host
+from nopad.diagnostics import OpCounter
+from nopad.layout import (
+    IndexPlan,
+    gather_rows,
+    is_nested,
+    nested_offsets,
+    prepare_offsets,
+    prepare_position_ids,
+    prepare_row_ids,
+    ragged_dim,
+    to_host,
+)
+from nopad.leak import IsolationReport, check_isolation
+from nopad.losses import (
+    LossConfig,
+    agg_loss,
+    compute_policy_loss,
+    compute_value_loss,
+    kl_penalty,
+    ppo_loss,
+    sft_loss,
+    value_loss,
+)
 from nopad.ops import index_first_axis, index_put_first_axis, pad_input, unpad_input
 from nopad.padding import (
     build_attention_mask_from_nested,
@@ -16,6 +38,20 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IndexPlan",
+    "IsolationReport",
+    "LossConfig",
+    "OpCounter",
+    "agg_loss",
+    "check_isolation",
+    "compute_policy_loss",
+    "compute_value_loss",
+    "is_nested",
+    "kl_penalty",
+    "nested_offsets",
+    "ppo_loss",
+    "ragged_dim",
+    "sft_loss",
+    "value_loss",
     "build_attention_mask_from_nested",
     "embeds_padding_2_no_padding",
     "gather_rows",

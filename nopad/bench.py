@@ -169,12 +169,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--packing", action="store_true", help="also run the bin-packing benchmark")
-    parser.add_argument("--engines", action="store_true", help="also run the engine (THD) benchmark")
+    parser.add_argument("--engines", action="store_true", help="also run the Megatron THD preprocessing benchmark")
+    parser.add_argument("--all", action="store_true", help="conversions, engines and packing")
     parser.add_argument("--plot", metavar="FILE.png", help="write time against batch size to this PNG")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.all:
+        args.engines = args.packing = True
     results: dict[str, list[dict]] = {}
     results["conversions"] = bench_conversions(
         args.batch_sizes, args.prompt_len, args.response_len, args.device, args.repeats, progress=not args.json
@@ -182,14 +185,14 @@ def run(args: argparse.Namespace) -> int:
     if args.engines:
         from nopad.engines.megatron import bench_thd
 
-        results["megatron preprocess_thd"] = [
-            dict(r) if isinstance(r, dict) else dict(zip(("B", "ref_ms", "nopad_ms", "ratio"), r))
-            for r in bench_thd(args.batch_sizes)
+        results["megatron preprocess_thd (need_roll, cp=2)"] = [
+            {"B": B, "loop_ms": ref, "nopad_ms": ours, "loop/nopad": ratio}
+            for B, ref, ours, ratio in bench_thd(tuple(args.batch_sizes), device=args.device)
         ]
     if args.packing:
         from nopad.packing.bench import packing_bench
 
-        results["packing"] = [dict(r) if isinstance(r, dict) else r for r in packing_bench()]
+        results["packing (100,000 lengths, capacity 8192)"] = packing_bench()
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -59,8 +59,8 @@ def run_demo(batch_size: int = 16, prompt_len: int = 64, response_len: int = 128
 
 def format_report(r: dict) -> str:
     ok = "OK" if r["max_abs_logprob_diff"] < TOLERANCE else "FAIL"
-    def verdict(leak) -> str:
-        return f"LEAK ({leak})" if leak else "isolated"
+    def verdict(report) -> str:
+        return str(report)
     rows = [
         ("batch", f"B={r['batch_size']} {r['arch']} (random weights) on {r['device']}"),
         ("tokens computed, padded", f"{r['tokens_padded']:,}"),

@@ -56,19 +56,25 @@ def prepare_position_ids(offsets: Tensor, row_ids: Tensor) -> Tensor:
     return torch.arange(row_ids.shape[0], device=row_ids.device) - offsets[row_ids]
 
 
-def gather_rows(values: Tensor, src_start: Tensor, lo: Tensor, hi: Tensor, width: int) -> Tensor:
+def gather_rows(values: Tensor, src_start: Tensor, lo: Tensor | None, hi: Tensor, width: int) -> Tensor:
     """out[b, k] = values[src_start[b] + k] where lo[b] <= k < hi[b], else 0: (N, *) -> (B, width, *).
 
-    A dense gather over B * width slots: no sync, no Python loop, autograd flows to ``values``.
+    ``lo=None`` means 0. A dense gather over B * width slots: no sync, no Python loop, autograd
+    flows to ``values``.
     """
-    if values.shape[0] == 0:  # nothing to gather from (every row empty)
-        return values.new_zeros((src_start.shape[0], width, *values.shape[1:]))
-    k = torch.arange(width, device=values.device)
-    valid = (k >= lo.unsqueeze(1)) & (k < hi.unsqueeze(1))
+    n, rows = values.shape[0], src_start.shape[0]
+    if n == 0:  # nothing to gather from (every row empty)
+        return values.new_zeros((rows, width, *values.shape[1:]))
+    # int32 index math halves the memory traffic of the (B, width) index tensors when it fits
+    itype = torch.int32 if n + width < 2**31 else torch.int64
+    k = torch.arange(width, device=values.device, dtype=itype)
+    valid = k < hi.to(itype).unsqueeze(1)
+    if lo is not None:
+        valid &= k >= lo.to(itype).unsqueeze(1)
     # invalid slots read an appended zero row, so no clamp and no masking pass over the output
-    src = torch.where(valid, src_start.unsqueeze(1) + k, values.shape[0])
+    src = torch.where(valid, src_start.to(itype).unsqueeze(1) + k, n)
     padded = torch.cat([values, values.new_zeros((1, *values.shape[1:]))])
-    return padded.index_select(0, src.flatten()).unflatten(0, (src_start.shape[0], width))
+    return padded.index_select(0, src.flatten()).unflatten(0, (rows, width))
 
 
 def _fail(field: str, row: int | None, expected: str, actual: str) -> ValueError:

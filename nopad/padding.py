@@ -150,7 +150,7 @@ def _response_lengths(data: TensorDict) -> tuple[Tensor, int | None]:
             width = response_mask.shape[1] if width is None else width
         if width is None:
             raise _fail("data", None, "responses, response_mask or max_response_len", "none of them")
-        return data["attention_mask"][:, -width:].bool().sum(-1), width
+        return data["attention_mask"][:, -width:].sum(-1), width
     if _is_nested(response_mask):
         return nested_offsets(response_mask).diff(), width
     raise _fail(
@@ -167,7 +167,7 @@ def _sequence_ends(tensor: Tensor, data: TensorDict) -> Tensor:
             if key == "prompts":
                 ends = ends + nested_offsets(data["responses"])[1:]
             return ends
-    return data["attention_mask"].bool().sum(-1).cumsum(0)
+    return data["attention_mask"].sum(-1).cumsum(0)
 
 
 def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int | None = None) -> Tensor:
@@ -190,8 +190,7 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
         raise _fail("tensor", None, f"{indices.shape[0]} tokens (the batch's total)", f"shape {tuple(values.shape)}")
     ends = _sequence_ends(tensor, data).to(values.device)
     resp_lens = resp_lens.to(values.device)
-    zeros = torch.zeros_like(resp_lens)
-    return gather_rows(values, ends - resp_lens - 1, zeros, resp_lens, width)
+    return gather_rows(values, ends - resp_lens - 1, None, resp_lens, width)
 
 
 def response_from_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:

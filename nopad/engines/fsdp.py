@@ -257,10 +257,12 @@ def token_log_probs(logits: Tensor, labels: Tensor, temperature: Tensor | float 
     """
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise _fail("logits", None, f"(tokens, vocab) matching labels {tuple(labels.shape)}", f"{tuple(logits.shape)}")
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # fp64 logits keep fp64 temperatures
     if isinstance(temperature, Tensor):
-        inv_temp = temperature.to(device=logits.device, dtype=torch.float32).reciprocal().unsqueeze(-1)
+        inv_temp = temperature.to(device=logits.device, dtype=dtype).reciprocal().unsqueeze(-1)
     else:
-        inv_temp = torch.full((1, 1), 1.0 / float(temperature), device=logits.device).expand(logits.shape[0], 1)
+        inv_temp = torch.full((1, 1), 1.0 / float(temperature), device=logits.device, dtype=dtype)
+        inv_temp = inv_temp.expand(logits.shape[0], 1)
     return _TokenLogProbs.apply(logits, labels, inv_temp, with_entropy)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nopad.layout import prepare_offsets, to_host
+from nopad.layout import is_nested, nested_offsets, prepare_offsets, ragged_dim, to_host
 from nopad.parallel import (
     CpLayout,
     check_cp_args,
@@ -174,9 +174,9 @@ class ThdPlan:
         return params
 
     def _values(self, x: Tensor) -> Tensor:
-        if getattr(x, "is_nested", False):
-            if x._ragged_idx != 1:
-                raise ValueError(f"tensor: expected the ragged dim at 1 (B, j, *), got it at {x._ragged_idx}")
+        if is_nested(x):
+            if ragged_dim(x) != 1:
+                raise ValueError(f"tensor: expected the ragged dim at 1 (B, j, *), got it at {ragged_dim(x)}")
             x = x.values()
         if x.dim() < 1 or x.shape[0] != self.source_len:
             raise ValueError(f"tensor: expected {self.source_len} tokens on dim 0, got shape {tuple(x.shape)}")
@@ -249,7 +249,7 @@ def thd_plan(
     """
     _check_nested(input_ids_nested, "input_ids")
     return build_thd_plan(
-        input_ids_nested.offsets().diff(), tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout,
+        nested_offsets(input_ids_nested).diff(), tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout,
         use_fp8_padding=use_fp8_padding, pad_to_length_bucket=pad_to_length_bucket, field="input_ids",
     )
 
@@ -291,7 +291,7 @@ def postprocess_thd(
     """
     check_cp_args(1, cp_size, cp_rank, cp_layout)
     _check_nested(input_ids_nested, "input_ids")
-    offsets = input_ids_nested.offsets()
+    offsets = nested_offsets(input_ids_nested)
     batch = offsets.shape[0] - 1
     cu = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     if cu is None:
@@ -348,13 +348,13 @@ def from_parallel_state() -> ParallelDims:
 
 
 def _check_nested(x: Tensor, field: str) -> None:
-    if not getattr(x, "is_nested", False):
+    if not is_nested(x):
         shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"{field}: expected a jagged nested tensor (B, j, ...), got a dense tensor of shape {shape}")
     if x.layout != torch.jagged:
         raise ValueError(f"{field}: expected layout=torch.jagged, got {x.layout}")
-    if x._ragged_idx != 1:
-        raise ValueError(f"{field}: expected the ragged dim at 1 (B, j, ...), got it at {x._ragged_idx}")
+    if ragged_dim(x) != 1:
+        raise ValueError(f"{field}: expected the ragged dim at 1 (B, j, ...), got it at {ragged_dim(x)}")
 
 
 # ---- benchmark -----------------------------------------------------------------------------------

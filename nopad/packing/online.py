@@ -13,17 +13,17 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.layout import prepare_row_ids
+from nopad.layout import is_nested, nested_offsets, prepare_row_ids, ragged_dim
 from nopad.packing.algorithms import Bins, pack_lengths
 from nopad.packing.rows import thd_alignment
 from nopad.parallel import CpLayout
 
 
 def _check_nested(x: Tensor, field: str) -> None:
-    if not getattr(x, "is_nested", False) or x.layout != torch.jagged:
-        shape = tuple(x.shape) if not getattr(x, "is_nested", False) else "nested"
+    if not is_nested(x) or x.layout != torch.jagged:
+        shape = tuple(x.shape) if not is_nested(x) else "nested"
         raise ValueError(f"{field}: expected a jagged nested (B, j) tensor, got {shape}")
-    if x._ragged_idx != 1 or x.values().dim() != 1:
+    if ragged_dim(x) != 1 or x.values().dim() != 1:
         raise ValueError(f"{field}: expected (B, j) token ids, got values of shape {tuple(x.values().shape)}")
 
 
@@ -68,7 +68,7 @@ def pack_online(
     sync (the lengths); the token movement is a fixed number of tensor ops.
     """
     _check_nested(input_ids, "input_ids")
-    offsets = input_ids.offsets().to(torch.int64)
+    offsets = nested_offsets(input_ids).to(torch.int64)
     lengths = offsets.diff()
     lengths_host = lengths.cpu().numpy()
     align = thd_alignment(tp_size, cp_size, cp_layout)
@@ -124,6 +124,6 @@ def pack_online(
 
 def _mask_values(loss_mask: Tensor, offsets: Tensor) -> Tensor:
     _check_nested(loss_mask, "loss_mask")
-    if not torch.equal(loss_mask.offsets().to(torch.int64), offsets):
+    if not torch.equal(nested_offsets(loss_mask).to(torch.int64), offsets):
         raise ValueError("loss_mask: expected the same offsets (sequence lengths) as input_ids, got different ones")
     return loss_mask.values().to(torch.int64)
