@@ -123,13 +123,12 @@ def best_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
 def modified_first_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
     """Johnson & Garey's MFFD (worst case 71/60 OPT + 1 against FFD's 11/9).
 
-    Classes: large > C/2, medium in (C/3, C/2], small in (C/6, C/3], tiny the rest.
-      1. one bin per large item, largest first;
-      2. forward over those bins: if the smallest medium fits, add the largest medium that fits;
-      3. backward over the large bins without a medium: if the two smallest smalls fit, add the
-         smallest small and then the largest small that still fits;
-      4. forward over all bins: while the smallest remaining item fits, add the largest that fits;
-      5. first fit decreasing for what is left, in new bins.
+    Items are large if > C/2, medium if in (C/3, C/2], small if in (C/6, C/3], tiny otherwise.
+    The steps, in order, are (1) one bin per large item, largest first; (2) forward over those bins,
+    if the smallest medium fits, add the largest medium that fits; (3) backward over the large
+    bins without a medium, if the two smallest smalls fit, add the smallest small and then the
+    largest small that still fits; (4) forward over all bins, while the smallest remaining item
+    fits, add the largest that fits; (5) first fit decreasing for what is left, in new bins.
     """
     ls = _as_lengths(lengths, capacity)
     order = _decreasing_order(ls)
