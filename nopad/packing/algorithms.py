@@ -205,7 +205,7 @@ def _split_largest_bins(bins: Bins, lengths: list[int], target: int) -> Bins:
     while len(heap) + len(stuck) < target:
         if not heap:
             raise ValueError(
-                f"bins: expected at least {target} bins, but only {len(lengths)} items to spread across them"
+                f"bins: expected at least as many items as the {target} bins asked for, got {len(lengths)} items"
             )
         load, n, b = heapq.heappop(heap)
         if len(b) < 2:
@@ -241,7 +241,7 @@ def pack_lengths(
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: expected one of {sorted(ALGORITHMS)}, got {algorithm!r}")
     if min_bins < 0 or bins_multiple_of < 1:
-        raise ValueError(f"min_bins >= 0 and bins_multiple_of >= 1 expected, got {min_bins} and {bins_multiple_of}")
+        raise ValueError(f"min_bins/bins_multiple_of: expected >= 0 and >= 1, got {min_bins} and {bins_multiple_of}")
     ls = _as_lengths(lengths, capacity)
     bins = ALGORITHMS[algorithm](ls, capacity)
     target = max(len(bins), min_bins if ls else 0)
