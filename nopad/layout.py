@@ -21,7 +21,8 @@ def to_host(*scalars: Tensor) -> list[int]:
     """Fetch several 0-d device tensors in ONE device->host copy (one host sync)."""
     if not scalars:
         return []
-    stacked = torch.stack([s.reshape(()).to(torch.int64) for s in scalars])
+    as_int64 = [s if s.dim() == 0 and s.dtype == torch.int64 else s.reshape(()).to(torch.int64) for s in scalars]
+    stacked = torch.stack(as_int64)
     return stacked.to("cpu", copy=True).tolist()
 
 
@@ -248,7 +249,8 @@ class IndexPlan:
     def pack(self, x: Tensor, seq_dim: int = 1) -> Tensor:
         """Padded (B, ..., S, ...) with the sequence at ``seq_dim`` -> (total, ...) real tokens."""
         self._check_padded(x, seq_dim)
-        return index_first_axis(x.movedim(seq_dim, 1).flatten(0, 1), self.indices)
+        x = x if seq_dim == 1 else x.movedim(seq_dim, 1)
+        return index_first_axis(x.flatten(0, 1), self.indices)
 
     def unpack(self, values: Tensor, width: int | None = None) -> Tensor:
         """(total, *) -> padded (B, width, *) with zeros at padding; inverse of :meth:`pack`.
@@ -282,7 +284,8 @@ class IndexPlan:
         The ragged dim is set explicitly, so all-equal lengths or B=1 never confuse torch.
         """
         values = self.pack(x, seq_dim)
-        return self.to_nested(values.movedim(0, seq_dim - 1), ragged_dim=seq_dim)
+        values = values if seq_dim == 1 else values.movedim(0, seq_dim - 1)
+        return self.to_nested(values, ragged_dim=seq_dim)
 
     def unnest(self, nested: Tensor, width: int | None = None) -> Tensor:
         """Nested (B, j, *) or (B, C, j) -> padded (B, width, *) or (B, C, width)."""

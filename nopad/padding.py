@@ -31,10 +31,10 @@ def _first_row(bad: Tensor) -> int:
     return int(bad.nonzero()[0])
 
 
-def _ones_before(ones_upto: Tensor, col: Tensor) -> Tensor:
-    """(B,) count of ones in columns [0, col) of each row, from an inclusive (B, S) cumsum."""
-    before = ones_upto.gather(1, (col - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-    return torch.where(col > 0, before, 0)
+def _ones_before(ones_upto: Tensor, cols: Tensor) -> Tensor:
+    """(B, k) count of ones in columns [0, cols[b, i]) of each row, from an inclusive (B, S) cumsum."""
+    before = ones_upto.gather(1, (cols - 1).clamp(min=0))
+    return before.masked_fill(cols == 0, 0)
 
 
 def plan_left_right(attention_mask: Tensor, response_mask: Tensor) -> IndexPlan:
@@ -55,28 +55,32 @@ def plan_left_right(attention_mask: Tensor, response_mask: Tensor) -> IndexPlan:
     # One cumsum pass answers everything: row lengths, prompt lengths, and whether all of a row's
     # ones sit inside the run [start, start + length) that the left/right layout requires.
     ones_upto = attention_mask.cumsum(-1)
-    lengths = ones_upto[:, -1].long()
-    prompt_lens = ones_upto[:, prompt_width - 1].long()
+    lengths = ones_upto[:, -1]
+    prompt_lens = ones_upto[:, prompt_width - 1]
     starts = prompt_width - prompt_lens
-    in_run = _ones_before(ones_upto, starts + lengths) - _ones_before(ones_upto, starts)
-    resp_lens = lengths - prompt_lens
-    resp_ones_upto = response_mask.cumsum(-1)
-    resp_ones_in_run = _ones_before(resp_ones_upto, resp_lens.clamp(0, R))
+    before = _ones_before(ones_upto, torch.stack([starts, starts + lengths], 1))
     checks = {
-        "attention_mask": (in_run != lengths, "ones forming one run: prompt left-padded, response right-padded"),
+        "attention_mask": (
+            before[:, 1] - before[:, 0] != lengths,
+            "ones forming one run: prompt left-padded, response right-padded",
+        ),
         "prompt": (
             (prompt_lens == 0) & (lengths > 0),
             "a non-empty prompt (the first response log-prob comes from it)",
         ),
-        "response_mask": (resp_ones_in_run != resp_ones_upto[:, -1], "ones only where attention_mask is 1"),
+        "response_mask": (
+            (response_mask > attention_mask[:, prompt_width:]).any(-1),
+            "ones only where attention_mask is 1",
+        ),
     }
-    total, max_len, min_len, *flags = to_host(
-        lengths.sum(), lengths.max(), lengths.min(), *(bad.any() for bad, _ in checks.values())
-    )
-    for (field, (bad, expected)), flag in zip(checks.items(), flags):
-        if flag:
-            row = _first_row(bad)
-            raise _fail(field, row, expected, f"attention_mask {attention_mask[row].tolist()}")
+    bad_rows = sum(bad.sum() for bad, _ in checks.values())
+    min_len, max_len = torch.aminmax(lengths)
+    total, max_len, min_len, any_bad = to_host(lengths.sum(), max_len, min_len, bad_rows)
+    if any_bad:  # the failure path may take its time: find which check and which row
+        for field, (bad, expected) in checks.items():
+            if bad.any():
+                row = _first_row(bad)
+                raise _fail(field, row, expected, f"attention_mask {attention_mask[row].tolist()}")
     return IndexPlan.from_lengths(lengths, width=S, starts=starts, total=total, max_seqlen=max_len, min_seqlen=min_len)
 
 
