@@ -73,9 +73,9 @@ def plan_left_right(attention_mask: Tensor, response_mask: Tensor) -> IndexPlan:
             "ones only where attention_mask is 1",
         ),
     }
-    bad_rows = sum(bad.sum() for bad, _ in checks.values())
-    min_len, max_len = torch.aminmax(lengths)
-    total, max_len, min_len, any_bad = to_host(lengths.sum(), max_len, min_len, bad_rows)
+    bad_rows = torch.stack([bad for bad, _ in checks.values()]).sum()
+    shortest, longest = torch.aminmax(lengths)
+    total, max_len, min_len, any_bad = to_host(lengths.sum(), longest, shortest, bad_rows)
     if any_bad:  # the failure path may take its time: find which check and which row
         for field, (bad, expected) in checks.items():
             if bad.any():
