@@ -398,3 +398,15 @@ def test_example_runs_under_torchrun_on_two_cpu_processes():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[rank 0] tokens" in done.stdout and "[rank 1] tokens" in done.stdout
     assert "recovered batch equals the input: True" in done.stdout
+
+
+def test_contiguous_layout_warns_when_megatron_core_cannot_honour_it():
+    import warnings
+
+    pytest.importorskip("megatron.core")
+    ids = torch.nested.nested_tensor_from_jagged(torch.arange(12), torch.tensor([0, 5, 12]))
+    with pytest.warns(UserWarning, match="assumes the zigzag layout"):
+        preprocess_thd(ids, cp_size=2, cp_rank=0, cp_layout="contiguous")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        preprocess_thd(ids, cp_size=2, cp_rank=0, cp_layout="zigzag")

@@ -58,6 +58,13 @@ class FallbackPackedSeqParams:
     cp_group: Any = None
 
 
+def _has_field(params: Any, name: str) -> bool:
+    """Whether megatron-core's own PackedSeqParams knows ``name`` (our fallback is never warned about)."""
+    if not type(params).__module__.startswith("megatron"):
+        return True
+    return name in getattr(type(params), "__dataclass_fields__", {})
+
+
 @functools.cache
 def packed_seq_params_class() -> type:
     """megatron-core's ``PackedSeqParams`` when it is installed, else :class:`FallbackPackedSeqParams`."""
@@ -171,6 +178,13 @@ class ThdPlan:
             max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
         )
         params.cp_partition_mode = self.cp_layout
+        if self.cp_layout == "contiguous" and self.cp_size > 1 and not _has_field(params, "cp_partition_mode"):
+            warnings.warn(
+                "cp_layout='contiguous' with a PackedSeqParams that has no cp_partition_mode field: "
+                "this megatron-core's TransformerEngine CP attention assumes the zigzag layout and will "
+                "attend across the wrong chunks; use cp_layout='zigzag' with it",
+                stacklevel=2,
+            )
         return params
 
     def _values(self, x: Tensor) -> Tensor:
