@@ -13,7 +13,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
+from torch import Tensor
 
+from nopad.layout import prepare_offsets
 from nopad.ops import unpad_input
 from nopad.padding import left_right_2_no_padding, no_padding_2_padding
 from nopad.synthetic import synthetic_batch
@@ -119,6 +121,67 @@ def _bench_batch(B: int, prompt_width: int, resp_width: int, device: str, repeat
     return [to_nested, to_padded]
 
 
+# ---- Megatron THD preprocessing -----------------------------------------------------------------
+def reference_preprocess_thd(input_ids_nested: Tensor, *, cp_size: int, cp_rank: int, need_roll: bool) -> tuple:
+    """Per-sequence zigzag THD shard (verl's preprocess_thd_engine style), the benchmark's baseline.
+
+    Indexes one sequence of the nested tensor at a time, rolls it, pads it to a multiple of 2*cp
+    (cp > 1), splits it into 2*cp chunks and keeps chunks r and 2*cp-1-r. Deliberately a Python loop.
+    """
+    align = 2 * cp_size if cp_size > 1 else 1
+    tokens, positions = [], []
+    for i in range(input_ids_nested.shape[0]):
+        seq = input_ids_nested[i]
+        n = seq.shape[0]
+        if need_roll:
+            seq = torch.roll(seq, -1, 0)
+        pad = (-n) % align
+        seq = torch.cat([seq, seq.new_zeros(pad, *seq.shape[1:])])
+        pos = torch.cat([torch.arange(n, device=seq.device), seq.new_zeros(pad, dtype=torch.int64)])
+        if cp_size == 1:
+            tokens.append(seq)
+            positions.append(pos)
+            continue
+        seq_chunks, pos_chunks = seq.chunk(align), pos.chunk(align)
+        keep = (cp_rank, align - 1 - cp_rank)
+        tokens += [seq_chunks[k] for k in keep]
+        positions += [pos_chunks[k] for k in keep]
+    return torch.cat(tokens).unsqueeze(0), torch.cat(positions).unsqueeze(0)
+
+
+def bench_thd(
+    batch_sizes: tuple[int, ...] = (8, 256, 1024),
+    *,
+    max_len: int = 768,
+    cp_size: int = 2,
+    repeat: int = 3,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> list[tuple[int, float, float, float]]:
+    """Time :func:`~nopad.engines.megatron.preprocess_thd` (need_roll, zigzag) against the per-sequence loop.
+
+    Random lengths in [1, max_len]; rank 0 of ``cp_size``; tensors on ``device``. Checks both agree,
+    then returns rows ``(B, ref_ms, nopad_ms, ref_ms / nopad_ms)`` (best of ``repeat``).
+    """
+    from nopad.engines.megatron import preprocess_thd
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for batch in batch_sizes:
+        lengths = torch.randint(1, max_len + 1, (batch,), generator=gen)
+        values = torch.randint(0, 32000, (int(lengths.sum()),), generator=gen)
+        nested = torch.nested.nested_tensor_from_jagged(values.to(device), prepare_offsets(lengths).to(device))
+        ref = lambda: reference_preprocess_thd(nested, cp_size=cp_size, cp_rank=0, need_roll=True)  # noqa: B023
+        ours = lambda: preprocess_thd(nested, cp_size=cp_size, cp_rank=0, need_roll=True)  # noqa: B023
+        ref_tokens, _ = ref()
+        if not torch.equal(ref_tokens, ours()[0]):
+            raise AssertionError(f"bench_thd: preprocess_thd disagrees with the reference at B={batch}")
+        ref_ms = timeit(ref, str(device), 1 if batch >= 512 else repeat)
+        ours_ms = timeit(ours, str(device), repeat)
+        rows.append((batch, ref_ms, ours_ms, ref_ms / ours_ms))
+    return rows
+
+
 def _row(name, B, device, repeats, ours, loop, gather) -> dict:
     t_ours, t_loop, t_gather = (timeit(f, device, repeats) for f in (ours, loop, gather))
     return {
@@ -189,8 +252,6 @@ def run(args: argparse.Namespace) -> int:
         args.batch_sizes, args.prompt_len, args.response_len, args.device, args.repeats, progress=not args.json
     )
     if args.engines:
-        from nopad.engines.megatron import bench_thd
-
         results["megatron preprocess_thd (need_roll, cp=2)"] = [
             {"B": B, "loop_ms": ref, "nopad_ms": ours, "loop/nopad": ratio}
             for B, ref, ours, ratio in bench_thd(tuple(args.batch_sizes), device=args.device, repeat=args.repeats)
@@ -215,4 +276,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["bench_conversions", "bare_gather", "format_table", "plot", "reference_left_right", "synthetic_batch"]
+__all__ = [
+    "bench_conversions",
+    "bench_thd",
+    "reference_preprocess_thd",
+    "bare_gather",
+    "format_table",
+    "plot",
+    "reference_left_right",
+    "synthetic_batch",
+]

@@ -14,18 +14,17 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+from nopad.bench import bench_thd, reference_preprocess_thd
 from nopad.diagnostics import OpCounter
 from nopad.engines import megatron as megatron_engine
 from nopad.engines.megatron import (
     FallbackPackedSeqParams,
     ParallelDims,
-    bench_thd,
     build_thd_plan,
     from_parallel_state,
     packed_seq_params_class,
     postprocess_thd,
     preprocess_thd,
-    reference_preprocess_thd,
     thd_plan,
 )
 from nopad.layout import prepare_offsets

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -369,71 +368,3 @@ def _check_nested(x: Tensor, field: str) -> None:
         raise ValueError(f"{field}: expected layout=torch.jagged, got {x.layout}")
     if ragged_dim(x) != 1:
         raise ValueError(f"{field}: expected the ragged dim at 1 (B, j, ...), got it at {ragged_dim(x)}")
-
-
-# ---- benchmark -----------------------------------------------------------------------------------
-def reference_preprocess_thd(input_ids_nested: Tensor, *, cp_size: int, cp_rank: int, need_roll: bool) -> tuple:
-    """Per-sequence zigzag THD shard (verl's preprocess_thd_engine style), the benchmark's baseline.
-
-    Indexes one sequence of the nested tensor at a time, rolls it, pads it to a multiple of 2*cp
-    (cp > 1), splits it into 2*cp chunks and keeps chunks r and 2*cp-1-r. Deliberately a Python loop.
-    """
-    align = 2 * cp_size if cp_size > 1 else 1
-    tokens, positions = [], []
-    for i in range(input_ids_nested.shape[0]):
-        seq = input_ids_nested[i]
-        n = seq.shape[0]
-        if need_roll:
-            seq = torch.roll(seq, -1, 0)
-        pad = (-n) % align
-        seq = torch.cat([seq, seq.new_zeros(pad, *seq.shape[1:])])
-        pos = torch.cat([torch.arange(n, device=seq.device), seq.new_zeros(pad, dtype=torch.int64)])
-        if cp_size == 1:
-            tokens.append(seq)
-            positions.append(pos)
-            continue
-        seq_chunks, pos_chunks = seq.chunk(align), pos.chunk(align)
-        keep = (cp_rank, align - 1 - cp_rank)
-        tokens += [seq_chunks[k] for k in keep]
-        positions += [pos_chunks[k] for k in keep]
-    return torch.cat(tokens).unsqueeze(0), torch.cat(positions).unsqueeze(0)
-
-
-def _time_ms(fn, repeat: int, device: torch.device) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()  # warm up (lazy imports, allocator)
-    best = math.inf
-    for _ in range(repeat):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
-def bench_thd(
-    batch_sizes: tuple[int, ...] = (8, 256, 1024), *, max_len: int = 768, cp_size: int = 2, repeat: int = 3,
-    seed: int = 0, device: str | torch.device = "cpu",
-) -> list[tuple[int, float, float, float]]:
-    """Time :func:`preprocess_thd` (need_roll, zigzag) against :func:`reference_preprocess_thd`.
-
-    Random lengths in [1, max_len]; rank 0 of ``cp_size``; tensors on ``device``. Checks both agree,
-    then returns rows ``(B, ref_ms, nopad_ms, ref_ms / nopad_ms)`` (best of ``repeat``).
-    """
-    device = torch.device(device)
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for batch in batch_sizes:
-        lengths = torch.randint(1, max_len + 1, (batch,), generator=gen)
-        values = torch.randint(0, 32000, (int(lengths.sum()),), generator=gen)
-        nested = torch.nested.nested_tensor_from_jagged(values.to(device), prepare_offsets(lengths).to(device))
-        ref = lambda: reference_preprocess_thd(nested, cp_size=cp_size, cp_rank=0, need_roll=True)  # noqa: B023
-        ours = lambda: preprocess_thd(nested, cp_size=cp_size, cp_rank=0, need_roll=True)  # noqa: B023
-        ref_tokens, _ = ref()
-        if not torch.equal(ref_tokens, ours()[0]):
-            raise AssertionError(f"bench_thd: preprocess_thd disagrees with the reference at B={batch}")
-        ref_ms = _time_ms(ref, 1 if batch >= 512 else repeat, device)
-        ours_ms = _time_ms(ours, repeat, device)
-        rows.append((batch, ref_ms, ours_ms, ref_ms / ours_ms))
-    return rows
