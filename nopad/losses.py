@@ -27,7 +27,9 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad._batch import get_field
 from nopad.layout import IndexPlan, _fail, to_host
+from nopad.layout import is_nested as _is_nested
 from nopad.padding import no_padding_2_padding
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -374,23 +376,12 @@ def shifted_loss_mask(loss_mask: Tensor) -> Tensor:
 
 
 # ---- helpers --------------------------------------------------------------------------------
-def _is_nested(x: object) -> bool:
-    return bool(getattr(x, "is_nested", False))
-
-
-def _non_tensor(data: TensorDict, key: str, default=None):
-    if key not in data.keys():
-        return default
-    value = data[key]
-    return getattr(value, "data", value)
-
-
 def _figures(data: TensorDict, cfg: LossConfig) -> dict[str, Any]:
     """The global-batch figures a micro batch carries (verl's config.global_batch_info)."""
     return {
-        "dp_size": _non_tensor(data, "dp_size", 1),
-        "batch_num_tokens": _non_tensor(data, "batch_num_tokens"),
-        "global_batch_size": _non_tensor(data, "global_batch_size"),
+        "dp_size": get_field(data, "dp_size", 1),
+        "batch_num_tokens": get_field(data, "batch_num_tokens"),
+        "global_batch_size": get_field(data, "global_batch_size"),
         "loss_scale_factor": cfg.loss_scale_factor,
     }
 
@@ -429,7 +420,7 @@ def _response_slice(model_output: Mapping[str, Tensor], key: str, data: TensorDi
     if _is_nested(x):
         if x.size(0) != B:
             raise _fail(field, None, f"{B} sequences like response_mask", f"{x.size(0)}")
-        indices = _non_tensor(data, "indices")
+        indices = get_field(data, "indices")
         if isinstance(indices, Tensor) and x.values().shape[0] != indices.shape[0]:
             raise _fail(field, None, f"{indices.shape[0]} tokens (the batch's total)", f"{x.values().shape[0]}")
         return no_padding_2_padding(x, data, max_response_len=R)

@@ -13,18 +13,12 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad._batch import get_field
 from nopad.layout import IndexPlan, _fail, gather_rows, nested_offsets, ragged_dim, to_host
 from nopad.layout import is_nested as _is_nested
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "position_ids")
 PER_TOKEN_KEYS = ("routed_experts", "teacher_logprobs", "teacher_ids")
-
-
-def _non_tensor(data: TensorDict, key: str, default=None):
-    if key not in data.keys():
-        return default
-    value = data.get_non_tensor(key) if hasattr(data, "get_non_tensor") else data[key]
-    return getattr(value, "data", value)
 
 
 def _first_row(bad: Tensor) -> int:
@@ -142,7 +136,7 @@ def left_right_2_no_padding(data: TensorDict, fields: Iterable[str] = ()) -> Ten
 
 def _response_lengths(data: TensorDict) -> tuple[Tensor, int | None]:
     """Response length per row and the padded response width, from whatever ``data`` carries."""
-    width = _non_tensor(data, "max_response_len")
+    width = get_field(data, "max_response_len")
     responses = data.get("responses", None)
     if _is_nested(responses):
         return nested_offsets(responses).diff(), width
@@ -189,7 +183,7 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
     width = max_response_len if max_response_len is not None else width
     if width is None:
         width = to_host(resp_lens.max())[0]
-    indices = _non_tensor(data, "indices")
+    indices = get_field(data, "indices")
     if isinstance(indices, Tensor) and not _is_nested(tensor) and indices.shape[0] != values.shape[0]:
         raise _fail("tensor", None, f"{indices.shape[0]} tokens (the batch's total)", f"shape {tuple(values.shape)}")
     ends = _sequence_ends(tensor, data).to(values.device)

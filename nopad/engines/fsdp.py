@@ -24,6 +24,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad._batch import get_field
 from nopad.layout import IndexPlan, _fail, is_nested, nested_offsets, ragged_dim
 from nopad.ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
@@ -48,17 +49,8 @@ class OutputArgs:
     sp_size: int = 1
 
 
-def _get(micro_batch, key: str, default=None):
-    if isinstance(micro_batch, TensorDict):
-        if key not in micro_batch.keys():
-            return default
-        value = micro_batch.get_non_tensor(key) if not isinstance(micro_batch.get(key), Tensor) else micro_batch[key]
-        return getattr(value, "data", value)
-    return micro_batch.get(key, default)
-
-
 def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
-    input_ids, position_ids = _get(micro_batch, "input_ids"), _get(micro_batch, "position_ids")
+    input_ids, position_ids = get_field(micro_batch, "input_ids"), get_field(micro_batch, "position_ids")
     for key, x in (("input_ids", input_ids), ("position_ids", position_ids)):
         if not is_nested(x):
             raise _fail(key, None, "a jagged nested tensor (the output of left_right_2_no_padding)",
@@ -160,7 +152,9 @@ def prepare_model_inputs(
     last_tokens = (plan.offsets[1:].to(device) - 1) % total
     label_mask = torch.ones(padded_total, dtype=torch.bool, device=device).index_fill_(0, last_tokens, False)
     label_mask[total:] = False
-    temps = _token_temperature(_get(micro_batch, "temperature") if temperature is None else temperature, plan, device)
+    if temperature is None:
+        temperature = get_field(micro_batch, "temperature")
+    temps = _token_temperature(temperature, plan, device)
 
     ids, labels = _pad_last(ids, pad, pad_token_id), _pad_last(labels, pad, pad_token_id)
     positions = _pad_last(positions, pad, torch.arange(pad, device=device, dtype=positions.dtype))
