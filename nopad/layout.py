@@ -233,6 +233,15 @@ class IndexPlan:
         return prepare_position_ids(self.offsets, self.row_ids)
 
     @property
+    def last_token_mask(self) -> Tensor:
+        """(total,) True at the last token of each sequence: its next-token label belongs to no one. No sync."""
+        mask = torch.zeros(self.total, dtype=torch.bool, device=self.offsets.device)
+        if self.total == 0:
+            return mask
+        # an empty row's "end - 1" is the previous row's last token (or, wrapped, the final token): already True
+        return mask.index_fill_(0, (self.offsets[1:] - 1) % self.total, True)
+
+    @property
     def indices(self) -> Tensor:
         """(total,) positions of the real tokens in the flattened (B * width) padded buffer."""
         if self._indices is None:

@@ -371,8 +371,7 @@ def shifted_loss_mask(loss_mask: Tensor) -> Tensor:
     """
     plan = IndexPlan.from_nested(loss_mask)
     values = loss_mask.values().bool()
-    is_last = plan.position_ids == (plan.lengths[plan.row_ids] - 1)
-    return torch.roll(values, -1, 0) & ~is_last
+    return torch.roll(values, -1, 0) & ~plan.last_token_mask
 
 
 # ---- helpers --------------------------------------------------------------------------------

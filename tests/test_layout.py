@@ -103,3 +103,9 @@ def test_pack_refuses_wrong_shapes():
         plan.pack(torch.zeros(2, 4))
     with pytest.raises(ValueError, match=r"values: expected 3 tokens on dim 0, got shape \(4,\)"):
         plan.unpack(torch.zeros(4))
+
+
+@given(lengths=lengths_st)
+def test_last_token_mask_matches_a_naive_loop(lengths):
+    plan = IndexPlan.from_lengths(torch.tensor(lengths))
+    assert plan.last_token_mask.tolist() == [k == n - 1 for n in lengths for k in range(n)]

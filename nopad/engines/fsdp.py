@@ -149,9 +149,7 @@ def prepare_model_inputs(
     labels = torch.roll(ids, shifts=-1)
     # The last token of each sequence has no next token of its own: its label belongs to no one.
     # (An empty row's "last token" wraps onto the previous row's, which is already excluded.)
-    last_tokens = (plan.offsets[1:].to(device) - 1) % total
-    label_mask = torch.ones(padded_total, dtype=torch.bool, device=device).index_fill_(0, last_tokens, False)
-    label_mask[total:] = False
+    label_mask = _pad_last(~plan.last_token_mask.to(device), pad, False)
     if temperature is None:
         temperature = get_field(micro_batch, "temperature")
     temps = _token_temperature(temperature, plan, device)
