@@ -10,7 +10,9 @@ from nopad.layout import (
     prepare_position_ids,
     prepare_row_ids,
     ragged_dim,
+    spread_over_tokens,
     to_host,
+    wrap_jagged,
 )
 from nopad.leak import IsolationReport, check_isolation
 from nopad.losses import (
@@ -50,6 +52,7 @@ __all__ = [
     "nested_offsets",
     "ppo_loss",
     "ragged_dim",
+    "spread_over_tokens",
     "sft_loss",
     "value_loss",
     "build_attention_mask_from_nested",
@@ -67,5 +70,6 @@ __all__ = [
     "response_from_nested",
     "response_to_nested",
     "to_host",
+    "wrap_jagged",
     "unpad_input",
 ]

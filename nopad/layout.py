@@ -14,7 +14,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from nopad.ops import index_first_axis, index_put_first_axis
+from nopad.ops import index_put_first_axis
+
+try:  # holds torch's constructor of jagged tensors, the one its own unpickler and view op call
+    from torch.nested._internal import nested_tensor as _njt
+except ImportError:  # pragma: no cover - a torch that moved it: wrap_jagged takes the public path
+    _njt = None  # type: ignore[assignment]
 
 
 def to_host(*scalars: Tensor) -> list[int]:
@@ -46,15 +51,54 @@ def prepare_offsets(lengths: Tensor) -> Tensor:
     return torch.nn.functional.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
 
 
+def spread_over_tokens(per_row: Tensor, offsets: Tensor, total: int, *, plus_position: bool = False) -> Tensor:
+    """(B,) per-row values -> (total,): token t of row b gets ``per_row[b]`` (``+ t`` with ``plus_position``).
+
+    ``repeat_interleave`` without its gather: each row's change of value is added at the row's
+    first token and one cumsum carries it on. An empty row's change lands where the next row's
+    does, so the two add up and empty rows need no care. No sync (``total`` is given).
+    """
+    step = int(plus_position)
+    change = torch.diff(per_row, prepend=per_row.new_full((1,), step))
+    tokens = per_row.new_full((total + 1,), step)  # the extra slot takes trailing empty rows
+    return tokens.index_add_(0, offsets[:-1].to(per_row.device), change).cumsum_(0)[:total]
+
+
 def prepare_row_ids(lengths: Tensor, total: int) -> Tensor:
     """(total,) index of the row each packed token belongs to. No sync (``total`` is given)."""
     rows = torch.arange(lengths.shape[0], device=lengths.device)
-    return torch.repeat_interleave(rows, lengths, output_size=total)
+    return spread_over_tokens(rows, prepare_offsets(lengths), total)
 
 
-def prepare_position_ids(offsets: Tensor, row_ids: Tensor) -> Tensor:
+def prepare_position_ids(offsets: Tensor, total: int) -> Tensor:
     """(total,) position of each packed token inside its own sequence, restarting at 0. No sync."""
-    return torch.arange(row_ids.shape[0], device=row_ids.device) - offsets[row_ids]
+    return spread_over_tokens(-offsets[:-1], offsets, total, plus_position=True)
+
+
+def wrap_jagged(
+    values: Tensor,
+    offsets: Tensor,
+    ragged_dim: int = 1,
+    *,
+    min_seqlen: int | None = None,
+    max_seqlen: int | None = None,
+) -> Tensor:
+    """(total, *) values (or (C, total) with ragged_dim=2) + (B+1,) offsets -> jagged nested tensor.
+
+    Equal to ``torch.nested.nested_tensor_from_jagged``. That one routes through the nested
+    tensor's Python dispatch (about 30 us) to record that the result is a view of ``values``,
+    which only autograd needs; values that do not require grad skip it and go to the constructor.
+    """
+    if _njt is None or values.requires_grad or ragged_dim < 1 or torch.compiler.is_compiling():
+        return torch.nested.nested_tensor_from_jagged(
+            values, offsets, jagged_dim=ragged_dim, min_seqlen=min_seqlen, max_seqlen=max_seqlen
+        )
+    cache = {}
+    if min_seqlen is not None:
+        cache["min_seqlen"] = _njt._store_val_in_tensor(min_seqlen)
+    if max_seqlen is not None:
+        cache["max_seqlen"] = _njt._store_val_in_tensor(max_seqlen)
+    return _njt.NestedTensor(values, offsets, _ragged_idx=ragged_dim, _metadata_cache=cache)
 
 
 def gather_rows(values: Tensor, src_start: Tensor, lo: Tensor | None, hi: Tensor, width: int) -> Tensor:
@@ -224,13 +268,14 @@ class IndexPlan:
     def row_ids(self) -> Tensor:
         """(total,) row of each packed token. No sync."""
         if self._row_ids is None:
-            self._row_ids = prepare_row_ids(self.lengths, self.total)
+            rows = torch.arange(self.batch_size, device=self.offsets.device)
+            self._row_ids = spread_over_tokens(rows, self.offsets, self.total)
         return self._row_ids
 
     @property
     def position_ids(self) -> Tensor:
         """(total,) position of each packed token in its own sequence, from 0. No sync."""
-        return prepare_position_ids(self.offsets, self.row_ids)
+        return prepare_position_ids(self.offsets, self.total)
 
     @property
     def last_token_mask(self) -> Tensor:
@@ -248,10 +293,9 @@ class IndexPlan:
             if self.width is None or self.starts is None:
                 raise ValueError("this plan has no padded width; build it with width=")
             # token t of row b sits at b * width + starts[b] + (t - offsets[b]): one shift per row
-            rows = torch.arange(self.batch_size, device=self.lengths.device)
+            rows = torch.arange(self.batch_size, device=self.offsets.device)
             shift = rows * self.width + self.starts - self.offsets[:-1]
-            per_token = torch.repeat_interleave(shift, self.lengths, output_size=self.total)
-            self._indices = per_token + torch.arange(self.total, device=shift.device)
+            self._indices = spread_over_tokens(shift, self.offsets, self.total, plus_position=True)
         return self._indices
 
     # ---- moving tensors -----------------------------------------------------------------
@@ -259,7 +303,7 @@ class IndexPlan:
         """Padded (B, ..., S, ...) with the sequence at ``seq_dim`` -> (total, ...) real tokens."""
         self._check_padded(x, seq_dim)
         x = x if seq_dim == 1 else x.movedim(seq_dim, 1)
-        return index_first_axis(x.flatten(0, 1), self.indices)
+        return x.flatten(0, 1).index_select(0, self.indices)
 
     def unpack(self, values: Tensor, width: int | None = None) -> Tensor:
         """(total, *) -> padded (B, width, *) with zeros at padding; inverse of :meth:`pack`.
@@ -279,13 +323,7 @@ class IndexPlan:
 
     def to_nested(self, values: Tensor, ragged_dim: int = 1) -> Tensor:
         """Wrap (total, *) values (or (C, total) for ragged_dim=2) in a jagged nested tensor."""
-        return torch.nested.nested_tensor_from_jagged(
-            values,
-            self.offsets,
-            jagged_dim=ragged_dim,
-            min_seqlen=self._min_seqlen,
-            max_seqlen=self._max_seqlen,
-        )
+        return wrap_jagged(values, self.offsets, ragged_dim, min_seqlen=self._min_seqlen, max_seqlen=self._max_seqlen)
 
     def nest(self, x: Tensor, seq_dim: int = 1) -> Tensor:
         """Padded (B, S, *) -> nested (B, j, *); (B, C, S) with seq_dim=2 -> nested (B, C, j).

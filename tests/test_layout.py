@@ -109,3 +109,38 @@ def test_pack_refuses_wrong_shapes():
 def test_last_token_mask_matches_a_naive_loop(lengths):
     plan = IndexPlan.from_lengths(torch.tensor(lengths))
     assert plan.last_token_mask.tolist() == [k == n - 1 for n in lengths for k in range(n)]
+
+
+@given(
+    lengths=lengths_st,
+    per_row=st.lists(st.integers(-50, 50), min_size=12, max_size=12),
+    plus_position=st.booleans(),
+)
+def test_spread_over_tokens_matches_a_naive_loop(lengths, per_row, plus_position):
+    expected, t = [], 0  # t counts tokens over the whole batch
+    for b, n in enumerate(lengths):
+        for _ in range(n):
+            expected.append(per_row[b] + (t if plus_position else 0))
+            t += 1
+    offsets = nopad.prepare_offsets(torch.tensor(lengths))
+    per_row_t = torch.tensor(per_row[: len(lengths)])
+    assert nopad.layout.spread_over_tokens(per_row_t, offsets, t, plus_position=plus_position).tolist() == expected
+
+
+@pytest.mark.parametrize("shape, ragged_dim", [((7,), 1), ((7, 3), 1), ((4, 7), 2)])
+@pytest.mark.parametrize("seqlens", [None, (1, 4)])
+def test_wrap_jagged_equals_torchs_public_constructor(shape, ragged_dim, seqlens):
+    values, offsets = torch.arange(torch.Size(shape).numel()).reshape(shape), torch.tensor([0, 1, 5, 7])
+    min_len, max_len = seqlens or (None, None)
+    ours = nopad.layout.wrap_jagged(values, offsets, ragged_dim, min_seqlen=min_len, max_seqlen=max_len)
+    public = torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged_dim, min_seqlen=min_len,
+                                                    max_seqlen=max_len)
+    assert ours.shape == public.shape and ragged_dim == nopad.ragged_dim(ours) == nopad.ragged_dim(public)
+    assert ours.offsets() is offsets and ours.values() is not None and torch.equal(ours.values(), public.values())
+    assert [torch.equal(a, b) for a, b in zip(ours.unbind(), public.unbind())] == [True] * 3
+    assert (ours._maybe_min_seqlen, ours._maybe_max_seqlen) == (public._maybe_min_seqlen, public._maybe_max_seqlen)
+    # values that need a gradient take torch's own path, so the nested tensor stays their view
+    grad_values = values.float().requires_grad_()
+    nested = nopad.layout.wrap_jagged(grad_values, offsets, ragged_dim)
+    nested.values().sum().backward()
+    assert torch.equal(grad_values.grad, torch.ones_like(grad_values))

@@ -16,7 +16,14 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.layout import prepare_offsets, prepare_row_ids, to_host
+from nopad.layout import (
+    prepare_offsets,
+    prepare_position_ids,
+    prepare_row_ids,
+    spread_over_tokens,
+    to_host,
+    wrap_jagged,
+)
 from nopad.packing.rows import ROW_FIELDS, TOKEN_FIELDS, Columns, validate_columns
 
 
@@ -94,11 +101,10 @@ def packed_to_nested(
             f"got boundaries {cu[r, : int(count[r])].tolist()}; repack for this parallel layout"
         )
     seg_row = prepare_row_ids(segs_per_row, n_seg)
-    seg_k = torch.arange(n_seg, device=cu.device) - prepare_offsets(segs_per_row)[seg_row]
-    lengths = seg[seg_row, seg_k]
-    tok_row = prepare_row_ids(row_len, total)
-    tok_col = torch.arange(total, device=cu.device) - prepare_offsets(row_len)[tok_row]
-    flat = tok_row * width + tok_col
+    lengths = seg[seg_row, prepare_position_ids(prepare_offsets(segs_per_row), n_seg)]
+    # token k of row r sits at r * width + k in the flattened rows
+    row_offsets = prepare_offsets(row_len)
+    rows = torch.arange(row_len.shape[0], device=cu.device)
+    flat = spread_over_tokens(rows * width - row_offsets[:-1], row_offsets, total, plus_position=True)
     offsets = prepare_offsets(lengths)
-    return {f: torch.nested.nested_tensor_from_jagged(batch[f].reshape(-1).index_select(0, flat), offsets)
-            for f in fields}
+    return {f: wrap_jagged(batch[f].reshape(-1).index_select(0, flat), offsets) for f in fields}
