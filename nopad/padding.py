@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import get_field
-from nopad.layout import IndexPlan, _fail, gather_rows, nested_offsets, ragged_dim, to_host
+from nopad.layout import IndexPlan, _fail, gather_rows, nested_offsets, prepare_offsets, ragged_dim, to_host
 from nopad.layout import is_nested as _is_nested
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "position_ids")
@@ -25,18 +25,14 @@ def _first_row(bad: Tensor) -> int:
     return int(bad.nonzero()[0])
 
 
-def _ones_before(ones_upto: Tensor, cols: Tensor) -> Tensor:
-    """(B, k) count of ones in columns [0, cols[b, i]) of each row, from an inclusive (B, S) cumsum."""
-    before = ones_upto.gather(1, (cols - 1).clamp(min=0))
-    return before.masked_fill(cols == 0, 0)
-
-
-def plan_left_right(attention_mask: Tensor, response_mask: Tensor) -> IndexPlan:
+def plan_left_right(attention_mask: Tensor, response_mask: Tensor, *, check_response_mask: bool = False) -> IndexPlan:
     """Plan of a left-padded-prompt / right-padded-response batch, validated. ONE host sync.
 
     attention_mask (B, S), response_mask (B, R) with R < S. Raises ValueError naming the row when
-    a row is not one contiguous run across column S - R, has an empty prompt but a response, or
-    marks response_mask tokens that attention_mask calls padding.
+    a row is not one contiguous run across column S - R or has an empty prompt but a response.
+    Only the shape of ``response_mask`` is read unless ``check_response_mask``: then a row that
+    marks response tokens attention_mask calls padding fails too, at the cost of one more pass
+    over (B, R) inside the same sync.
     """
     if attention_mask.dim() != 2:
         raise _fail("attention_mask", None, "shape (batch, seqlen)", f"{tuple(attention_mask.shape)}")
@@ -46,36 +42,43 @@ def plan_left_right(attention_mask: Tensor, response_mask: Tensor) -> IndexPlan:
     if B == 0:
         raise _fail("attention_mask", None, "at least one row", "an empty batch")
     prompt_width = S - R
-    # One cumsum pass answers everything: row lengths, prompt lengths, and whether all of a row's
-    # ones sit inside the run [start, start + length) that the left/right layout requires.
-    ones_upto = attention_mask.cumsum(-1)
-    lengths = ones_upto[:, -1]
-    prompt_lens = ones_upto[:, prompt_width - 1]
+    # One cumsum pass answers everything. A row's run must be [start, end) with start = P - prompt
+    # length; it is exactly that when no one comes before start and all ones have come by end.
+    # Any nonzero counts as a one (as nonzero() and unpad_input see it); the narrow count writes a
+    # quarter of what an int64 cumsum of an int64 mask would, which the gathers after it feel.
+    ones_upto = attention_mask.bool().cumsum(-1, dtype=torch.int16 if S < 2**15 else torch.int32)
+    lengths, prompt_lens = ones_upto[:, -1].long(), ones_upto[:, prompt_width - 1].long()
     starts = prompt_width - prompt_lens
-    before = _ones_before(ones_upto, torch.stack([starts, starts + lengths], 1))
+    last_cols = torch.stack([starts - 1, starts + lengths - 1], 1)
+    # a full prompt starts at 0: its "column before" is clamped onto column 0, which holds a one
+    before_start, by_end = ones_upto.gather(1, last_cols.clamp(min=0)).unbind(1)
     checks = {
         "attention_mask": (
-            before[:, 1] - before[:, 0] != lengths,
+            by_end - before_start + (starts == 0) != lengths,
             "ones forming one run: prompt left-padded, response right-padded",
         ),
         "prompt": (
             (prompt_lens == 0) & (lengths > 0),
             "a non-empty prompt (the first response log-prob comes from it)",
         ),
-        "response_mask": (
+    }
+    if check_response_mask:
+        checks["response_mask"] = (
             (response_mask > attention_mask[:, prompt_width:]).any(-1),
             "ones only where attention_mask is 1",
-        ),
-    }
-    bad_rows = torch.stack([bad for bad, _ in checks.values()]).sum()
+        )
+    any_bad = torch.stack([bad for bad, _ in checks.values()]).any()
     shortest, longest = torch.aminmax(lengths)
-    total, max_len, min_len, any_bad = to_host(lengths.sum(), longest, shortest, bad_rows)
-    if any_bad:  # the failure path may take its time: find which check and which row
+    offsets = prepare_offsets(lengths)
+    total, max_len, min_len, failed = to_host(offsets[-1], longest, shortest, any_bad)
+    if failed:  # the failure path may take its time: find which check and which row
         for field, (bad, expected) in checks.items():
             if bad.any():
                 row = _first_row(bad)
                 raise _fail(field, row, expected, f"attention_mask {attention_mask[row].tolist()}")
-    return IndexPlan.from_lengths(lengths, width=S, starts=starts, total=total, max_seqlen=max_len, min_seqlen=min_len)
+    return IndexPlan(
+        lengths, offsets, total=total, width=S, starts=starts, max_seqlen=max_len, min_seqlen=min_len
+    )
 
 
 def _check_per_token(data: TensorDict, key: str, B: int, S: int) -> Tensor:
@@ -86,7 +89,9 @@ def _check_per_token(data: TensorDict, key: str, B: int, S: int) -> Tensor:
     return x
 
 
-def left_right_2_no_padding(data: TensorDict, fields: Iterable[str] = ()) -> TensorDict:
+def left_right_2_no_padding(
+    data: TensorDict, fields: Iterable[str] = (), *, check_response_mask: bool = False
+) -> TensorDict:
     """Padded TensorDict -> a new TensorDict with nested per-token fields. One host sync.
 
     Input keys: input_ids (B, S), attention_mask (B, S), response_mask (B, R), position_ids (B, S)
@@ -94,6 +99,12 @@ def left_right_2_no_padding(data: TensorDict, fields: Iterable[str] = ()) -> Ten
     (B, C, j), loss_mask = response_mask, and routed_experts / teacher_logprobs / teacher_ids plus
     every key in ``fields`` nested (B, j, *). Non-tensor metadata: max_seq_len (S),
     max_response_len (R), indices (total,). The caller's TensorDict is not modified.
+
+    Every row's attention_mask is checked, since the nested rows are cut from it. response_mask
+    is passed on as loss_mask unread, as verl does; ``check_response_mask=True`` also fails a row
+    whose response_mask marks padding (one more pass over it, in the same sync). Reading it costs
+    as much as the gathers themselves on a CPU, so a producer that builds the mask from
+    attention_mask, or checked it once, should leave this off in the forward pass.
     """
     missing = [k for k in REQUIRED_KEYS if k not in data.keys()]
     if missing:
@@ -120,7 +131,7 @@ def left_right_2_no_padding(data: TensorDict, fields: Iterable[str] = ()) -> Ten
     ):
         raise _fail("position_ids", None, f"shape ({B}, {S}) or ({B}, 3|4, {S})", f"{tuple(position_ids.shape)}")
 
-    plan = plan_left_right(attention_mask, response_mask)
+    plan = plan_left_right(attention_mask, response_mask, check_response_mask=check_response_mask)
     out = data.copy()  # shallow: new keys and metadata never reach the caller's TensorDict
     out["input_ids"] = plan.nest(input_ids)
     out["position_ids"] = plan.nest(position_ids, seq_dim=2 if mrope else 1)

@@ -194,10 +194,12 @@ def test_empty_prompt_with_response():
     _bad(data, r"prompt row 0: expected a non-empty prompt")
 
 
-def test_response_mask_outside_attention():
+def test_response_mask_outside_attention_fails_when_asked():
     data = make_batch([1, 1], [1, 1], 2, 2)
     data["response_mask"][1] = torch.tensor([1, 1])
-    _bad(data, r"response_mask row 1: expected ones only where attention_mask is 1")
+    _bad(data, r"response_mask row 1: expected ones only where attention_mask is 1", check_response_mask=True)
+    # by default the mask is passed on unread, as verl does: the very tensor, ones on padding included
+    assert nopad.left_right_2_no_padding(data)["loss_mask"] is data["response_mask"]
 
 
 def test_response_mask_wider_than_sequence():
@@ -230,3 +232,32 @@ def test_no_padding_2_padding_refuses_a_flat_tensor_of_the_wrong_length():
     out = nopad.left_right_2_no_padding(data)
     with pytest.raises(ValueError, match=r"tensor: expected 5 tokens \(the batch's total\), got shape \(4,\)"):
         nopad.no_padding_2_padding(torch.zeros(4), out)
+
+
+def _naive_left_right_row_ok(row: list[int], prompt_width: int) -> bool:
+    """One run of ones that ends at the prompt's last column or starts the response; empty rows pass."""
+    ones = [j for j, m in enumerate(row) if m]
+    if not ones:
+        return True
+    one_run = ones == list(range(ones[0], ones[-1] + 1))
+    return one_run and ones[0] < prompt_width and ones[-1] >= prompt_width - 1
+
+
+# a run of ones [a, b) in 6 columns, sometimes with one slot flipped: mostly near-valid rows
+_run_rows = st.tuples(st.integers(0, 6), st.integers(0, 6), st.sampled_from([None, None, 0, 1, 2, 3, 4, 5]))
+
+
+@given(rows=st.lists(_run_rows, min_size=1, max_size=5), response_width=st.integers(1, 5))
+def test_plan_left_right_accepts_exactly_the_rows_a_naive_check_accepts(rows, response_width):
+    prompt_width = 6 - response_width
+    mask = [[int(min(a, b) <= j < max(a, b)) ^ (j == flip) for j in range(6)] for a, b, flip in rows]
+    attention_mask = torch.tensor(mask)
+    response_mask = attention_mask[:, prompt_width:]
+    bad_rows = [b for b, row in enumerate(mask) if not _naive_left_right_row_ok(row, prompt_width)]
+    if bad_rows:
+        with pytest.raises(ValueError, match=r"row (\d+): expected") as failure:
+            nopad.plan_left_right(attention_mask, response_mask)
+        assert int(failure.value.args[0].split(" row ")[1].split(":")[0]) in bad_rows
+    else:
+        plan = nopad.plan_left_right(attention_mask, response_mask)
+        assert torch.equal(plan.indices, attention_mask.flatten().nonzero().flatten())
