@@ -7,6 +7,8 @@ the last ``R`` columns, right-padded, so each row's real tokens are one run that
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -67,10 +69,10 @@ def plan_left_right(attention_mask: Tensor, response_mask: Tensor, *, check_resp
             (response_mask > attention_mask[:, prompt_width:]).any(-1),
             "ones only where attention_mask is 1",
         )
-    any_bad = torch.stack([bad for bad, _ in checks.values()]).any()
+    bad_rows = functools.reduce(operator.or_, (bad for bad, _ in checks.values()))
     shortest, longest = torch.aminmax(lengths)
     offsets = prepare_offsets(lengths)
-    total, max_len, min_len, failed = to_host(offsets[-1], longest, shortest, any_bad)
+    total, max_len, min_len, failed = to_host(offsets[-1], longest, shortest, bad_rows.sum())
     if failed:  # the failure path may take its time: find which check and which row
         for field, (bad, expected) in checks.items():
             if bad.any():
