@@ -134,6 +134,36 @@ def _bench_batch(B: int, prompt_width: int, resp_width: int, device: str, repeat
     return [to_nested, to_padded]
 
 
+def bench_padded_to_nested_steps(
+    B: int = 1024, prompt_width: int = 256, resp_width: int = 512, device: str = "cpu", repeats: int = 60
+) -> list[dict]:
+    """Where padded -> nested spends its time: each step added to the one before, all timed in turn
+    with the bare gather. Rows of {steps, ms, /gather}."""
+    from nopad.padding import plan_left_right
+
+    data = synthetic_batch(B, prompt_width, resp_width, device=device)
+    am, rm, ids, pos = (data[k] for k in ("attention_mask", "response_mask", "input_ids", "position_ids"))
+
+    def gathers():
+        indices = plan_left_right(am, rm).indices
+        return ids.flatten().index_select(0, indices), pos.flatten().index_select(0, indices)
+
+    def nested():
+        plan = plan_left_right(am, rm)
+        return plan.nest(ids), plan.nest(pos)
+
+    steps = {
+        "bare gather (the floor)": lambda: bare_gather(data),
+        "plan_left_right + indices (validate, 1 sync)": lambda: plan_left_right(am, rm).indices,
+        "+ the two index_selects": gathers,
+        "+ jagged nested tensors": nested,
+        "+ the TensorDict (left_right_2_no_padding)": lambda: left_right_2_no_padding(data),
+        "+ check_response_mask=True": lambda: left_right_2_no_padding(data, check_response_mask=True),
+    }
+    times = time_interleaved(list(steps.values()), device, repeats)
+    return [{"steps": name, "ms": t, "/gather": t / times[0]} for name, t in zip(steps, times)]
+
+
 # ---- Megatron THD preprocessing -----------------------------------------------------------------
 def reference_preprocess_thd(input_ids_nested: Tensor, *, cp_size: int, cp_rank: int, need_roll: bool) -> tuple:
     """Per-sequence zigzag THD shard (verl's preprocess_thd_engine style), the benchmark's baseline.
@@ -254,18 +284,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--packing", action="store_true", help="also run the bin-packing benchmark")
     parser.add_argument("--engines", action="store_true", help="also run the Megatron THD preprocessing benchmark")
-    parser.add_argument("--all", action="store_true", help="conversions, engines and packing")
+    parser.add_argument("--steps", action="store_true", help="also split padded -> nested at the largest B into steps")
+    parser.add_argument("--all", action="store_true", help="conversions, steps, engines and packing")
     parser.add_argument("--plot", metavar="FILE.png", help="write time against batch size to this PNG")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.all:
-        args.engines = args.packing = True
+        args.engines = args.packing = args.steps = True
     results: dict[str, list[dict]] = {}
     results["conversions"] = bench_conversions(
         args.batch_sizes, args.prompt_len, args.response_len, args.device, args.repeats, progress=not args.json
     )
+    if args.steps:
+        B = max(args.batch_sizes)
+        results[f"padded -> nested in steps (B={B})"] = bench_padded_to_nested_steps(
+            B, args.prompt_len, args.response_len, args.device, max(args.repeats, 60)
+        )
     if args.engines:
         results["megatron preprocess_thd (need_roll, cp=2)"] = [
             {"B": B, "loop_ms": ref, "nopad_ms": ours, "loop/nopad": ratio}

@@ -45,12 +45,14 @@ def test_demo_prints_the_table_and_agrees_per_token(capsys):
 def test_bench_json_and_plot(tmp_path, capsys):
     png = tmp_path / "bench.png"
     assert main(["bench", "--batch-sizes", "4", "16", "--prompt-len", "16", "--response-len", "16",
-                 "--repeats", "2", "--engines", "--json", "--plot", str(png)]) == 0
+                 "--repeats", "2", "--engines", "--steps", "--json", "--plot", str(png)]) == 0
     results = json.loads(capsys.readouterr().out)
     rows = results["conversions"]
     assert {r["conversion"] for r in rows} == {"padded -> nested", "nested -> padded"}
     assert all(r["nopad_ms"] > 0 and r["loop/nopad"] > 0 for r in rows)
     assert [r["B"] for r in results["megatron preprocess_thd (need_roll, cp=2)"]] == [4, 16]
+    steps = results["padded -> nested in steps (B=16)"]
+    assert steps[0]["/gather"] == 1.0 and len(steps) == 6 and all(r["ms"] > 0 for r in steps)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
