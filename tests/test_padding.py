@@ -261,3 +261,13 @@ def test_plan_left_right_accepts_exactly_the_rows_a_naive_check_accepts(rows, re
     else:
         plan = nopad.plan_left_right(attention_mask, response_mask)
         assert torch.equal(plan.indices, attention_mask.flatten().nonzero().flatten())
+
+
+@pytest.mark.parametrize("width", [2**15 - 1, 2**15 + 5])
+def test_plan_left_right_counts_rows_longer_than_int16(width):
+    mask = torch.zeros(2, width, dtype=torch.long)  # prompt width 8, the rest response
+    mask[0, 3:] = 1  # a row of width - 3 ones: more than int16 holds on the wider batch
+    mask[1, 7:108] = 1
+    plan = nopad.plan_left_right(mask, mask[:, 8:])
+    assert plan.lengths.tolist() == [width - 3, 101] and plan.max_seqlen == width - 3
+    assert torch.equal(plan.indices, mask.flatten().nonzero().flatten())
