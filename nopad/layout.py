@@ -292,11 +292,15 @@ class IndexPlan:
         if self._indices is None:
             if self.width is None or self.starts is None:
                 raise ValueError("this plan has no padded width; build it with width=")
-            # token t of row b sits at b * width + starts[b] + (t - offsets[b]): one shift per row
             rows = torch.arange(self.batch_size, device=self.offsets.device)
-            shift = rows * self.width + self.starts - self.offsets[:-1]
-            self._indices = spread_over_tokens(shift, self.offsets, self.total, plus_position=True)
+            self._indices = self.token_index(rows * self.width + self.starts)
         return self._indices
+
+    def token_index(self, row_start: Tensor) -> Tensor:
+        """(total,) ``row_start[b] + k`` for the k-th token of row b: where each token sits in a
+        flat buffer whose row b begins at ``row_start[b]``. No sync."""
+        shift = row_start.to(self.offsets.device) - self.offsets[:-1]
+        return spread_over_tokens(shift, self.offsets, self.total, plus_position=True)
 
     # ---- moving tensors -----------------------------------------------------------------
     def pack(self, x: Tensor, seq_dim: int = 1) -> Tensor:

@@ -213,7 +213,7 @@ def response_from_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
         raise _fail("tensor/response_mask", None, "two nested tensors", "a dense tensor")
     resp = IndexPlan.from_nested(response_mask)
     ends = nested_offsets(tensor)[1:].to(resp.offsets.device)
-    src = (ends - resp.lengths - 1)[resp.row_ids] + resp.position_ids
+    src = resp.token_index(ends - resp.lengths - 1)  # token t's log-prob comes from position t - 1
     return resp.to_nested(tensor.values().index_select(0, src))
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad.layout import prepare_offsets, prepare_row_ids
+from nopad.layout import prepare_offsets, prepare_position_ids, prepare_row_ids
 
 CpLayout = Literal["zigzag", "contiguous"]
 CP_LAYOUTS = ("zigzag", "contiguous")
@@ -103,7 +103,7 @@ def unshard_index(
     cu = cu_seqlens_padded.to(torch.int64)
     lengths = lengths.to(torch.int64)
     row = prepare_row_ids(lengths, total)
-    pos = torch.arange(total, device=cu.device) - prepare_offsets(lengths)[row]
+    pos = prepare_position_ids(prepare_offsets(lengths), total)
     if cp_layout != "zigzag" or cp_size == 1:
         return cu[row] + pos
     chunk = cu.diff()[row] // (2 * cp_size)

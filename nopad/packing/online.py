@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.layout import is_nested, nested_offsets, prepare_row_ids, ragged_dim
+from nopad.layout import is_nested, nested_offsets, prepare_position_ids, prepare_row_ids, ragged_dim
 from nopad.packing.algorithms import Bins, pack_lengths
 from nopad.packing.rows import thd_alignment
 from nopad.parallel import CpLayout
@@ -89,7 +89,7 @@ def pack_online(
     values = input_ids.values()
     total = values.shape[0]
     row = prepare_row_ids(lengths, total)
-    pos = torch.arange(total, device=device) - offsets[row]
+    pos = prepare_position_ids(offsets, total)
     last = pos == lengths[row] - 1
     dest = seq_bin_t[row] * width + seq_start_t[row] + pos
     mask_values = torch.ones_like(values) if loss_mask is None else _mask_values(loss_mask, offsets)
