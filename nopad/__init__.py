@@ -1,5 +1,6 @@
 """nopad: padded <-> nested <-> packed LLM training batches, exact and without per-row loops."""
 
+from nopad import attention
 from nopad.diagnostics import OpCounter
 from nopad.layout import (
     IndexPlan,
@@ -37,6 +38,9 @@ from nopad.padding import (
 )
 
 __version__ = "0.1.0"
+
+# "nopad_varlen" becomes a transformers attention implementation as soon as transformers loads
+attention.register_on_import()
 
 __all__ = [
     "IndexPlan",

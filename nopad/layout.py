@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -73,6 +74,35 @@ def prepare_row_ids(lengths: Tensor, total: int) -> Tensor:
 def prepare_position_ids(offsets: Tensor, total: int) -> Tensor:
     """(total,) position of each packed token inside its own sequence, restarting at 0. No sync."""
     return spread_over_tokens(-offsets[:-1], offsets, total, plus_position=True)
+
+
+def block_causal_mask(
+    cu_seqlens: Tensor,
+    total: int,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    additive_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """(1, 1, T, T) mask letting token i see token j iff both lie in the same segment, j <= i when
+    ``causal``, and |i - j| < ``window`` when given (HF's sliding window: the token and window - 1 before it).
+
+    Boolean (True = attend) for sdpa; with ``additive_dtype``, 0 / dtype-min for eager attention.
+    ``cu_seqlens`` must end at ``total`` (fold any tail padding into a last segment). No sync.
+    """
+    segment = prepare_row_ids(cu_seqlens.to(torch.int64).diff(), total)
+    positions = torch.arange(total, device=cu_seqlens.device)
+    distance = positions.unsqueeze(1) - positions.unsqueeze(0)  # query minus key
+    allowed = segment.unsqueeze(1) == segment.unsqueeze(0)
+    if causal:
+        allowed &= distance >= 0
+    if window is not None:
+        allowed &= distance.abs() < window
+    allowed = allowed.view(1, 1, total, total)
+    if additive_dtype is None:
+        return allowed
+    zero = torch.zeros((), dtype=additive_dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(additive_dtype).min)
 
 
 def wrap_jagged(
@@ -219,6 +249,35 @@ class IndexPlan:
         if first != 0 or min_len < 0:
             raise _fail("offsets", None, "boundaries starting at 0 that never go down", f"{offsets.tolist()}")
         return cls.from_lengths(offsets.diff(), width=width, total=total, max_seqlen=max_len, min_seqlen=min_len)
+
+    @classmethod
+    def from_position_ids(cls, position_ids: Tensor) -> IndexPlan:
+        """Packed rows of position ids, (S,) or (B, S) -> one sequence per run that counts up by one.
+
+        A token starts a sequence where its position is not one more than its predecessor's, and
+        at the start of every row: how transformers itself reads packed rows, and what
+        ``DataCollatorWithFlattening`` and TRL's padding-free collators produce. Offsets index the
+        B * S tokens of the flattened rows. One host sync: the start flags come over in one copy.
+        """
+        if position_ids.dim() not in (1, 2) or position_ids.shape[-1] == 0:
+            raise _fail("position_ids", None, "a non-empty (seqlen,) or (batch, seqlen) tensor",
+                        f"shape {tuple(position_ids.shape)}")
+        if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+            raise _fail("position_ids", None, "an integer tensor", f"dtype {position_ids.dtype}")
+        rows = position_ids.reshape(-1, position_ids.shape[-1])
+        restarts = torch.nn.functional.pad(rows.diff(dim=-1) != 1, (1, 0), value=True)
+        starts = np.flatnonzero(restarts.flatten().cpu().numpy())  # the one sync; the rest is host math
+        offsets = np.append(starts, restarts.numel()).astype(np.int64)
+        lengths = np.diff(offsets)
+        device = position_ids.device
+        return cls(
+            torch.from_numpy(lengths).to(device, non_blocking=True),
+            torch.from_numpy(offsets).to(device, non_blocking=True),
+            total=restarts.numel(),
+            starts=torch.zeros(len(starts), dtype=torch.int64, device=device),
+            max_seqlen=int(lengths.max()),
+            min_seqlen=int(lengths.min()),
+        )
 
     @classmethod
     def from_nested(cls, nested: Tensor, *, width: int | None = None) -> IndexPlan:

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nopad.layout import block_causal_mask
+
 ULYSSES_PREFIX = "nopad_ulysses_"
 SP_GROUP_KWARG = "nopad_sp_group"
 
@@ -127,22 +129,6 @@ def gather_seq(x: Tensor, group, dim: int = -1) -> Tensor:
 # ---- attention wrapper ----------------------------------------------------------------------
 
 
-def block_causal_mask(cu_seqlens: Tensor, total: int, *, additive_dtype: torch.dtype | None = None) -> Tensor:
-    """(1, 1, T, T) mask letting token i see token j iff j <= i and both lie in the same segment.
-
-    Boolean (True = attend) for sdpa; with ``additive_dtype``, 0 / dtype-min for eager attention.
-    ``cu_seqlens`` must end at ``total`` (fold any tail padding into a last segment). No sync.
-    """
-    positions = torch.arange(total, device=cu_seqlens.device)
-    segment = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
-    allowed = (segment.unsqueeze(1) == segment.unsqueeze(0)) & (positions.unsqueeze(1) >= positions.unsqueeze(0))
-    allowed = allowed.view(1, 1, total, total)
-    if additive_dtype is None:
-        return allowed
-    zero = torch.zeros((), dtype=additive_dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.finfo(additive_dtype).min)
-
-
 class _AttributeView:
     """``target`` with some attributes overridden; everything else is read from ``target``."""
 
@@ -198,7 +184,7 @@ def ulysses_attention(base: str):
         if cu_seqlens is None:
             raise ValueError("cu_seq_lens_q: expected the full row's boundaries in the model kwargs under Ulysses SP, "
                              "got none (build the inputs with nopad.engines.fsdp.prepare_model_inputs)")
-        if "flash" not in base:
+        if not getattr(base_fn, "reads_boundaries", "flash" in base):  # sdpa, eager: the mask carries them
             additive = None if base == "sdpa" else query.dtype
             attention_mask = block_causal_mask(cu_seqlens, total, additive_dtype=additive)
         out, weights = base_fn(_heads_view(module, groups, base), query, key, value, attention_mask, *args, **kwargs)
@@ -226,8 +212,13 @@ def enable_ulysses(model: torch.nn.Module) -> torch.nn.Module:
     # builder, so a forward without a group (or a padded forward) is masked exactly as before.
     if base in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    set_attn_implementation(model, name)
+    return model
+
+
+def set_attn_implementation(model: torch.nn.Module, name: str) -> None:
+    """Set ``_attn_implementation`` on every config of ``model`` (a VL model has one per tower)."""
     configs: dict[int, Any] = {id(m.config): m.config for m in model.modules()
                                if hasattr(getattr(m, "config", None), "_attn_implementation")}
     for each in configs.values():
         each._attn_implementation = name
-    return model

@@ -25,6 +25,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import get_field
+from nopad.attention import available_kernels, packed_attention, reads_boundaries, use_packed_attention
 from nopad.layout import IndexPlan, _fail, is_nested, nested_offsets, ragged_dim
 from nopad.ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
@@ -120,9 +121,10 @@ def prepare_model_inputs(
     (an mrope model given 1-row ids sees no boundaries at all: :func:`check_isolation` shows it).
     ``temperature``: a float or a (B,) tensor; when None, the micro-batch's ``temperature`` entry,
     else 1.0 (a CPU tensor is checked > 0).
-    ``attn_implementation`` (the model's ``config._attn_implementation``): when it names a flash
-    kernel, or under Ulysses, the kwargs also carry ``cu_seq_lens_q/k`` (int32, ending at T_pad)
-    and ``max_length_q/k`` (ints; a sync only if the nested tensors lost their cached max length).
+    ``attn_implementation`` (the model's ``config._attn_implementation``): when it reads packed
+    boundaries (flash-attn's, ``nopad_varlen``), or under Ulysses, the kwargs also carry
+    ``cu_seq_lens_q/k`` (int32, ending at T_pad) and ``max_length_q/k`` (ints; a sync only if the
+    nested tensors lost their cached max length).
     ``pad_to_multiple`` pads the row to a bucket multiple; ``sp_size > 1`` pads to a multiple of it
     too and keeps rank ``sp_rank``'s slice. Pad tokens are ``pad_token_id`` with position ids
     0, 1, ... so transformers sees them as one more sequence, attended by no real token.
@@ -167,7 +169,7 @@ def prepare_model_inputs(
         "position_ids": positions.unsqueeze(-2),  # (1, L) or (C, 1, L)
         "use_cache": False,
     }
-    if sp_size > 1 or (attn_implementation is not None and "flash" in attn_implementation):
+    if sp_size > 1 or reads_boundaries(attn_implementation):
         cu_seqlens = plan.cu_seqlens.to(device)
         if pad:
             cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), padded_total)])
@@ -298,24 +300,31 @@ def _attn_implementation(model: torch.nn.Module) -> str | None:
 
 @overload
 def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Tensor = ..., *,
-                    calculate_entropy: Literal[False] = ..., **input_kwargs) -> Tensor: ...
+                    calculate_entropy: Literal[False] = ..., attention: str | None = ..., **input_kwargs) -> Tensor: ...
 
 
 @overload
 def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Tensor = ..., *,
-                    calculate_entropy: Literal[True], **input_kwargs) -> dict[str, Tensor]: ...
+                    calculate_entropy: Literal[True], attention: str | None = ...,
+                    **input_kwargs) -> dict[str, Tensor]: ...
 
 
 def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Tensor = 1.0, *,
-                    calculate_entropy: bool = False, **input_kwargs) -> Tensor | dict[str, Tensor]:
+                    calculate_entropy: bool = False, attention: str | None = "auto",
+                    **input_kwargs) -> Tensor | dict[str, Tensor]:
     """Nested micro-batch -> nested (B, j) log-probs from ONE packed forward of ``model``.
 
+    ``attention``: "auto" runs a CUDA model whose attention does not read packed boundaries (sdpa,
+    eager) through ``nopad_varlen`` for this forward (HF's own packed sdpa builds a dense block
+    mask and is slower than padding); a kernel name (:data:`nopad.attention.KERNELS`) forces that
+    kernel on any device; None runs the model's attention as it is. The model is restored after.
     ``input_kwargs`` go to :func:`prepare_model_inputs` (pad_to_multiple, sp_group, ...). With
     ``calculate_entropy`` returns the dict of :func:`prepare_model_outputs` instead.
     """
-    inputs, args = prepare_model_inputs(micro_batch, temperature=temperature,
-                                        attn_implementation=_attn_implementation(model), **input_kwargs)
-    out = prepare_model_outputs(model(**inputs), args, micro_batch, calculate_entropy=calculate_entropy)
+    with packed_attention(model, attention):
+        inputs, args = prepare_model_inputs(micro_batch, temperature=temperature,
+                                            attn_implementation=_attn_implementation(model), **input_kwargs)
+        out = prepare_model_outputs(model(**inputs), args, micro_batch, calculate_entropy=calculate_entropy)
     return out if calculate_entropy else out["log_probs"]
 
 
@@ -345,6 +354,7 @@ def padded_logprobs(model: torch.nn.Module, padded: TensorDict, temperature: flo
 from nopad.leak import IsolationReport, check_isolation, probe_batch  # noqa: E402  (the probe is part of the adapter)
 
 __all__ = [
-    "IsolationReport", "OutputArgs", "check_isolation", "packed_logprobs", "padded_logprobs", "prepare_model_inputs",
+    "IsolationReport", "OutputArgs", "available_kernels", "check_isolation", "use_packed_attention",
+    "packed_logprobs", "padded_logprobs", "prepare_model_inputs",
     "prepare_model_outputs", "probe_batch", "token_log_probs",
 ]
