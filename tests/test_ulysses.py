@@ -15,7 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nopad import left_right_2_no_padding, no_padding_2_padding
-from nopad.engines.fsdp import check_isolation, packed_logprobs, padded_logprobs, prepare_model_inputs
+from nopad.engines.fsdp import (
+    check_isolation,
+    packed_logprobs,
+    padded_logprobs,
+    prepare_model_inputs,
+    use_packed_attention,
+)
 from nopad.ulysses import (
     _heads_view,
     all_to_all,
@@ -138,7 +144,17 @@ def _ulysses_worker(rank, world_size):
             results["sp"][(sp, name)] = (lp, ent, grads, inputs["input_ids"], inputs["position_ids"])
     results["sp_bucket"] = _run_model(tiny_llama, td, world, pad_to_multiple=6)  # row padded to lcm(4, 6) = 12
     results["sp_eager"] = _run_model(functools.partial(tiny_llama, attn_implementation="eager"), td, pairs[rank // 2])
+    for sp, group in ((2, pairs[rank // 2]), (4, world)):
+        lp, ent, grads = _run_model(_varlen_llama, td, group)
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+            g /= sp
+        results[("sp_varlen", sp)] = (lp, ent, grads)
     return results
+
+
+def _varlen_llama():
+    return use_packed_attention(tiny_llama())
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +226,30 @@ def test_ulysses_wraps_eager_attention_too(four_ranks):
     for result in four_ranks:
         lp = result["sp_eager"][0]
         assert torch.equal(lp, ref_lp), (lp - ref_lp).abs().max()
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_ulysses_around_nopad_varlen_equals_one_process(four_ranks, single_process, sp):
+    ref_lp, ref_ent, ref_grads = single_process["llama"]
+    for rank, result in enumerate(four_ranks):
+        lp, ent, grads = result[("sp_varlen", sp)]
+        assert torch.allclose(lp, ref_lp, rtol=0, atol=1e-6), f"rank {rank}: max diff {(lp - ref_lp).abs().max()}"
+        assert torch.allclose(ent, ref_ent, rtol=0, atol=2e-6)
+        for n, g in grads.items():  # averaged over the SP group: the one-process gradient
+            assert torch.allclose(g, ref_grads[n], rtol=1e-4, atol=1e-5), n
+
+
+def test_nopad_varlen_and_ulysses_compose_in_either_order_and_stay_isolated():
+    first_varlen = enable_ulysses(use_packed_attention(tiny_llama()))
+    first_ulysses = use_packed_attention(enable_ulysses(tiny_llama()))
+    for m in (first_varlen, first_ulysses):
+        assert m.config._attn_implementation == "nopad_ulysses_nopad_varlen"
+        assert not check_isolation(m)
+    td = _sp_batch()
+    micro = left_right_2_no_padding(td)
+    with torch.no_grad():
+        assert torch.allclose(packed_logprobs(first_varlen, micro).values(),
+                              packed_logprobs(tiny_llama(), micro).values(), rtol=0, atol=1e-6)
 
 
 def test_a_wrapped_model_without_a_group_computes_exactly_what_it_did_before():
