@@ -244,7 +244,13 @@ def format_table(rows: list[dict]) -> str:
     if not rows:
         return ""
     cols = list(rows[0])
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    def fmt(v) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.2e}" if 0 < abs(v) < 1e-2 else f"{v:.3f}"
+        return str(v)
+
     widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(fmt(r[c]).rjust(w) for c, w in zip(cols, widths)) for r in rows]
@@ -286,11 +292,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", action="store_true", help="also run the Megatron THD preprocessing benchmark")
     parser.add_argument("--steps", action="store_true", help="also split padded -> nested at the largest B into steps")
     parser.add_argument("--all", action="store_true", help="conversions, steps, engines and packing")
+    parser.add_argument("--model", action="store_true",
+                        help="instead: a causal LM's log-probs, padded vs packed with each attention kernel")
     parser.add_argument("--plot", metavar="FILE.png", help="write time against batch size to this PNG")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
+def run_model(args: argparse.Namespace) -> int:
+    from nopad.bench_model import bench_model, plot_model
+
+    rows = bench_model(args.device, repeats=min(args.repeats, 5))
+    if args.json:
+        print(json.dumps({"model": rows}, indent=2))
+    else:
+        print(f"device={args.device}  threads={torch.get_num_threads()}  (best of {min(args.repeats, 5)}; "
+              "packed includes both conversions; diff against an fp32 padded forward)")
+        print(f"\n== model log-probs ==\n{format_table(rows)}")
+    if args.plot:
+        plot_model(rows, args.plot)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.model:
+        return run_model(args)
     if args.all:
         args.engines = args.packing = args.steps = True
     results: dict[str, list[dict]] = {}

@@ -39,8 +39,12 @@ def synthetic_batch(B: int, prompt_width: int, resp_width: int, *, seed: int = 0
 
 
 def tiny_causal_lm(arch: str = "llama", *, vocab: int = 1000, hidden: int = 64, layers: int = 2, seed: int = 0,
-                   attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """A small random-weight HF causal LM (``llama`` or ``qwen2``), fp32, eval mode. Needs the hf extra."""
+                   heads: int = 4, kv_heads: int = 2, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A random-weight HF causal LM (``llama`` or ``qwen2``), fp32, eval mode. Needs the hf extra.
+
+    ``heads`` query heads and ``kv_heads`` key/value heads (grouped-query attention when fewer);
+    MLP width 2 * hidden; positions up to 32k.
+    """
     import transformers
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
@@ -48,7 +52,7 @@ def tiny_causal_lm(arch: str = "llama", *, vocab: int = 1000, hidden: int = 64, 
         raise ValueError(f"arch: expected one of {sorted(classes)}, got {arch!r}")
     config_cls, model_cls = (getattr(transformers, name) for name in classes[arch])
     config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32768,
                         tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = model_cls(config)

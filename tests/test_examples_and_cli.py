@@ -56,6 +56,22 @@ def test_bench_json_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_model_json_times_padded_against_every_packed_kernel_and_agrees_with_fp32(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "model.png"
+    assert main(["bench", "--model", "--repeats", "1", "--json", "--plot", str(png)]) == 0
+    rows = json.loads(capsys.readouterr().out)["model"]
+    shapes = {r["shape"] for r in rows}
+    assert len(shapes) == 2
+    for shape in shapes:
+        contenders = [r["contender"] for r in rows if r["shape"] == shape]
+        assert contenders == ["padded sdpa", "packed, HF sdpa", "packed, sdpa"]  # the CPU's one kernel
+    for r in rows:
+        assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["peak_gib"] is None  # peak memory on CUDA only
+        assert r["max_abs_logprob_diff"] <= 1e-5  # fp32 on a CPU: packed equals padded
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
 def test_cli_help(argv):
     with pytest.raises(SystemExit) as exit_:

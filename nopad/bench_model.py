@@ -1,0 +1,202 @@
+"""`nopad bench --model`: a causal LM's response log-probs, padded against packed with each attention kernel.
+
+For each shape it times, on one random-weight Llama:
+
+- ``padded sdpa``: the padded forward with an attention mask (what a trainer runs without nopad);
+- ``packed, HF sdpa``: nopad's packed row through transformers' own packed sdpa (a dense block
+  mask built from position ids), for the record;
+- ``packed, <kernel>``: nopad's packed row through ``nopad_varlen`` with each kernel available.
+
+Packed timings include the conversions a trainer pays (``left_right_2_no_padding`` before,
+``no_padding_2_padding`` after). Each contender reports forward and forward+backward ms (best of
+the repeats, contenders in turn), the peak GiB (CUDA) and the largest |log-prob difference| over
+response tokens against an fp32 padded forward (computed a few rows at a time, so it fits where
+the padded batch itself does not).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from nopad.attention import available_kernels
+from nopad.padding import left_right_2_no_padding, no_padding_2_padding
+from nopad.synthetic import synthetic_batch, tiny_causal_lm
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A batch (B rows, prompt and response widths) on a Llama of ``hidden`` x ``layers``."""
+
+    batch: int
+    prompt: int
+    response: int
+    hidden: int = 1024
+    layers: int = 8
+    heads: int = 16
+    kv_heads: int = 4
+    vocab: int = 32_000
+
+    @property
+    def label(self) -> str:
+        return f"B={self.batch} P={self.prompt} R={self.response} h={self.hidden}"
+
+
+# the four shapes of issue 11's table (an H200: 141 GB)
+GPU_SHAPES = (
+    ModelShape(4, 256, 512),
+    ModelShape(32, 1024, 2048),
+    ModelShape(8, 2048, 14_336),
+    ModelShape(128, 512, 1536, hidden=2048),
+)
+# small enough for CI's two cores
+CPU_SHAPES = (
+    ModelShape(4, 16, 32, hidden=64, layers=2, heads=4, kv_heads=2, vocab=1000),
+    ModelShape(16, 32, 64, hidden=64, layers=2, heads=4, kv_heads=2, vocab=1000),
+)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def _build(shape: ModelShape, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    model = tiny_causal_lm(vocab=shape.vocab, hidden=shape.hidden, layers=shape.layers, heads=shape.heads,
+                           kv_heads=shape.kv_heads)
+    return model.to(device=device, dtype=dtype)
+
+
+@torch.no_grad()
+def _reference(model: torch.nn.Module, data: TensorDict, rows_per_call: int) -> torch.Tensor:
+    """fp32 padded response log-probs, a few rows per forward so that it fits in memory."""
+    from nopad.engines.fsdp import padded_logprobs
+
+    parts = [padded_logprobs(model, data[i: i + rows_per_call]) for i in range(0, data.batch_size[0], rows_per_call)]
+    return torch.cat(parts)
+
+
+def _contenders(model: torch.nn.Module, data: TensorDict, kernels: list[str]) -> dict[str, Callable[[], torch.Tensor]]:
+    from nopad.engines.fsdp import packed_logprobs, padded_logprobs
+
+    def packed(kernel: str | None) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            micro = left_right_2_no_padding(data)
+            return no_padding_2_padding(packed_logprobs(model, micro, attention=kernel), micro)
+
+        return run
+
+    runs = {"padded sdpa": lambda: padded_logprobs(model, data), "packed, HF sdpa": packed(None)}
+    runs.update({f"packed, {kernel}": packed(kernel) for kernel in kernels})
+    return runs
+
+
+def _measure(run: Callable[[], torch.Tensor], device: torch.device, backward: bool) -> tuple[float, float | None,
+                                                                                          torch.Tensor | None]:
+    """ms of one call, its peak GiB and its output (None after an out-of-memory)."""
+    _reset_peak(device)
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        if backward:
+            out = run()
+            out.float().sum().backward()
+        else:
+            with torch.no_grad():
+                out = run()
+        _sync(device)
+        return (time.perf_counter() - start) * 1e3, _peak_gib(device), out.detach()
+    except torch.cuda.OutOfMemoryError:
+        return float("inf"), _peak_gib(device), None
+
+
+def bench_model_shape(shape: ModelShape, device: str = "cpu", repeats: int = 3, seed: int = 0) -> list[dict]:
+    """Rows of {shape, contender, fwd_ms, fwd_bwd_ms, peak_gib, max_abs_logprob_diff, real/padded}."""
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    data = synthetic_batch(shape.batch, shape.prompt, shape.response, seed=seed, device=device, vocab=shape.vocab)
+    fp32 = _build(shape, dev, torch.float32)
+    exact = _reference(fp32, data, rows_per_call=max(1, 4096 // (shape.prompt + shape.response)))
+    model = fp32.to(dtype) if dtype != torch.float32 else fp32
+    del fp32
+    kernels = available_kernels(dev, dtype)
+    runs = _contenders(model, data, kernels)
+    fwd = dict.fromkeys(runs, float("inf"))
+    fwd_bwd = dict.fromkeys(runs, float("inf"))
+    peak: dict[str, float | None] = dict.fromkeys(runs)
+    diff: dict[str, float | None] = dict.fromkeys(runs)
+    for _ in range(repeats + 1):  # the first round warms up (kernels, allocator, lazy imports)
+        for name, run in runs.items():
+            model.zero_grad(set_to_none=True)
+            ms, _, out = _measure(run, dev, backward=False)
+            fwd[name] = min(fwd[name], ms)
+            if out is not None:
+                diff[name] = float((out.float() - exact).abs().max())
+            del out
+            ms, peak[name], _ = _measure(run, dev, backward=True)
+            fwd_bwd[name] = min(fwd_bwd[name], ms)
+    model.zero_grad(set_to_none=True)
+    real = int(data["attention_mask"].sum())
+    return [
+        {
+            "shape": shape.label,
+            "real/padded": f"{real}/{data['attention_mask'].numel()}",
+            "contender": name,
+            "fwd_ms": fwd[name],
+            "fwd_bwd_ms": fwd_bwd[name],
+            "x_padded_fwd_bwd": fwd_bwd["padded sdpa"] / fwd_bwd[name],
+            "peak_gib": peak[name],
+            "max_abs_logprob_diff": diff[name],
+        }
+        for name in runs
+    ]
+
+
+def bench_model(device: str = "cpu", shapes: tuple[ModelShape, ...] | None = None, repeats: int = 3) -> list[dict]:
+    """:func:`bench_model_shape` over ``shapes`` (default: the GPU table's four on CUDA, two small ones on CPU)."""
+    if shapes is None:
+        shapes = GPU_SHAPES if torch.device(device).type == "cuda" else CPU_SHAPES
+    rows: list[dict] = []
+    for shape in shapes:
+        rows += bench_model_shape(shape, device, repeats)
+    return rows
+
+
+def plot_model(rows: list[dict], path: str) -> None:
+    """Forward+backward ms per shape, one bar per contender."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    contenders = list(dict.fromkeys(r["contender"] for r in rows))
+    fig, ax = plt.subplots(figsize=(3 + 2.5 * len(shapes), 4.5))
+    width = 0.8 / len(contenders)
+    for i, name in enumerate(contenders):
+        values = [next((r["fwd_bwd_ms"] for r in rows if r["shape"] == s and r["contender"] == name), 0.0)
+                  for s in shapes]
+        ax.bar([x + i * width for x in range(len(shapes))], [v if v != float("inf") else 0 for v in values],
+               width, label=name)
+    ax.set_xticks([x + width * (len(contenders) - 1) / 2 for x in range(len(shapes))], shapes, fontsize=8)
+    ax.set(ylabel="forward + backward ms (best of repeats)", yscale="log",
+           title="response log-probs: padded vs packed, per attention kernel (one run)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
