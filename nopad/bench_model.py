@@ -25,6 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from nopad.attention import available_kernels
+from nopad.engines.fsdp import packed_logprobs, padded_logprobs
 from nopad.padding import left_right_2_no_padding, no_padding_2_padding
 from nopad.synthetic import synthetic_batch, tiny_causal_lm
 
@@ -83,18 +84,7 @@ def _build(shape: ModelShape, device: torch.device, dtype: torch.dtype) -> torch
     return model.to(device=device, dtype=dtype)
 
 
-@torch.no_grad()
-def _reference(model: torch.nn.Module, data: TensorDict, rows_per_call: int) -> torch.Tensor:
-    """fp32 padded response log-probs, a few rows per forward so that it fits in memory."""
-    from nopad.engines.fsdp import padded_logprobs
-
-    parts = [padded_logprobs(model, data[i: i + rows_per_call]) for i in range(0, data.batch_size[0], rows_per_call)]
-    return torch.cat(parts)
-
-
 def _contenders(model: torch.nn.Module, data: TensorDict, kernels: list[str]) -> dict[str, Callable[[], torch.Tensor]]:
-    from nopad.engines.fsdp import packed_logprobs, padded_logprobs
-
     def packed(kernel: str | None) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             micro = left_right_2_no_padding(data)
@@ -132,7 +122,8 @@ def bench_model_shape(shape: ModelShape, device: str = "cpu", repeats: int = 3, 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     data = synthetic_batch(shape.batch, shape.prompt, shape.response, seed=seed, device=device, vocab=shape.vocab)
     fp32 = _build(shape, dev, torch.float32)
-    exact = _reference(fp32, data, rows_per_call=max(1, 4096 // (shape.prompt + shape.response)))
+    with torch.no_grad():
+        exact = padded_logprobs(fp32, data, rows_per_forward=max(1, 4096 // (shape.prompt + shape.response)))
     model = fp32.to(dtype) if dtype != torch.float32 else fp32
     del fp32
     kernels = available_kernels(dev, dtype)

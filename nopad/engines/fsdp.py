@@ -328,13 +328,23 @@ def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Te
     return out if calculate_entropy else out["log_probs"]
 
 
-def padded_logprobs(model: torch.nn.Module, padded: TensorDict, temperature: float | Tensor = 1.0) -> Tensor:
+def padded_logprobs(model: torch.nn.Module, padded: TensorDict, temperature: float | Tensor = 1.0, *,
+                    rows_per_forward: int | None = None) -> Tensor:
     """The reference: a padded forward (attention_mask, left-padded prompts) -> (B, R) response log-probs.
 
     ``padded`` holds input_ids (B, S), attention_mask (B, S), response_mask (B, R), position_ids
     (B, S) or (B, C, S). Entries where response_mask is 0 are 0. Materialises (B, R, V) log-softmax:
-    a reference, not a hot path.
+    a reference, not a hot path. ``rows_per_forward`` splits the batch into forwards of that many
+    rows (the result is the same), so a reference fits where the whole padded batch would not.
     """
+    batch = padded["input_ids"].shape[0]
+    if rows_per_forward is not None and rows_per_forward < batch:
+        temperatures = temperature if isinstance(temperature, Tensor) and temperature.dim() else None
+        return torch.cat([
+            padded_logprobs(model, padded[i: i + rows_per_forward],
+                            temperature if temperatures is None else temperatures[i: i + rows_per_forward])
+            for i in range(0, batch, rows_per_forward)
+        ])
     input_ids, attention_mask, response_mask = padded["input_ids"], padded["attention_mask"], padded["response_mask"]
     position_ids = padded["position_ids"]
     if position_ids.dim() == 3:
