@@ -1,8 +1,11 @@
-"""One PPO update of a tiny random-weight Llama on a synthetic padded rollout batch, on CPU.
+"""One PPO update of a tiny random-weight Llama on a synthetic padded rollout batch.
 
 Run with::
 
-    python examples/ppo_step.py [--batch 16] [--micro-batches 4] [--seed 0]
+    python examples/ppo_step.py [--batch 16] [--micro-batches 4] [--seed 0] [--device cuda]
+
+On a CPU the model runs fp32; on CUDA bf16, and ``packed_logprobs`` runs its attention through
+nopad's varlen back end (``nopad_varlen``: torch's own flash kernel, nothing extra to install).
 
 The trainer's usual padded batch (prompts left-padded, responses right-padded) goes through
 ``left_right_2_no_padding`` once per micro batch, the model runs ONE packed row per micro batch
@@ -67,16 +70,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
-    model = tiny_llama(args.seed)
-    batch = synthetic_rollout(args.batch, args.seed)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = tiny_llama(args.seed).to(args.device, dtype)
+    batch = synthetic_rollout(args.batch, args.seed).to(args.device)
     # the rollout engine's numerics differ a little from the trainer's: a slightly off-policy batch
     noise = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(args.seed)) * 0.2
+    noise = noise.to(args.device)
     before = rollout_log_probs(model, batch)
     batch["old_log_probs"] = (before + noise) * batch["response_mask"]
-    batch["ref_log_prob"] = rollout_log_probs(tiny_llama(args.seed + 1), batch)
+    batch["ref_log_prob"] = rollout_log_probs(tiny_llama(args.seed + 1).to(args.device, dtype), batch)
     cfg = LossConfig(loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
                      entropy_coeff=0.001, use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=0.01)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -99,8 +105,9 @@ def main() -> None:
 
     slots = batch["attention_mask"].numel()
     real = int(batch["attention_mask"].sum())
+    attention = "nopad_varlen" if args.device.startswith("cuda") else "transformers' packed sdpa"
     print(f"batch {args.batch} x {PROMPT_WIDTH + RESPONSE_WIDTH} padded slots, {real} real tokens, "
-          f"{args.micro_batches} micro batches")
+          f"{args.micro_batches} micro batches, on {args.device} ({dtype}, packed attention: {attention})")
     print(f"padding never computed: {slots - real}/{slots} slots = {(slots - real) / slots:.1%}")
     print(f"loss {total_loss:.6f}  grad_norm {float(grad_norm):.4f}")
     for key, values in metrics.items():
