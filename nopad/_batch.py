@@ -14,7 +14,8 @@ def get_field(batch: Any, key: str, default: Any = None) -> Any:
         if key not in batch.keys():
             return default
         value = batch.get(key)
-        if not isinstance(value, Tensor):
-            value = batch.get_non_tensor(key)
+        if isinstance(value, Tensor):  # ``.data`` of a nested tensor would build a new one (tens of us)
+            return value
+        value = batch.get_non_tensor(key)
         return getattr(value, "data", value)
     return batch.get(key, default)

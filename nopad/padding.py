@@ -16,7 +16,16 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import get_field
-from nopad.layout import IndexPlan, _fail, gather_rows, nested_offsets, prepare_offsets, ragged_dim, to_host
+from nopad.layout import (
+    IndexPlan,
+    _fail,
+    gather_rows,
+    jagged_values,
+    nested_offsets,
+    prepare_offsets,
+    ragged_dim,
+    to_host,
+)
 from nopad.layout import is_nested as _is_nested
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "position_ids")
@@ -189,7 +198,7 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
     No host sync when the width R is known (from ``max_response_len``, ``responses`` or
     ``response_mask``); gradients flow back to the values.
     """
-    values = tensor.values() if _is_nested(tensor) else tensor
+    values = jagged_values(tensor) if _is_nested(tensor) else tensor
     if _is_nested(tensor) and ragged_dim(tensor) != 1:
         raise _fail("tensor", None, "a nested tensor ragged on dim 1", f"ragged dim {ragged_dim(tensor)}")
     resp_lens, width = _response_lengths(data)
@@ -214,7 +223,7 @@ def response_from_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
     resp = IndexPlan.from_nested(response_mask)
     ends = nested_offsets(tensor)[1:].to(resp.offsets.device)
     src = resp.token_index(ends - resp.lengths - 1)  # token t's log-prob comes from position t - 1
-    return resp.to_nested(tensor.values().index_select(0, src))
+    return resp.to_nested(jagged_values(tensor).index_select(0, src))
 
 
 def response_to_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:

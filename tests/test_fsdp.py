@@ -332,3 +332,13 @@ def test_fsdp2_fully_shard_two_processes_matches_one_process():
     for _, grads in results:
         for n, g in grads.items():
             assert torch.allclose(g, expected_grads[n], atol=TOL), n
+
+
+def test_padded_reference_a_few_rows_per_forward_equals_one_forward():
+    td = make_padded_batch(5, 6, 5, seed=1)
+    temperature = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0])
+    with torch.no_grad():
+        whole = padded_logprobs(model("llama"), td, temperature)
+        assert torch.equal(padded_logprobs(model("llama"), td, temperature, rows_per_forward=2), whole)
+        assert torch.equal(padded_logprobs(model("llama"), td, 0.7, rows_per_forward=3),
+                           padded_logprobs(model("llama"), td, 0.7))

@@ -144,3 +144,29 @@ def test_wrap_jagged_equals_torchs_public_constructor(shape, ragged_dim, seqlens
     nested = nopad.layout.wrap_jagged(grad_values, offsets, ragged_dim)
     nested.values().sum().backward()
     assert torch.equal(grad_values.grad, torch.ones_like(grad_values))
+
+
+def test_jagged_values_is_the_values_tensor_and_keeps_every_gradient_path():
+    offsets = torch.tensor([0, 2, 5])
+    values = torch.randn(5, 3, requires_grad=True)
+    nested = torch.nested.nested_tensor_from_jagged(values, offsets)
+    assert torch.equal(nopad.jagged_values(nested), nested.values())
+    (nopad.jagged_values(nested) * 2).sum().backward()  # through a view built from values
+    assert torch.equal(values.grad, torch.full_like(values, 2.0))
+    leaf = torch.nested.nested_tensor_from_jagged(torch.randn(5, 3), offsets).requires_grad_()
+    nopad.jagged_values(leaf).sum().backward()  # a nested leaf: the dispatched view, so its grad arrives
+    assert torch.equal(leaf.grad.values(), torch.ones(5, 3))
+    strided = torch.nested.nested_tensor([torch.ones(2)], layout=torch.strided)
+    assert nopad.is_nested(nested) and nopad.is_nested(strided)
+    assert not nopad.is_nested(values) and not nopad.is_nested(None)
+
+
+def test_block_causal_mask_with_a_window_and_without_causality_matches_a_naive_loop():
+    cu = torch.tensor([0, 4, 9])
+    segment = [0] * 4 + [1] * 5
+    for causal in (True, False):
+        for window in (None, 1, 2, 3):
+            mask = nopad.layout.block_causal_mask(cu, 9, causal=causal, window=window)[0, 0].tolist()
+            expected = [[segment[i] == segment[j] and (not causal or j <= i) and (window is None or abs(i - j) < window)
+                         for j in range(9)] for i in range(9)]
+            assert mask == expected, (causal, window)

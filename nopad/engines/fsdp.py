@@ -26,7 +26,7 @@ from torch import Tensor
 
 from nopad._batch import get_field
 from nopad.attention import available_kernels, packed_attention, reads_boundaries, use_packed_attention
-from nopad.layout import IndexPlan, _fail, is_nested, nested_offsets, ragged_dim
+from nopad.layout import IndexPlan, _fail, is_nested, jagged_values, nested_offsets, ragged_dim
 from nopad.ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
 PAD_TOKEN_ID = 0
@@ -59,10 +59,10 @@ def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
     if input_ids.dim() != 2 or ragged_dim(input_ids) != 1:
         raise _fail("input_ids", None, "nested (batch, j) ragged on dim 1",
                     f"{input_ids.dim()} dims, ragged dim {ragged_dim(input_ids)}")
-    total = input_ids.values().shape[0]
+    total = jagged_values(input_ids).shape[0]
     expected_ragged = 1 if position_ids.dim() == 2 else 2
     pos_ragged = ragged_dim(position_ids)
-    pos_total = position_ids.values().shape[pos_ragged - 1]
+    pos_total = jagged_values(position_ids).shape[pos_ragged - 1]
     if pos_ragged != expected_ragged or position_ids.dim() not in (2, 3) or pos_total != total:
         raise _fail("position_ids", None, f"nested (batch, j) or (batch, C, j) with {total} tokens like input_ids",
                     f"{position_ids.dim()} dims, ragged dim {pos_ragged}, {pos_total} tokens")
@@ -142,9 +142,8 @@ def prepare_model_inputs(
         raise _fail("input_ids", None, "at least one token in the micro-batch", "0 tokens")
     padded_total = padded_length(total, sp_size, pad_to_multiple)
     pad = padded_total - total
-    device = input_ids.device
-
-    ids, positions = input_ids.values(), position_ids.values()  # (T,), (T,) or (C, T)
+    ids, positions = jagged_values(input_ids), jagged_values(position_ids)  # (T,), (T,) or (C, T)
+    device = ids.device  # the values' (the nested tensor's own device costs a Python dispatch)
     if positions.dim() == 2 and positions.shape[0] == 3:
         # Qwen2/3-VL find packed boundaries only in row 0 of 4-row position ids: prepend the text positions.
         positions = torch.cat([plan.position_ids.to(device=device, dtype=positions.dtype).unsqueeze(0), positions])
