@@ -39,7 +39,8 @@ def _timed(fn: Callable[[], Any], device: str) -> tuple[Any, float]:
 def run_demo(batch_size: int = 16, prompt_len: int = 64, response_len: int = 128, seed: int = 0,
              device: str = "cpu", arch: str = "llama") -> dict:
     """Run the demo and return its measurements (the CLI prints them)."""
-    from nopad.engines.fsdp import check_isolation, packed_logprobs, padded_logprobs
+    from nopad.engines.fsdp import packed_logprobs, padded_logprobs
+    from nopad.engines.leak import check_isolation
 
     vocab = 1000
     data = synthetic_batch(batch_size, prompt_len, response_len, seed=seed, device=device, vocab=vocab)

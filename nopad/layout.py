@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from nopad.errors import input_error
 from nopad.ops import index_put_first_axis
 
 try:  # holds torch's constructor of jagged tensors, the one its own unpickler and view op call
@@ -122,11 +123,6 @@ def gather_rows(values: Tensor, src_start: Tensor, lo: Tensor | None, hi: Tensor
     return padded.index_select(0, src.flatten()).unflatten(0, (rows, width))
 
 
-def _fail(field: str, row: int | None, expected: str, actual: str) -> ValueError:
-    where = f"{field}" if row is None else f"{field} row {row}"
-    return ValueError(f"{where}: expected {expected}, got {actual}")
-
-
 class IndexPlan:
     """Lengths, offsets and gather indices of one batch, shared by every per-token field.
 
@@ -167,7 +163,7 @@ class IndexPlan:
     def from_mask(cls, mask: Tensor) -> IndexPlan:
         """Any (B, S) 0/1 mask, holes allowed. One sync (``nonzero``)."""
         if mask.dim() != 2:
-            raise _fail("mask", None, "a (batch, seqlen) tensor", f"shape {tuple(mask.shape)}")
+            raise input_error("mask", None, "a (batch, seqlen) tensor", f"shape {tuple(mask.shape)}")
         indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
         lengths = mask.bool().sum(-1)
         return cls(lengths, prepare_offsets(lengths), total=indices.shape[0], width=mask.shape[1], indices=indices)
@@ -190,11 +186,11 @@ class IndexPlan:
         """
         lengths = torch.as_tensor(lengths, dtype=torch.int64)
         if lengths.dim() != 1 or lengths.shape[0] == 0:
-            raise _fail("lengths", None, "a non-empty 1-D tensor", f"shape {tuple(lengths.shape)}")
+            raise input_error("lengths", None, "a non-empty 1-D tensor", f"shape {tuple(lengths.shape)}")
         if total is None:
             total, max_seqlen, min_seqlen = to_host(lengths.sum(), lengths.max(), lengths.min())
             if min_seqlen < 0:
-                raise _fail("lengths", None, "lengths >= 0", f"min length {min_seqlen}")
+                raise input_error("lengths", None, "lengths >= 0", f"min length {min_seqlen}")
         if width is None:
             width = max_seqlen if max_seqlen is not None else to_host(lengths.max())[0]
         if starts is None:
@@ -214,17 +210,19 @@ class IndexPlan:
         """(B+1,) cu_seqlens -> plan of right-padded rows. One sync (total, max, min)."""
         offsets = torch.as_tensor(offsets, dtype=torch.int64)
         if offsets.dim() != 1 or offsets.shape[0] < 2:
-            raise _fail("offsets", None, "a 1-D tensor of batch+1 >= 2 boundaries", f"shape {tuple(offsets.shape)}")
+            raise input_error("offsets", None, "a 1-D tensor of batch+1 >= 2 boundaries",
+                f"shape {tuple(offsets.shape)}")
         first, total, max_len, min_len = to_host(offsets[0], offsets[-1], offsets.diff().max(), offsets.diff().min())
         if first != 0 or min_len < 0:
-            raise _fail("offsets", None, "boundaries starting at 0 that never go down", f"{offsets.tolist()}")
+            raise input_error("offsets", None, "boundaries starting at 0 that never go down", f"{offsets.tolist()}")
         return cls.from_lengths(offsets.diff(), width=width, total=total, max_seqlen=max_len, min_seqlen=min_len)
 
     @classmethod
     def from_nested(cls, nested: Tensor, *, width: int | None = None) -> IndexPlan:
         """Plan of a jagged nested tensor's rows (right padding). No sync if width is given."""
         if not is_nested(nested):
-            raise _fail("tensor", None, "a jagged nested tensor", f"a dense tensor of shape {tuple(nested.shape)}")
+            raise input_error("tensor", None, "a jagged nested tensor",
+                f"a dense tensor of shape {tuple(nested.shape)}")
         offsets = nested_offsets(nested).to(torch.int64)
         total = nested.values().shape[ragged_dim(nested) - 1]
         lengths = offsets.diff()
@@ -316,11 +314,11 @@ class IndexPlan:
         right-padded plans (``starts`` all 0), e.g. to pad nested rows to a chosen width.
         """
         if values.shape[0] != self.total:
-            raise _fail("values", None, f"{self.total} tokens on dim 0", f"shape {tuple(values.shape)}")
+            raise input_error("values", None, f"{self.total} tokens on dim 0", f"shape {tuple(values.shape)}")
         width = self._width(width)
         if self.starts is None:
             if width != self.width:
-                raise _fail("width", None, f"the mask's width {self.width}", f"{width}")
+                raise input_error("width", None, f"the mask's width {self.width}", f"{width}")
             flat = index_put_first_axis(values, self.indices, self.batch_size * width)
             return flat.view(self.batch_size, width, *values.shape[1:])
         return gather_rows(values, self.offsets[:-1] - self.starts, self.starts, self.starts + self.lengths, width)
@@ -353,7 +351,7 @@ class IndexPlan:
         """Check the plan is self-consistent (one sync); raise ValueError naming the bad row."""
         lengths, offsets = self.lengths, self.offsets
         if offsets.shape != (self.batch_size + 1,) or lengths.dtype.is_floating_point:
-            raise _fail(
+            raise input_error(
                 "offsets", None, f"an integer tensor of shape ({self.batch_size + 1},)", f"{tuple(offsets.shape)}"
             )
         starts = self.starts if self.starts is not None else torch.zeros_like(lengths)
@@ -365,11 +363,11 @@ class IndexPlan:
         }
         first, last, *flags = to_host(offsets[0], offsets[-1], *(bad.any() for bad in checks.values()))
         if (first, last) != (0, self.total):
-            raise _fail("offsets", None, f"boundaries from 0 to total {self.total}", f"{first}..{last}")
+            raise input_error("offsets", None, f"boundaries from 0 to total {self.total}", f"{first}..{last}")
         for (expected, bad), flag in zip(checks.items(), flags):
             if flag:
                 row = int(bad.nonzero()[0])
-                raise _fail("lengths", row, expected, f"length {int(lengths[row])}, start {int(starts[row])}")
+                raise input_error("lengths", row, expected, f"length {int(lengths[row])}, start {int(starts[row])}")
         return self
 
     # ---- internals ----------------------------------------------------------------------
@@ -382,13 +380,13 @@ class IndexPlan:
 
     def _check_padded(self, x: Tensor, seq_dim: int) -> None:
         if is_nested(x):
-            raise _fail("tensor", None, "a padded (dense) tensor", "a nested tensor")
+            raise input_error("tensor", None, "a padded (dense) tensor", "a nested tensor")
         if (
             x.dim() <= seq_dim
             or x.shape[0] != self.batch_size
             or (self.width is not None and x.shape[seq_dim] != self.width)
         ):
-            raise _fail(
+            raise input_error(
                 "tensor",
                 None,
                 f"batch {self.batch_size} on dim 0 and width {self.width} on dim {seq_dim}",

@@ -19,8 +19,8 @@ from nopad.engines.fsdp import (
     prepare_model_outputs,
     token_log_probs,
 )
+from nopad.engines.leak import check_isolation, probe_batch
 from nopad.layout import IndexPlan
-from nopad.leak import check_isolation, probe_batch
 from tests.dist_utils import run_distributed
 from tests.models import VOCAB, make_padded_batch, tiny_llama, tiny_qwen2, tiny_qwen2_vl_text
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from nopad.layout import is_nested, nested_offsets, prepare_offsets, ragged_dim, to_host
-from nopad.parallel import (
+from nopad.parallel.cp import (
     CpLayout,
     check_cp_args,
     cp_alignment,

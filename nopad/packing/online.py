@@ -16,7 +16,7 @@ from torch import Tensor
 from nopad.layout import is_nested, nested_offsets, prepare_position_ids, prepare_row_ids, ragged_dim
 from nopad.packing.algorithms import Bins, pack_lengths
 from nopad.packing.rows import thd_alignment
-from nopad.parallel import CpLayout
+from nopad.parallel.cp import CpLayout
 
 
 def _check_nested(x: Tensor, field: str) -> None:

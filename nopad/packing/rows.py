@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nopad.parallel import CpLayout, cp_alignment
+from nopad.parallel.cp import CpLayout, cp_alignment
 
 ROW_FIELDS = ("input_ids", "target_ids", "token_mask", "position_ids", "packed_cu_seqlens")
 TOKEN_FIELDS = ROW_FIELDS[:4]
