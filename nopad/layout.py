@@ -28,8 +28,7 @@ def to_host(*scalars: Tensor) -> list[int]:
     if not scalars:
         return []
     as_int64 = [s if s.dim() == 0 and s.dtype == torch.int64 else s.reshape(()).to(torch.int64) for s in scalars]
-    stacked = torch.stack(as_int64)
-    return stacked.to("cpu", copy=True).tolist()
+    return torch.stack(as_int64).tolist()  # one device->host copy: tolist moves the stack in one go
 
 
 def is_nested(x: object) -> bool:

@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad.errors import input_error
 from nopad.layout import is_nested, nested_offsets, prepare_position_ids, prepare_row_ids, ragged_dim
 from nopad.packing.algorithms import Bins, pack_lengths
 from nopad.packing.rows import thd_alignment
@@ -70,7 +71,18 @@ def pack_online(
     _check_nested(input_ids, "input_ids")
     offsets = nested_offsets(input_ids).to(torch.int64)
     lengths = offsets.diff()
-    lengths_host = lengths.cpu().numpy()
+    mismatch = torch.zeros(1, dtype=torch.int64, device=lengths.device)
+    if loss_mask is not None:
+        _check_nested(loss_mask, "loss_mask")
+        mask_offsets = nested_offsets(loss_mask).to(torch.int64)
+        if mask_offsets is not offsets:
+            same_shape = mask_offsets.shape == offsets.shape
+            differs = (mask_offsets != offsets).any() if same_shape else torch.ones((), dtype=torch.bool)
+            mismatch = differs.to(device=lengths.device, dtype=torch.int64).reshape(1)
+    *lengths_list, mask_differs = torch.cat([lengths, mismatch]).tolist()  # the one host sync
+    if mask_differs:
+        raise input_error("loss_mask", None, "the same offsets (sequence lengths) as input_ids", "different ones")
+    lengths_host = np.asarray(lengths_list, dtype=np.int64)
     align = thd_alignment(tp_size, cp_size, cp_layout)
     padded = -(-lengths_host // align) * align
     too_long = np.flatnonzero((padded > token_budget) | (lengths_host < 1))
@@ -92,7 +104,7 @@ def pack_online(
     pos = prepare_position_ids(offsets, total)
     last = pos == lengths[row] - 1
     dest = seq_bin_t[row] * width + seq_start_t[row] + pos
-    mask_values = torch.ones_like(values) if loss_mask is None else _mask_values(loss_mask, offsets)
+    mask_values = torch.ones_like(values) if loss_mask is None else loss_mask.values().to(torch.int64)
 
     def scatter(src: Tensor, fill: int) -> Tensor:
         out = torch.full((n_rows * width,), fill, dtype=torch.int64, device=device)
@@ -121,9 +133,3 @@ def pack_online(
     )
     return TensorDict(data, batch_size=[n_rows], device=device), bins
 
-
-def _mask_values(loss_mask: Tensor, offsets: Tensor) -> Tensor:
-    _check_nested(loss_mask, "loss_mask")
-    if not torch.equal(nested_offsets(loss_mask).to(torch.int64), offsets):
-        raise ValueError("loss_mask: expected the same offsets (sequence lengths) as input_ids, got different ones")
-    return loss_mask.values().to(torch.int64)
