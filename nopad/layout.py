@@ -283,6 +283,18 @@ class IndexPlan:
         # an empty row's "end - 1" is the previous row's last token (or, wrapped, the final token): already True
         return mask.index_fill_(0, (self.offsets[1:] - 1) % self.total, True)
 
+    def next_token_labels(self, values: Tensor, pad_value: float | int = 0) -> Tensor:
+        """(total, *) -> (total, *) next-token labels: token t's label is token t+1 OF ITS OWN SEQUENCE.
+
+        The label slot of each sequence's last token (which no loss trains on: its next token
+        belongs to no one) holds ``pad_value``, the same value as padding slots. This is nopad's ONE
+        convention for that slot; the FSDP, Megatron (``need_roll``) and packing paths all produce it.
+        No sync.
+        """
+        last = self.last_token_mask.to(values.device).view(-1, *([1] * (values.dim() - 1)))
+        pad = torch.as_tensor(pad_value, dtype=values.dtype, device=values.device)
+        return torch.where(last, pad, values.roll(-1, 0))
+
     @property
     def indices(self) -> Tensor:
         """(total,) positions of the real tokens in the flattened (B * width) padded buffer."""

@@ -131,7 +131,7 @@ def test_model_inputs_are_one_packed_row_without_mask_and_without_cache():
     assert set(inputs) == {"input_ids", "position_ids", "use_cache"} and inputs["use_cache"] is False
     assert torch.equal(inputs["input_ids"], ids.unsqueeze(0))
     assert inputs["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
-    assert torch.equal(args.labels, torch.roll(ids, -1))
+    assert torch.equal(args.labels, torch.where(args.label_mask, torch.roll(ids, -1), 0))  # pad id at last tokens
     assert args.label_mask.tolist() == [True, True, False, False, True, True, True, False]
 
 

@@ -149,9 +149,9 @@ def prepare_model_inputs(
     if positions.dim() == 2 and positions.shape[0] == 3:
         # Qwen2/3-VL find packed boundaries only in row 0 of 4-row position ids: prepend the text positions.
         positions = torch.cat([plan.position_ids.to(device=device, dtype=positions.dtype).unsqueeze(0), positions])
-    labels = torch.roll(ids, shifts=-1)
-    # The last token of each sequence has no next token of its own: its label belongs to no one.
+    # The last token of each sequence has no next token of its own: its label slot holds the pad id.
     # (An empty row's "last token" wraps onto the previous row's, which is already excluded.)
+    labels = plan.next_token_labels(ids, pad_token_id)
     label_mask = _pad_last(~plan.last_token_mask.to(device), pad, False)
     if temperature is None:
         temperature = get_field(micro_batch, "temperature")

@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad.errors import input_error
-from nopad.layout import is_nested, nested_offsets, prepare_position_ids, prepare_row_ids, ragged_dim
+from nopad.layout import IndexPlan, is_nested, nested_offsets, ragged_dim
 from nopad.packing.algorithms import Bins, pack_lengths
 from nopad.packing.rows import thd_alignment
 from nopad.parallel.cp import CpLayout
@@ -99,10 +99,8 @@ def pack_online(
     seq_bin_t, seq_start_t, padded_t = as_t(seq_bin), as_t(seq_start), as_t(padded)
 
     values = input_ids.values()
-    total = values.shape[0]
-    row = prepare_row_ids(lengths, total)
-    pos = prepare_position_ids(offsets, total)
-    last = pos == lengths[row] - 1
+    plan = IndexPlan.from_nested(input_ids)
+    row, pos = plan.row_ids, plan.position_ids
     dest = seq_bin_t[row] * width + seq_start_t[row] + pos
     mask_values = torch.ones_like(values) if loss_mask is None else loss_mask.values().to(torch.int64)
 
@@ -112,8 +110,8 @@ def pack_online(
 
     data = {
         "input_ids": scatter(values, pad_token_id),
-        "target_ids": scatter(torch.where(last, pad_token_id, values.roll(-1)), pad_token_id),
-        "token_mask": scatter(torch.where(last, 0, mask_values.roll(-1)), 0),
+        "target_ids": scatter(plan.next_token_labels(values, pad_token_id), pad_token_id),
+        "token_mask": scatter(plan.next_token_labels(mask_values, 0), 0),
     }
     # position within the padded segment: slot - the segment's start (a running max of starts per row)
     marks = torch.zeros(n_rows * width, dtype=torch.int64, device=device)
