@@ -10,6 +10,7 @@ Host syncs are named in each docstring; everything else stays on the device.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,6 +50,12 @@ def ragged_dim(nested: Tensor) -> int:
 def prepare_offsets(lengths: Tensor) -> Tensor:
     """(B,) lengths -> (B+1,) int64 offsets (cu_seqlens) starting at 0. No sync."""
     return torch.nn.functional.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
+
+
+def round_up(n: Any, multiple: Any) -> Any:
+    """Smallest multiple of ``multiple`` that is >= ``n``: an int, or elementwise on a numpy array or a
+    tensor. THE round-up of nopad (alignment, SP padding, bin counts). No sync."""
+    return -(-n // multiple) * multiple
 
 
 def spread_over_tokens(per_row: Tensor, offsets: Tensor, total: int, *, plus_position: bool = False) -> Tensor:

@@ -144,3 +144,21 @@ def test_wrap_jagged_equals_torchs_public_constructor(shape, ragged_dim, seqlens
     nested = nopad.layout.wrap_jagged(grad_values, offsets, ragged_dim)
     nested.values().sum().backward()
     assert torch.equal(grad_values.grad, torch.ones_like(grad_values))
+
+
+@pytest.mark.parametrize("multiple", [1, 2, 3, 8, 16])
+def test_round_up_matches_a_naive_loop_for_ints_arrays_and_tensors(multiple):
+    import numpy as np
+
+    from nopad.layout import round_up
+
+    def naive(n):
+        while n % multiple:
+            n += 1
+        return n
+
+    ns = list(range(0, 50))
+    want = [naive(n) for n in ns]
+    assert [round_up(n, multiple) for n in ns] == want
+    assert round_up(np.array(ns), multiple).tolist() == want
+    assert round_up(torch.tensor(ns), multiple).tolist() == want

@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad.errors import input_error
-from nopad.layout import IndexPlan, is_nested, nested_offsets, ragged_dim
+from nopad.layout import IndexPlan, is_nested, nested_offsets, ragged_dim, round_up
 from nopad.packing.algorithms import Bins, pack_lengths
 from nopad.packing.rows import thd_alignment
 from nopad.parallel.cp import CpLayout
@@ -84,7 +84,7 @@ def pack_online(
         raise input_error("loss_mask", None, "the same offsets (sequence lengths) as input_ids", "different ones")
     lengths_host = np.asarray(lengths_list, dtype=np.int64)
     align = thd_alignment(tp_size, cp_size, cp_layout)
-    padded = -(-lengths_host // align) * align
+    padded = round_up(lengths_host, align)
     too_long = np.flatnonzero((padded > token_budget) | (lengths_host < 1))
     if too_long.size:
         i = int(too_long[0])
