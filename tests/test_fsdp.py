@@ -317,6 +317,7 @@ def _fsdp2_worker(rank, world_size):
     return lp.values().detach(), grads
 
 
+@pytest.mark.slow
 def test_fsdp2_fully_shard_two_processes_matches_one_process():
     results = run_distributed(_fsdp2_worker, 2)
     m = tiny_llama()

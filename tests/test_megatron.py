@@ -373,6 +373,7 @@ def _check_shards_partition_the_batch(shards_by_cp_rank):
         assert held == sorted(encoded_ids(lengths).values().tolist())  # every real token on exactly one rank
 
 
+@pytest.mark.slow
 def test_cp2_via_megatron_parallel_state_and_cp4_via_plain_groups_round_trip_ids_and_gradients():
     results = run_distributed(_cp_worker, 4)
     plain = [results[r]["plain"] for r in range(4)]
@@ -392,6 +393,7 @@ def test_cp2_via_megatron_parallel_state_and_cp4_via_plain_groups_round_trip_ids
     assert megatron[2][1]["te"] == [3, 4, 5, 6, 1003, 1004, 1005, 1006]
 
 
+@pytest.mark.slow
 def test_example_runs_under_torchrun_on_two_cpu_processes():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
