@@ -1,7 +1,8 @@
 """nopad: padded <-> nested <-> packed LLM training batches, exact and without per-row loops."""
 
-from nopad import attention
+from nopad import attention, compat
 from nopad.diagnostics import OpCounter
+from nopad.engines.leak import IsolationReport, check_isolation
 from nopad.layout import (
     IndexPlan,
     gather_rows,
@@ -16,7 +17,6 @@ from nopad.layout import (
     to_host,
     wrap_jagged,
 )
-from nopad.leak import IsolationReport, check_isolation
 from nopad.losses import (
     LossConfig,
     agg_loss,
@@ -37,6 +37,8 @@ from nopad.padding import (
     response_from_nested,
     response_to_nested,
 )
+
+compat.install_module_finder()
 
 __version__ = "0.1.0"
 

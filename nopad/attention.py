@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nopad.layout import IndexPlan, _fail, block_causal_mask
-from nopad.ulysses import ULYSSES_PREFIX, enable_ulysses, set_attn_implementation
+from nopad.errors import input_error
+from nopad.layout import IndexPlan, block_causal_mask
+from nopad.parallel.ulysses import ULYSSES_PREFIX, enable_ulysses, set_attn_implementation
 
 IMPLEMENTATION = "nopad_varlen"
 KERNELS = ("flash_attn", "varlen_attn", "aten_flash", "sdpa")
@@ -173,14 +174,14 @@ def select_kernel(requested: str, device_type: str, dtype: torch.dtype, needs: N
     ``"auto"`` the first available one that honours every need, preferring one without a K/V copy."""
     if requested != "auto":
         if requested not in KERNELS:
-            raise _fail("kernel", None, f"'auto' or one of {list(KERNELS)}", repr(requested))
+            raise input_error("kernel", None, f"'auto' or one of {list(KERNELS)}", repr(requested))
         why = _unavailable(requested, device_type, dtype)
         if why is None:
             why = _refusal(requested, needs)
             why = None if why is None else f"cannot honour {why}"
         if why is not None:
             runnable = available_kernels(device_type, dtype)
-            raise _fail("kernel", None, f"a kernel that runs here (available: {runnable})",
+            raise input_error("kernel", None, f"a kernel that runs here (available: {runnable})",
                         f"{requested!r}, which {why}")
         return requested
     candidates = [k for k in KERNELS if _unavailable(k, device_type, dtype) is None and _refusal(k, needs) is None]
@@ -289,9 +290,9 @@ _from_mask, _from_boundaries, _from_positions = _PerForward(), _PerForward(), _P
 
 def _given_boundaries(cu: Tensor, cu_k: Tensor | None, max_length: Any, device: torch.device) -> tuple[Tensor, int]:
     if cu.dim() != 1 or cu.shape[0] < 2:
-        raise _fail("cu_seq_lens_q", None, "(sequences + 1,) boundaries", f"shape {tuple(cu.shape)}")
+        raise input_error("cu_seq_lens_q", None, "(sequences + 1,) boundaries", f"shape {tuple(cu.shape)}")
     if cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
-        raise _fail("cu_seq_lens_k", None, "the same boundaries as cu_seq_lens_q (self-attention)",
+        raise input_error("cu_seq_lens_k", None, "the same boundaries as cu_seq_lens_q (self-attention)",
                     f"{cu_k.tolist()} vs {cu.tolist()}")
     longest = int(cu.diff().max()) if max_length is None else int(max_length)  # a sync only when not given
     return cu.to(device=device, dtype=torch.int32), longest
@@ -344,7 +345,7 @@ def nopad_varlen_attention(
     """
     B, H, T, D = query.shape
     if key.shape[2] != T or key.shape[0] != B or H % key.shape[1]:
-        raise _fail("key", None, f"(batch {B}, a divisor of {H} heads, {T} tokens, dim) for a training forward "
+        raise input_error("key", None, f"(batch {B}, a divisor of {H} heads, {T} tokens, dim) for a training forward "
                     "without a KV cache (nopad_varlen does not serve generation)", f"shape {tuple(key.shape)}")
     sinks = kwargs.get("s_aux")
     causal = kwargs.get("is_causal")
@@ -357,8 +358,9 @@ def nopad_varlen_attention(
     q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (query, key, value))
     if attention_mask is not None:
         if attention_mask.shape != (B, T):
-            raise _fail("attention_mask", None, f"None or a ({B}, {T}) padding mask (nopad_varlen builds no dense "
-                        "masks)", f"shape {tuple(attention_mask.shape)}")
+            raise input_error("attention_mask", None,
+                              f"None or a ({B}, {T}) padding mask (nopad_varlen builds no dense masks)",
+                              f"shape {tuple(attention_mask.shape)}")
         plan = _from_mask.get((attention_mask,), lambda: IndexPlan.from_mask(attention_mask))
         q, k, v = (t.index_select(0, plan.indices) for t in (q, k, v))
         cu_seqlens, max_seqlen = plan.cu_seqlens, plan.max_seqlen
@@ -462,11 +464,11 @@ def use_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> torch.
     """Switch ``model``'s attention to ``nopad_varlen`` with ``kernel`` ('auto' or one of :data:`KERNELS`).
 
     A forced kernel that cannot run on the model's device and dtype is a ValueError now, not at the
-    first forward. A model under Ulysses (:func:`nopad.ulysses.enable_ulysses`) stays under it,
+    first forward. A model under Ulysses (:func:`nopad.parallel.ulysses.enable_ulysses`) stays under it,
     around the new kernel. Returns the model.
     """
     if kernel not in _IMPLEMENTATION_OF:
-        raise _fail("kernel", None, f"'auto' or one of {list(KERNELS)}", repr(kernel))
+        raise input_error("kernel", None, f"'auto' or one of {list(KERNELS)}", repr(kernel))
     device, dtype = _model_device_dtype(model)
     if kernel != "auto":
         select_kernel(kernel, device.type, dtype, Needs())

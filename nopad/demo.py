@@ -51,7 +51,8 @@ def run_demo(batch_size: int | None = None, prompt_len: int | None = None, respo
     path's own error plus 10%.
     """
     from nopad.attention import Needs, current_implementation, packed_attention, select_kernel
-    from nopad.engines.fsdp import check_isolation, packed_logprobs, padded_logprobs
+    from nopad.engines.fsdp import packed_logprobs, padded_logprobs
+    from nopad.engines.leak import check_isolation
 
     on_gpu = torch.device(device).type == "cuda"
     B, P, R, hidden, layers, heads, kv_heads, vocab = SIZES["cuda" if on_gpu else "cpu"]

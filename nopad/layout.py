@@ -10,11 +10,13 @@ Host syncs are named in each docstring; everything else stays on the device.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from nopad.errors import input_error
 from nopad.ops import index_put_first_axis
 
 try:  # holds torch's constructor of jagged tensors, the one its own unpickler and view op call
@@ -28,8 +30,7 @@ def to_host(*scalars: Tensor) -> list[int]:
     if not scalars:
         return []
     as_int64 = [s if s.dim() == 0 and s.dtype == torch.int64 else s.reshape(()).to(torch.int64) for s in scalars]
-    stacked = torch.stack(as_int64)
-    return stacked.to("cpu", copy=True).tolist()
+    return torch.stack(as_int64).tolist()  # one device->host copy: tolist moves the stack in one go
 
 
 def is_nested(x: object) -> bool:
@@ -71,6 +72,12 @@ def ragged_dim(nested: Tensor) -> int:
 def prepare_offsets(lengths: Tensor) -> Tensor:
     """(B,) lengths -> (B+1,) int64 offsets (cu_seqlens) starting at 0. No sync."""
     return torch.nn.functional.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
+
+
+def round_up(n: Any, multiple: Any) -> Any:
+    """Smallest multiple of ``multiple`` that is >= ``n``: an int, or elementwise on a numpy array or a
+    tensor. THE round-up of nopad (alignment, SP padding, bin counts). No sync."""
+    return -(-n // multiple) * multiple
 
 
 def spread_over_tokens(per_row: Tensor, offsets: Tensor, total: int, *, plus_position: bool = False) -> Tensor:
@@ -173,11 +180,6 @@ def gather_rows(values: Tensor, src_start: Tensor, lo: Tensor | None, hi: Tensor
     return padded.index_select(0, src.flatten()).unflatten(0, (rows, width))
 
 
-def _fail(field: str, row: int | None, expected: str, actual: str) -> ValueError:
-    where = f"{field}" if row is None else f"{field} row {row}"
-    return ValueError(f"{where}: expected {expected}, got {actual}")
-
-
 class IndexPlan:
     """Lengths, offsets and gather indices of one batch, shared by every per-token field.
 
@@ -218,7 +220,7 @@ class IndexPlan:
     def from_mask(cls, mask: Tensor) -> IndexPlan:
         """Any (B, S) 0/1 mask, holes allowed. One sync (``nonzero``)."""
         if mask.dim() != 2:
-            raise _fail("mask", None, "a (batch, seqlen) tensor", f"shape {tuple(mask.shape)}")
+            raise input_error("mask", None, "a (batch, seqlen) tensor", f"shape {tuple(mask.shape)}")
         indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
         lengths = mask.bool().sum(-1)
         return cls(lengths, prepare_offsets(lengths), total=indices.shape[0], width=mask.shape[1], indices=indices)
@@ -241,11 +243,11 @@ class IndexPlan:
         """
         lengths = torch.as_tensor(lengths, dtype=torch.int64)
         if lengths.dim() != 1 or lengths.shape[0] == 0:
-            raise _fail("lengths", None, "a non-empty 1-D tensor", f"shape {tuple(lengths.shape)}")
+            raise input_error("lengths", None, "a non-empty 1-D tensor", f"shape {tuple(lengths.shape)}")
         if total is None:
             total, max_seqlen, min_seqlen = to_host(lengths.sum(), lengths.max(), lengths.min())
             if min_seqlen < 0:
-                raise _fail("lengths", None, "lengths >= 0", f"min length {min_seqlen}")
+                raise input_error("lengths", None, "lengths >= 0", f"min length {min_seqlen}")
         if width is None:
             width = max_seqlen if max_seqlen is not None else to_host(lengths.max())[0]
         if starts is None:
@@ -265,10 +267,11 @@ class IndexPlan:
         """(B+1,) cu_seqlens -> plan of right-padded rows. One sync (total, max, min)."""
         offsets = torch.as_tensor(offsets, dtype=torch.int64)
         if offsets.dim() != 1 or offsets.shape[0] < 2:
-            raise _fail("offsets", None, "a 1-D tensor of batch+1 >= 2 boundaries", f"shape {tuple(offsets.shape)}")
+            raise input_error("offsets", None, "a 1-D tensor of batch+1 >= 2 boundaries",
+                f"shape {tuple(offsets.shape)}")
         first, total, max_len, min_len = to_host(offsets[0], offsets[-1], offsets.diff().max(), offsets.diff().min())
         if first != 0 or min_len < 0:
-            raise _fail("offsets", None, "boundaries starting at 0 that never go down", f"{offsets.tolist()}")
+            raise input_error("offsets", None, "boundaries starting at 0 that never go down", f"{offsets.tolist()}")
         return cls.from_lengths(offsets.diff(), width=width, total=total, max_seqlen=max_len, min_seqlen=min_len)
 
     @classmethod
@@ -281,13 +284,13 @@ class IndexPlan:
         B * S tokens of the flattened rows. One host sync: the start flags come over in one copy.
         """
         if position_ids.dim() not in (1, 2) or position_ids.shape[-1] == 0:
-            raise _fail("position_ids", None, "a non-empty (seqlen,) or (batch, seqlen) tensor",
+            raise input_error("position_ids", None, "a non-empty (seqlen,) or (batch, seqlen) tensor",
                         f"shape {tuple(position_ids.shape)}")
         if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
-            raise _fail("position_ids", None, "an integer tensor", f"dtype {position_ids.dtype}")
+            raise input_error("position_ids", None, "an integer tensor", f"dtype {position_ids.dtype}")
         rows = position_ids.reshape(-1, position_ids.shape[-1])
         restarts = torch.nn.functional.pad(rows.diff(dim=-1) != 1, (1, 0), value=True)
-        starts = np.flatnonzero(restarts.flatten().cpu().numpy())  # the one sync; the rest is host math
+        starts = np.flatnonzero(restarts.flatten().numpy(force=True))  # the one sync; the rest is host math
         offsets = np.append(starts, restarts.numel()).astype(np.int64)
         lengths = np.diff(offsets)
         device = position_ids.device
@@ -304,7 +307,8 @@ class IndexPlan:
     def from_nested(cls, nested: Tensor, *, width: int | None = None) -> IndexPlan:
         """Plan of a jagged nested tensor's rows (right padding). No sync if width is given."""
         if not is_nested(nested):
-            raise _fail("tensor", None, "a jagged nested tensor", f"a dense tensor of shape {tuple(nested.shape)}")
+            raise input_error("tensor", None, "a jagged nested tensor",
+                f"a dense tensor of shape {tuple(nested.shape)}")
         offsets = nested_offsets(nested).to(torch.int64)
         total = jagged_values(nested).shape[ragged_dim(nested) - 1]
         lengths = offsets.diff()
@@ -366,6 +370,18 @@ class IndexPlan:
         # an empty row's "end - 1" is the previous row's last token (or, wrapped, the final token): already True
         return mask.index_fill_(0, (self.offsets[1:] - 1) % self.total, True)
 
+    def next_token_labels(self, values: Tensor, pad_value: float | int = 0) -> Tensor:
+        """(total, *) -> (total, *) next-token labels: token t's label is token t+1 OF ITS OWN SEQUENCE.
+
+        The label slot of each sequence's last token (which no loss trains on: its next token
+        belongs to no one) holds ``pad_value``, the same value as padding slots. This is nopad's ONE
+        convention for that slot; the FSDP, Megatron (``need_roll``) and packing paths all produce it.
+        No sync.
+        """
+        last = self.last_token_mask.to(values.device).view(-1, *([1] * (values.dim() - 1)))
+        pad = torch.as_tensor(pad_value, dtype=values.dtype, device=values.device)
+        return torch.where(last, pad, values.roll(-1, 0))
+
     @property
     def indices(self) -> Tensor:
         """(total,) positions of the real tokens in the flattened (B * width) padded buffer."""
@@ -396,11 +412,11 @@ class IndexPlan:
         right-padded plans (``starts`` all 0), e.g. to pad nested rows to a chosen width.
         """
         if values.shape[0] != self.total:
-            raise _fail("values", None, f"{self.total} tokens on dim 0", f"shape {tuple(values.shape)}")
+            raise input_error("values", None, f"{self.total} tokens on dim 0", f"shape {tuple(values.shape)}")
         width = self._width(width)
         if self.starts is None:
             if width != self.width:
-                raise _fail("width", None, f"the mask's width {self.width}", f"{width}")
+                raise input_error("width", None, f"the mask's width {self.width}", f"{width}")
             flat = index_put_first_axis(values, self.indices, self.batch_size * width)
             return flat.view(self.batch_size, width, *values.shape[1:])
         return gather_rows(values, self.offsets[:-1] - self.starts, self.starts, self.starts + self.lengths, width)
@@ -433,7 +449,7 @@ class IndexPlan:
         """Check the plan is self-consistent (one sync); raise ValueError naming the bad row."""
         lengths, offsets = self.lengths, self.offsets
         if offsets.shape != (self.batch_size + 1,) or lengths.dtype.is_floating_point:
-            raise _fail(
+            raise input_error(
                 "offsets", None, f"an integer tensor of shape ({self.batch_size + 1},)", f"{tuple(offsets.shape)}"
             )
         starts = self.starts if self.starts is not None else torch.zeros_like(lengths)
@@ -445,11 +461,11 @@ class IndexPlan:
         }
         first, last, *flags = to_host(offsets[0], offsets[-1], *(bad.any() for bad in checks.values()))
         if (first, last) != (0, self.total):
-            raise _fail("offsets", None, f"boundaries from 0 to total {self.total}", f"{first}..{last}")
+            raise input_error("offsets", None, f"boundaries from 0 to total {self.total}", f"{first}..{last}")
         for (expected, bad), flag in zip(checks.items(), flags):
             if flag:
                 row = int(bad.nonzero()[0])
-                raise _fail("lengths", row, expected, f"length {int(lengths[row])}, start {int(starts[row])}")
+                raise input_error("lengths", row, expected, f"length {int(lengths[row])}, start {int(starts[row])}")
         return self
 
     # ---- internals ----------------------------------------------------------------------
@@ -462,13 +478,13 @@ class IndexPlan:
 
     def _check_padded(self, x: Tensor, seq_dim: int) -> None:
         if is_nested(x):
-            raise _fail("tensor", None, "a padded (dense) tensor", "a nested tensor")
+            raise input_error("tensor", None, "a padded (dense) tensor", "a nested tensor")
         if (
             x.dim() <= seq_dim
             or x.shape[0] != self.batch_size
             or (self.width is not None and x.shape[seq_dim] != self.width)
         ):
-            raise _fail(
+            raise input_error(
                 "tensor",
                 None,
                 f"batch {self.batch_size} on dim 0 and width {self.width} on dim {seq_dim}",

@@ -28,7 +28,8 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import get_field
-from nopad.layout import IndexPlan, _fail, to_host
+from nopad.errors import input_error
+from nopad.layout import IndexPlan, to_host
 from nopad.layout import is_nested as _is_nested
 from nopad.padding import no_padding_2_padding
 
@@ -65,7 +66,7 @@ class LossConfig:
         _check_kl_kind(self.kl_loss_type, "config.kl_loss_type")
         _check_clip(self.clip_ratio, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c)
         if self.cliprange_value < 0:
-            raise _fail("config.cliprange_value", None, "a value >= 0", f"{self.cliprange_value}")
+            raise input_error("config.cliprange_value", None, "a value >= 0", f"{self.cliprange_value}")
 
     @classmethod
     def from_any(cls, config: Any) -> LossConfig:
@@ -76,7 +77,7 @@ class LossConfig:
             return cls()
         loss_mode = _read(_read(config, "policy_loss"), "loss_mode")
         if loss_mode not in (None, "vanilla"):
-            raise _fail("config.policy_loss.loss_mode", None, "'vanilla' (the PPO loss nopad implements)",
+            raise input_error("config.policy_loss.loss_mode", None, "'vanilla' (the PPO loss nopad implements)",
                         repr(loss_mode))
         values = {field.name: _read(config, field.name) for field in dataclasses.fields(cls)}
         return cls(**{name: value for name, value in values.items() if value is not None})
@@ -100,7 +101,7 @@ def global_batch_info(response_mask: Tensor, dp_group=None) -> dict[str, int]:
     One host sync, plus one all_reduce when torch.distributed is initialised.
     """
     if response_mask.dim() != 2:
-        raise _fail("response_mask", None, "shape (batch, response_len)", f"{tuple(response_mask.shape)}")
+        raise input_error("response_mask", None, "shape (batch, response_len)", f"{tuple(response_mask.shape)}")
     mask = response_mask.bool()
     figures = torch.stack([mask.sum(), mask.any(-1).sum()])
     dp_size = 1
@@ -143,7 +144,7 @@ def agg_loss(
     needs = "batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size"
     given = batch_num_tokens if loss_agg_mode == "token-mean" else global_batch_size
     if dp_size > 1 and loss_agg_mode != "token-sum" and given is None:
-        raise _fail(needs, None, f"the global mini-batch figure when dp_size={dp_size} with {loss_agg_mode!r} "
+        raise input_error(needs, None, f"the global mini-batch figure when dp_size={dp_size} with {loss_agg_mode!r} "
                     "(see nopad.losses.global_batch_info)", "None")
     mask = loss_mask.bool()
     row_sums = torch.where(mask, loss_mat, 0.0).sum(-1)
@@ -354,7 +355,7 @@ def sft_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
     if _is_nested(log_probs) and _is_nested(loss_mask):
         mask = shifted_loss_mask(loss_mask)
         if log_probs.values().shape[0] != mask.shape[0]:
-            raise _fail("model_output['log_probs']", None, f"{mask.shape[0]} tokens like data['loss_mask']",
+            raise input_error("model_output['log_probs']", None, f"{mask.shape[0]} tokens like data['loss_mask']",
                         f"{log_probs.values().shape[0]}")
         loss = agg_loss(-log_probs.values().unsqueeze(0), mask.unsqueeze(0), "token-mean", **figures)
         return loss, {}
@@ -389,14 +390,14 @@ def _response_mask(data: TensorDict) -> Tensor:
     mask = data.get("response_mask", None)
     if not isinstance(mask, Tensor) or _is_nested(mask) or mask.dim() != 2:
         actual = "missing" if mask is None else f"{type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}"
-        raise _fail("data['response_mask']", None, "a padded (batch, response_len) tensor", actual)
+        raise input_error("data['response_mask']", None, "a padded (batch, response_len) tensor", actual)
     return mask.bool()
 
 
 def _field(data: TensorDict, key: str, response_mask: Tensor) -> Tensor:
     x = _optional_field(data, key, response_mask)
     if x is None:
-        raise _fail(f"data[{key!r}]", None, f"a padded {tuple(response_mask.shape)} tensor", "missing")
+        raise input_error(f"data[{key!r}]", None, f"a padded {tuple(response_mask.shape)} tensor", "missing")
     return x
 
 
@@ -412,16 +413,16 @@ def _optional_field(data: TensorDict, key: str, response_mask: Tensor) -> Tensor
 def _response_slice(model_output: Mapping[str, Tensor], key: str, data: TensorDict, response_mask: Tensor) -> Tensor:
     """model_output[key] -> padded (B, R): the response part of a nested/flat whole-sequence output."""
     if key not in model_output or model_output[key] is None:
-        raise _fail("model_output", None, f"a {key!r} entry", f"keys {list(model_output.keys())}")
+        raise input_error("model_output", None, f"a {key!r} entry", f"keys {list(model_output.keys())}")
     x = model_output[key]
     B, R = response_mask.shape
     field = f"model_output[{key!r}]"
     if _is_nested(x):
         if x.size(0) != B:
-            raise _fail(field, None, f"{B} sequences like response_mask", f"{x.size(0)}")
+            raise input_error(field, None, f"{B} sequences like response_mask", f"{x.size(0)}")
         indices = get_field(data, "indices")
         if isinstance(indices, Tensor) and x.values().shape[0] != indices.shape[0]:
-            raise _fail(field, None, f"{indices.shape[0]} tokens (the batch's total)", f"{x.values().shape[0]}")
+            raise input_error(field, None, f"{indices.shape[0]} tokens (the batch's total)", f"{x.values().shape[0]}")
         return no_padding_2_padding(x, data, max_response_len=R)
     if x.dim() == 1:
         return no_padding_2_padding(x, data, max_response_len=R)
@@ -435,7 +436,7 @@ def _positive_int(value: Any, field: str) -> int:
     except TypeError:
         number = 0
     if isinstance(value, bool) or number < 1:
-        raise _fail(field, None, "an int >= 1", f"{value!r}")
+        raise input_error(field, None, "an int >= 1", f"{value!r}")
     return number
 
 
@@ -452,17 +453,17 @@ def _check_same_shape(x: Tensor, name: str, ref: Tensor, ref_name: str) -> None:
         actual = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) and not _is_nested(x) else type(x).__name__
         if _is_nested(x):
             actual = "a nested tensor"
-        raise _fail(name, None, f"shape {tuple(ref.shape)} like {ref_name}", actual)
+        raise input_error(name, None, f"shape {tuple(ref.shape)} like {ref_name}", actual)
 
 
 def _check_agg_mode(mode: str, field: str) -> None:
     if mode not in AGG_MODES:
-        raise _fail(field, None, f"one of {list(AGG_MODES)}", f"{mode!r}")
+        raise input_error(field, None, f"one of {list(AGG_MODES)}", f"{mode!r}")
 
 
 def _check_kl_kind(kind: str, field: str) -> None:
     if not isinstance(kind, str) or kind.removesuffix("+") not in KL_KINDS:
-        raise _fail(field, None, f"one of {list(KL_KINDS)}, optionally with a trailing '+'", f"{kind!r}")
+        raise input_error(field, None, f"one of {list(KL_KINDS)}, optionally with a trailing '+'", f"{kind!r}")
 
 
 def _check_clip(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c) -> tuple[float, float]:
@@ -470,7 +471,7 @@ def _check_clip(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c) -> tu
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     for name, value in (("clip_ratio_low", low), ("clip_ratio_high", high)):
         if value is None or value < 0:
-            raise _fail(name, None, "a clip ratio >= 0 (or clip_ratio)", f"{value}")
+            raise input_error(name, None, "a clip ratio >= 0 (or clip_ratio)", f"{value}")
     if not clip_ratio_c > 1.0:
-        raise _fail("clip_ratio_c", None, "a dual-clip bound > 1", f"{clip_ratio_c}")
+        raise input_error("clip_ratio_c", None, "a dual-clip bound > 1", f"{clip_ratio_c}")
     return low, high

@@ -16,16 +16,8 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import get_field
-from nopad.layout import (
-    IndexPlan,
-    _fail,
-    gather_rows,
-    jagged_values,
-    nested_offsets,
-    prepare_offsets,
-    ragged_dim,
-    to_host,
-)
+from nopad.errors import input_error
+from nopad.layout import IndexPlan, gather_rows, jagged_values, nested_offsets, prepare_offsets, ragged_dim, to_host
 from nopad.layout import is_nested as _is_nested
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "position_ids")
@@ -46,12 +38,12 @@ def plan_left_right(attention_mask: Tensor, response_mask: Tensor, *, check_resp
     over (B, R) inside the same sync.
     """
     if attention_mask.dim() != 2:
-        raise _fail("attention_mask", None, "shape (batch, seqlen)", f"{tuple(attention_mask.shape)}")
+        raise input_error("attention_mask", None, "shape (batch, seqlen)", f"{tuple(attention_mask.shape)}")
     (B, S), R = attention_mask.shape, response_mask.shape[-1]
     if response_mask.dim() != 2 or response_mask.shape[0] != B or R >= S:
-        raise _fail("response_mask", None, f"shape ({B}, R) with R < seqlen {S}", f"{tuple(response_mask.shape)}")
+        raise input_error("response_mask", None, f"shape ({B}, R) with R < seqlen {S}", f"{tuple(response_mask.shape)}")
     if B == 0:
-        raise _fail("attention_mask", None, "at least one row", "an empty batch")
+        raise input_error("attention_mask", None, "at least one row", "an empty batch")
     prompt_width = S - R
     # One cumsum pass answers everything. A row's run must be [start, end) with start = P - prompt
     # length; it is exactly that when no one comes before start and all ones have come by end.
@@ -86,7 +78,7 @@ def plan_left_right(attention_mask: Tensor, response_mask: Tensor, *, check_resp
         for field, (bad, expected) in checks.items():
             if bad.any():
                 row = _first_row(bad)
-                raise _fail(field, row, expected, f"attention_mask {attention_mask[row].tolist()}")
+                raise input_error(field, row, expected, f"attention_mask {attention_mask[row].tolist()}")
     return IndexPlan(
         lengths, offsets, total=total, width=S, starts=starts, max_seqlen=max_len, min_seqlen=min_len
     )
@@ -96,7 +88,7 @@ def _check_per_token(data: TensorDict, key: str, B: int, S: int) -> Tensor:
     x = data[key]
     if not isinstance(x, Tensor) or x.dim() < 2 or tuple(x.shape[:2]) != (B, S):
         shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise _fail(key, None, f"a per-token tensor of shape ({B}, {S}, ...)", f"{shape}")
+        raise input_error(key, None, f"a per-token tensor of shape ({B}, {S}, ...)", f"{shape}")
     return x
 
 
@@ -119,20 +111,20 @@ def left_right_2_no_padding(
     """
     missing = [k for k in REQUIRED_KEYS if k not in data.keys()]
     if missing:
-        raise _fail("data", None, f"keys {list(REQUIRED_KEYS)}", f"missing {missing}")
+        raise input_error("data", None, f"keys {list(REQUIRED_KEYS)}", f"missing {missing}")
     input_ids, attention_mask = data["input_ids"], data["attention_mask"]
     response_mask, position_ids = data["response_mask"], data["position_ids"]
     if any(_is_nested(x) for x in (input_ids, attention_mask, response_mask, position_ids)):
-        raise _fail(
+        raise input_error(
             "data", None, "padded (dense) input_ids, attention_mask, response_mask, position_ids", "a nested tensor"
         )
     if input_ids.dim() != 2:
-        raise _fail("input_ids", None, "shape (batch, seqlen)", f"{tuple(input_ids.shape)}")
+        raise input_error("input_ids", None, "shape (batch, seqlen)", f"{tuple(input_ids.shape)}")
     B, S = input_ids.shape
     if tuple(attention_mask.shape) != (B, S):
-        raise _fail("attention_mask", None, f"shape {(B, S)} like input_ids", f"{tuple(attention_mask.shape)}")
+        raise input_error("attention_mask", None, f"shape {(B, S)} like input_ids", f"{tuple(attention_mask.shape)}")
     if attention_mask.dtype.is_floating_point:
-        raise _fail("attention_mask", None, "an integer or bool mask", f"dtype {attention_mask.dtype}")
+        raise input_error("attention_mask", None, "an integer or bool mask", f"dtype {attention_mask.dtype}")
     mrope = position_ids.dim() == 3
     if (
         position_ids.shape[0] != B
@@ -140,7 +132,7 @@ def left_right_2_no_padding(
         or (mrope and position_ids.shape[1] not in (3, 4))
         or position_ids.dim() not in (2, 3)
     ):
-        raise _fail("position_ids", None, f"shape ({B}, {S}) or ({B}, 3|4, {S})", f"{tuple(position_ids.shape)}")
+        raise input_error("position_ids", None, f"shape ({B}, {S}) or ({B}, 3|4, {S})", f"{tuple(position_ids.shape)}")
 
     plan = plan_left_right(attention_mask, response_mask, check_response_mask=check_response_mask)
     out = data.copy()  # shallow: new keys and metadata never reach the caller's TensorDict
@@ -169,11 +161,11 @@ def _response_lengths(data: TensorDict) -> tuple[Tensor, int | None]:
         elif response_mask is not None and not _is_nested(response_mask):
             width = response_mask.shape[1] if width is None else width
         if width is None:
-            raise _fail("data", None, "responses, response_mask or max_response_len", "none of them")
+            raise input_error("data", None, "responses, response_mask or max_response_len", "none of them")
         return data["attention_mask"][:, -width:].sum(-1), width
     if _is_nested(response_mask):
         return nested_offsets(response_mask).diff(), width
-    raise _fail(
+    raise input_error(
         "data", None, "nested responses, or attention_mask with responses/response_mask", f"keys {list(data.keys())}"
     )
 
@@ -200,14 +192,15 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
     """
     values = jagged_values(tensor) if _is_nested(tensor) else tensor
     if _is_nested(tensor) and ragged_dim(tensor) != 1:
-        raise _fail("tensor", None, "a nested tensor ragged on dim 1", f"ragged dim {ragged_dim(tensor)}")
+        raise input_error("tensor", None, "a nested tensor ragged on dim 1", f"ragged dim {ragged_dim(tensor)}")
     resp_lens, width = _response_lengths(data)
     width = max_response_len if max_response_len is not None else width
     if width is None:
         width = to_host(resp_lens.max())[0]
     indices = get_field(data, "indices")
     if isinstance(indices, Tensor) and not _is_nested(tensor) and indices.shape[0] != values.shape[0]:
-        raise _fail("tensor", None, f"{indices.shape[0]} tokens (the batch's total)", f"shape {tuple(values.shape)}")
+        raise input_error("tensor", None, f"{indices.shape[0]} tokens (the batch's total)",
+            f"shape {tuple(values.shape)}")
     ends = _sequence_ends(tensor, data).to(values.device)
     resp_lens = resp_lens.to(values.device)
     return gather_rows(values, ends - resp_lens - 1, None, resp_lens, width)
@@ -219,7 +212,7 @@ def response_from_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
     ``response_mask`` is nested (B, j_r); no sync (its values give the total).
     """
     if not (_is_nested(tensor) and _is_nested(response_mask)):
-        raise _fail("tensor/response_mask", None, "two nested tensors", "a dense tensor")
+        raise input_error("tensor/response_mask", None, "two nested tensors", "a dense tensor")
     resp = IndexPlan.from_nested(response_mask)
     ends = nested_offsets(tensor)[1:].to(resp.offsets.device)
     src = resp.token_index(ends - resp.lengths - 1)  # token t's log-prob comes from position t - 1
@@ -229,7 +222,7 @@ def response_from_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
 def response_to_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
     """Padded response (B, R, *) -> nested (B, j_r, *) with the lengths of nested ``response_mask``."""
     if not _is_nested(response_mask):
-        raise _fail("response_mask", None, "a nested tensor", "a dense tensor")
+        raise input_error("response_mask", None, "a nested tensor", "a dense tensor")
     return IndexPlan.from_nested(response_mask, width=tensor.shape[1]).nest(tensor)
 
 
@@ -243,7 +236,7 @@ def build_attention_mask_from_nested(input_ids: Tensor, max_seq_len: int | None 
 
 def _embeds_to_nested(embeds: Tensor, mask: Tensor, field: str) -> tuple[Tensor, Tensor]:
     if embeds.dim() != 3 or tuple(mask.shape) != tuple(embeds.shape[:2]):
-        raise _fail(
+        raise input_error(
             field,
             None,
             f"(batch, seqlen, dim) embeds with a {tuple(embeds.shape[:2])} mask",

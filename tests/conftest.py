@@ -9,3 +9,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 settings.register_profile("ci", max_examples=60, deadline=None)
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Fixtures that spawn several processes: every test using one is slow (``pytest -m "not slow"`` skips it).
+MULTI_PROCESS_FIXTURES = {"four_ranks"}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if MULTI_PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -10,5 +11,6 @@ def _all_reduce(rank, world_size):
     return t.item()
 
 
+@pytest.mark.slow
 def test_run_distributed_all_reduce():
     assert run_distributed(_all_reduce, 2) == [3.0, 3.0]

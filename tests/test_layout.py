@@ -171,3 +171,21 @@ def test_block_causal_mask_with_a_window_and_without_causality_matches_a_naive_l
             expected = [[segment[i] == segment[j] and (not causal or j <= i) and (window is None or abs(i - j) < window)
                          for j in range(9)] for i in range(9)]
             assert mask == expected, (causal, window)
+
+
+@pytest.mark.parametrize("multiple", [1, 2, 3, 8, 16])
+def test_round_up_matches_a_naive_loop_for_ints_arrays_and_tensors(multiple):
+    import numpy as np
+
+    from nopad.layout import round_up
+
+    def naive(n):
+        while n % multiple:
+            n += 1
+        return n
+
+    ns = list(range(0, 50))
+    want = [naive(n) for n in ns]
+    assert [round_up(n, multiple) for n in ns] == want
+    assert round_up(np.array(ns), multiple).tolist() == want
+    assert round_up(torch.tensor(ns), multiple).tolist() == want

@@ -68,3 +68,40 @@ def test_the_reference_loop_does_grow_with_batch_size():
 
     small, large = (_count(per_row, _batch(B)) for B in (8, 64))
     assert large.ops > 4 * small.ops and large.syncs == 64
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda x: x.tolist(),
+        lambda x: x.sum().item(),
+        lambda x: bool(x.any()),
+        lambda x: int(x[0]),
+        lambda x: float(x[0]),
+        lambda x: x.cpu(),
+        lambda x: x.numpy(),
+        lambda x: x.to("cpu"),
+        lambda x: [0, 1, 2][x[0]],
+        lambda x: x.nonzero(),
+    ],
+    ids=["tolist", "item", "bool", "int", "float", "cpu", "numpy", "to_cpu", "index", "nonzero"],
+)
+def test_the_counter_sees_a_planted_host_read_on_a_cpu_tensor(read):
+    x = torch.tensor([1, 0, 2])
+    with OpCounter() as clean:
+        x + 1
+    with OpCounter() as planted:
+        x + 1
+        read(x)
+    assert clean.syncs == 0 and planted.syncs == 1
+
+
+def test_a_planted_tolist_breaks_the_sync_free_contract():
+    logp, out = _model_output(8)
+    with OpCounter() as c:
+        nopad.no_padding_2_padding(logp, out)
+    assert c.syncs == 0
+    with OpCounter() as c:
+        nopad.no_padding_2_padding(logp, out)
+        out["input_ids"].offsets().tolist()
+    assert c.syncs == 1

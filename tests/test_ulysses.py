@@ -15,14 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nopad import left_right_2_no_padding, no_padding_2_padding
-from nopad.engines.fsdp import (
-    check_isolation,
-    packed_logprobs,
-    padded_logprobs,
-    prepare_model_inputs,
-    use_packed_attention,
-)
-from nopad.ulysses import (
+from nopad.engines.fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs, use_packed_attention
+from nopad.engines.leak import check_isolation
+from nopad.parallel.ulysses import (
     _heads_view,
     all_to_all,
     block_causal_mask,
@@ -162,6 +157,7 @@ def four_ranks():
     return run_distributed(_ulysses_worker, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dims", A2A_DIMS)
 def test_all_to_all_moves_every_chunk_and_its_backward_is_the_reverse(four_ranks, dims):
     scatter, gather = dims
@@ -175,6 +171,7 @@ def test_all_to_all_moves_every_chunk_and_its_backward_is_the_reverse(four_ranks
         assert torch.equal(back, xs[r].detach())  # the reverse all-to-all undoes it
 
 
+@pytest.mark.slow
 def test_gather_seq_concatenates_in_rank_order_and_backward_sums_each_slice(four_ranks):
     xs = [_rank_tensor(r, (3, 5), 9) for r in range(4)]
     gathered = torch.cat(xs, dim=1)
@@ -193,6 +190,7 @@ def single_process():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [2, 4])
 @pytest.mark.parametrize("name", ["llama", "qwen2_vl_text"])
 def test_ulysses_log_probs_equal_one_process_exactly(four_ranks, single_process, sp, name):
@@ -272,6 +270,7 @@ def test_the_base_kernel_sees_its_own_implementation_and_the_split_head_groups()
     assert enable_ulysses(m) is m and attention.config._attn_implementation == "nopad_ulysses_sdpa"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [2, 4])
 def test_each_rank_gets_its_slice_of_the_padded_row(four_ranks, sp):
     micro = left_right_2_no_padding(_sp_batch())

@@ -12,7 +12,7 @@ transformers (5.x) treats a row as packed only when there is no attention_mask A
 then finds the boundaries where position ids restart. ``use_cache`` left at its default silently
 lets every sequence attend to the ones before it; :func:`check_isolation` catches that.
 
-Needs the ``hf`` extra (transformers) only for Ulysses (:func:`nopad.ulysses.enable_ulysses`).
+Needs the ``hf`` extra (transformers) only for Ulysses (:func:`nopad.parallel.ulysses.enable_ulysses`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from torch import Tensor
 
 from nopad._batch import get_field
 from nopad.attention import available_kernels, packed_attention, reads_boundaries, use_packed_attention
-from nopad.layout import IndexPlan, _fail, is_nested, jagged_values, nested_offsets, ragged_dim
-from nopad.ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
+from nopad.compat import moved_attributes
+from nopad.errors import input_error
+from nopad.layout import IndexPlan, is_nested, jagged_values, nested_offsets, ragged_dim
+from nopad.parallel.ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
 PAD_TOKEN_ID = 0
 
@@ -54,22 +56,23 @@ def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
     input_ids, position_ids = get_field(micro_batch, "input_ids"), get_field(micro_batch, "position_ids")
     for key, x in (("input_ids", input_ids), ("position_ids", position_ids)):
         if not is_nested(x):
-            raise _fail(key, None, "a jagged nested tensor (the output of left_right_2_no_padding)",
+            raise input_error(key, None, "a jagged nested tensor (the output of left_right_2_no_padding)",
                         "nothing" if x is None else f"a dense tensor of shape {tuple(x.shape)}")
     if input_ids.dim() != 2 or ragged_dim(input_ids) != 1:
-        raise _fail("input_ids", None, "nested (batch, j) ragged on dim 1",
+        raise input_error("input_ids", None, "nested (batch, j) ragged on dim 1",
                     f"{input_ids.dim()} dims, ragged dim {ragged_dim(input_ids)}")
     total = jagged_values(input_ids).shape[0]
     expected_ragged = 1 if position_ids.dim() == 2 else 2
     pos_ragged = ragged_dim(position_ids)
     pos_total = jagged_values(position_ids).shape[pos_ragged - 1]
     if pos_ragged != expected_ragged or position_ids.dim() not in (2, 3) or pos_total != total:
-        raise _fail("position_ids", None, f"nested (batch, j) or (batch, C, j) with {total} tokens like input_ids",
+        raise input_error("position_ids", None,
+            f"nested (batch, j) or (batch, C, j) with {total} tokens like input_ids",
                     f"{position_ids.dim()} dims, ragged dim {pos_ragged}, {pos_total} tokens")
     ids_offsets, pos_offsets = nested_offsets(input_ids), nested_offsets(position_ids)
     # left_right_2_no_padding shares one offsets tensor; comparing values (a sync) only when they differ.
     if pos_offsets is not ids_offsets and not torch.equal(pos_offsets, ids_offsets):
-        raise _fail("position_ids", None, "the same sequence boundaries as input_ids",
+        raise input_error("position_ids", None, "the same sequence boundaries as input_ids",
                     f"offsets {pos_offsets.tolist()} vs {ids_offsets.tolist()}")
     return input_ids, position_ids
 
@@ -82,15 +85,15 @@ def _token_temperature(temperature, plan: IndexPlan, device) -> Tensor | float:
         if temperature.dim() == 0:
             temperature = temperature.reshape(1).expand(plan.batch_size)
         if temperature.shape != (plan.batch_size,):
-            raise _fail("temperature", None, f"a float, a 0-d tensor or a ({plan.batch_size},) per-sample tensor",
+            raise input_error("temperature", None, f"a float, a 0-d tensor or a ({plan.batch_size},) per-sample tensor",
                         f"shape {tuple(temperature.shape)}")
         if temperature.device.type == "cpu" and bool((temperature <= 0).any()):
             row = int((temperature <= 0).nonzero()[0])
-            raise _fail("temperature", row, "a value > 0", f"{float(temperature[row])}")
+            raise input_error("temperature", row, "a value > 0", f"{float(temperature[row])}")
         return temperature.to(device=device, dtype=torch.float32)[plan.row_ids.to(device)]
     temperature = float(temperature)
     if temperature <= 0:
-        raise _fail("temperature", None, "a value > 0", f"{temperature}")
+        raise input_error("temperature", None, "a value > 0", f"{temperature}")
     return temperature
 
 
@@ -132,14 +135,14 @@ def prepare_model_inputs(
     input_ids, position_ids = _checked_nested(micro_batch)
     sp_size, sp_rank = _sp_size_rank(sp_group, sp_size, sp_rank)
     if pad_to_multiple < 1:
-        raise _fail("pad_to_multiple", None, "an int >= 1", f"{pad_to_multiple}")
+        raise input_error("pad_to_multiple", None, "an int >= 1", f"{pad_to_multiple}")
     if sp_size > 1 and attn_implementation is not None and not attn_implementation.startswith(ULYSSES_PREFIX):
-        raise _fail("attn_implementation", None, f"a Ulysses wrapper ('{ULYSSES_PREFIX}*', see enable_ulysses) "
+        raise input_error("attn_implementation", None, f"a Ulysses wrapper ('{ULYSSES_PREFIX}*', see enable_ulysses) "
                     f"for sp_size {sp_size}", repr(attn_implementation))
     plan = IndexPlan.from_nested(input_ids)
     total = plan.total
     if total == 0:
-        raise _fail("input_ids", None, "at least one token in the micro-batch", "0 tokens")
+        raise input_error("input_ids", None, "at least one token in the micro-batch", "0 tokens")
     padded_total = padded_length(total, sp_size, pad_to_multiple)
     pad = padded_total - total
     ids, positions = jagged_values(input_ids), jagged_values(position_ids)  # (T,), (T,) or (C, T)
@@ -147,9 +150,9 @@ def prepare_model_inputs(
     if positions.dim() == 2 and positions.shape[0] == 3:
         # Qwen2/3-VL find packed boundaries only in row 0 of 4-row position ids: prepend the text positions.
         positions = torch.cat([plan.position_ids.to(device=device, dtype=positions.dtype).unsqueeze(0), positions])
-    labels = torch.roll(ids, shifts=-1)
-    # The last token of each sequence has no next token of its own: its label belongs to no one.
+    # The last token of each sequence has no next token of its own: its label slot holds the pad id.
     # (An empty row's "last token" wraps onto the previous row's, which is already excluded.)
+    labels = plan.next_token_labels(ids, pad_token_id)
     label_mask = _pad_last(~plan.last_token_mask.to(device), pad, False)
     if temperature is None:
         temperature = get_field(micro_batch, "temperature")
@@ -188,11 +191,12 @@ def _sp_size_rank(group, sp_size: int | None, sp_rank: int | None) -> tuple[int,
 
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if (sp_size is not None and sp_size != size) or (sp_rank is not None and sp_rank != rank):
-            raise _fail("sp_size/sp_rank", None, f"the group's size {size} and rank {rank}", f"{sp_size}/{sp_rank}")
+            raise input_error("sp_size/sp_rank", None, f"the group's size {size} and rank {rank}",
+                f"{sp_size}/{sp_rank}")
         return size, rank
     sp_size, sp_rank = sp_size or 1, sp_rank or 0
     if sp_size > 1:
-        raise _fail("sp_group", None, f"a process group for sp_size {sp_size}", "None")
+        raise input_error("sp_group", None, f"a process group for sp_size {sp_size}", "None")
     return sp_size, sp_rank
 
 
@@ -249,7 +253,8 @@ def token_log_probs(logits: Tensor, labels: Tensor, temperature: Tensor | float 
     Float32 results. One extra (L, V) buffer in the forward (see :class:`_TokenLogProbs`).
     """
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
-        raise _fail("logits", None, f"(tokens, vocab) matching labels {tuple(labels.shape)}", f"{tuple(logits.shape)}")
+        raise input_error("logits", None, f"(tokens, vocab) matching labels {tuple(labels.shape)}",
+            f"{tuple(logits.shape)}")
     dtype = torch.promote_types(logits.dtype, torch.float32)  # fp64 logits keep fp64 temperatures
     if isinstance(temperature, Tensor):
         inv_temp = temperature.to(device=logits.device, dtype=dtype).reciprocal().unsqueeze(-1)
@@ -277,7 +282,7 @@ def prepare_model_outputs(
     args = output_args
     local = args.labels.shape[0]
     if logits.dim() != 3 or logits.shape[:2] != (1, local):
-        raise _fail("logits", None, f"(1, {local}, vocab) for this rank's packed row", f"{tuple(logits.shape)}")
+        raise input_error("logits", None, f"(1, {local}, vocab) for this rank's packed row", f"{tuple(logits.shape)}")
     log_probs, entropy = token_log_probs(logits[0], args.labels, args.temperature, calculate_entropy)
     if args.sp_size > 1:
         log_probs = gather_seq(log_probs, args.sp_group, dim=0)
@@ -360,10 +365,13 @@ def padded_logprobs(model: torch.nn.Module, padded: TensorDict, temperature: flo
     return torch.where(response_mask.bool(), log_probs, log_probs.new_zeros(()))
 
 
-from nopad.leak import IsolationReport, check_isolation, probe_batch  # noqa: E402  (the probe is part of the adapter)
+# The leak probe lives in nopad.engines.leak, above this adapter (it runs prepare_model_inputs);
+# its names stay readable here for one release.
+__getattr__ = moved_attributes(__name__, {
+    name: f"nopad.engines.leak:{name}" for name in ("IsolationReport", "check_isolation", "probe_batch")
+})
 
 __all__ = [
-    "IsolationReport", "OutputArgs", "available_kernels", "check_isolation", "use_packed_attention",
-    "packed_logprobs", "padded_logprobs", "prepare_model_inputs",
-    "prepare_model_outputs", "probe_batch", "token_log_probs",
+    "OutputArgs", "available_kernels", "packed_logprobs", "padded_logprobs", "prepare_model_inputs",
+    "prepare_model_outputs", "token_log_probs", "use_packed_attention",
 ]

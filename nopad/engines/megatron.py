@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from nopad.layout import is_nested, nested_offsets, prepare_offsets, ragged_dim, to_host
-from nopad.parallel import (
+from nopad.parallel.cp import (
     CpLayout,
     check_cp_args,
     cp_alignment,
@@ -108,6 +108,7 @@ class ThdPlan:
         self._segment = torch.searchsorted(cu, self.global_index, right=True) - 1  # contiguous shards cut segments
         self._offset = self.global_index - cu[self._segment]  # slot's position inside its padded segment
         self._real = self._offset < lengths[self._segment]
+        self._last = self._offset == lengths[self._segment] - 1  # the last real token of its sequence
 
     @property
     def batch_size(self) -> int:
@@ -127,23 +128,26 @@ class ThdPlan:
         """(local_len,) row of the (source_len, *) values each local slot reads (0 on padding slots).
 
         ``need_roll`` reads the NEXT token of the same sequence; the last real token of a sequence
-        reads the sequence's FIRST token (a roll within the sequence, as verl's need_roll does).
+        has none and, like padding, reads 0 (:meth:`shard` puts ``pad_value`` there: nopad's one
+        convention for the label slot no loss trains on).
         """
-        offset = self._offset
-        if need_roll:
-            offset = (offset + 1) % self.lengths[self._segment]
-        src = self.source_offsets[self._segment] + offset
-        return torch.where(self._real, src, 0)
+        src = self.source_offsets[self._segment] + self._offset + int(need_roll)
+        return torch.where(self._reads(need_roll), src, 0)
+
+    def _reads(self, need_roll: bool) -> Tensor:
+        """(local_len,) True where a slot reads a real value: a real token (and, with need_roll, not a last one)."""
+        return self._real & ~self._last if need_roll else self._real
 
     def shard(self, values: Tensor, *, need_roll: bool = False, pad_value: float | int = 0) -> Tensor:
         """Per-token (total, *) values or nested (B, j, *) -> this rank's (1, local_len, *) THD shard.
 
-        Padding slots hold ``pad_value``; ``need_roll`` gives next-token labels (see :meth:`source_index`).
+        Padding slots hold ``pad_value``; ``need_roll`` gives next-token labels, with ``pad_value`` at
+        each sequence's last token (nopad's one convention for the label slot no loss trains on).
         Autograd flows back to ``values``. No sync.
         """
         flat = self._values(values)
         out = flat.index_select(0, self.source_index(need_roll))
-        real = self._real.view(-1, *([1] * (flat.dim() - 1)))
+        real = self._reads(need_roll).view(-1, *([1] * (flat.dim() - 1)))
         return torch.where(real, out, torch.as_tensor(pad_value, dtype=out.dtype, device=out.device)).unsqueeze(0)
 
     def shard_routed_experts(self, routed_experts: Tensor, num_experts: int) -> Tensor:
@@ -281,8 +285,8 @@ def preprocess_thd(
     same tensor is used for q and kv. Padding slots hold 0 and position 0.
 
     ``need_roll`` returns next-token labels instead of tokens: the roll happens within each
-    sequence before sharding, so a label at a shard edge is the true next token. The label of a
-    sequence's LAST token is its first token (no next token exists; mask it out of any loss).
+    sequence before sharding, so a label at a shard edge is the true next token. The label slot of a
+    sequence's LAST token holds 0, like padding (no next token exists; mask it out of any loss).
     ``position_ids`` are the slot's own positions either way.
     """
     plan = thd_plan(

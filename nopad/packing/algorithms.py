@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nopad.layout import round_up
+
 Bins = list[list[int]]
 Lengths = Sequence[int] | np.ndarray
 
@@ -245,7 +247,7 @@ def pack_lengths(
     ls = _as_lengths(lengths, capacity)
     bins = ALGORITHMS[algorithm](ls, capacity)
     target = max(len(bins), min_bins if ls else 0)
-    target = -(-target // bins_multiple_of) * bins_multiple_of
+    target = round_up(target, bins_multiple_of)
     return _split_largest_bins(bins, ls, target) if target > len(bins) else bins
 
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nopad.layout import round_up
 from nopad.packing.algorithms import ALGORITHMS, pack_lengths
-from nopad.packing.rows import Columns, Row, aligned, conversation_segment, join_segments, validate_columns
+from nopad.packing.rows import Columns, Row, conversation_segment, join_segments, validate_columns
 
 OVERFLOW_POLICIES = ("split", "reject")
 
@@ -80,7 +81,7 @@ def _pieces(
     if n == 0:
         report.rejected_empty.append(index)
         return []
-    if aligned(n, report.alignment) <= report.pack_length:
+    if round_up(n, report.alignment) <= report.pack_length:
         return [(ids, mask)]
     if overflow == "reject":
         report.rejected_too_long.append(index)

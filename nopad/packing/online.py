@@ -13,10 +13,11 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.layout import is_nested, nested_offsets, prepare_position_ids, prepare_row_ids, ragged_dim
+from nopad.errors import input_error
+from nopad.layout import IndexPlan, is_nested, nested_offsets, ragged_dim, round_up
 from nopad.packing.algorithms import Bins, pack_lengths
 from nopad.packing.rows import thd_alignment
-from nopad.parallel import CpLayout
+from nopad.parallel.cp import CpLayout
 
 
 def _check_nested(x: Tensor, field: str) -> None:
@@ -70,9 +71,20 @@ def pack_online(
     _check_nested(input_ids, "input_ids")
     offsets = nested_offsets(input_ids).to(torch.int64)
     lengths = offsets.diff()
-    lengths_host = lengths.cpu().numpy()
+    mismatch = torch.zeros(1, dtype=torch.int64, device=lengths.device)
+    if loss_mask is not None:
+        _check_nested(loss_mask, "loss_mask")
+        mask_offsets = nested_offsets(loss_mask).to(torch.int64)
+        if mask_offsets is not offsets:
+            same_shape = mask_offsets.shape == offsets.shape
+            differs = (mask_offsets != offsets).any() if same_shape else torch.ones((), dtype=torch.bool)
+            mismatch = differs.to(device=lengths.device, dtype=torch.int64).reshape(1)
+    *lengths_list, mask_differs = torch.cat([lengths, mismatch]).tolist()  # the one host sync
+    if mask_differs:
+        raise input_error("loss_mask", None, "the same offsets (sequence lengths) as input_ids", "different ones")
+    lengths_host = np.asarray(lengths_list, dtype=np.int64)
     align = thd_alignment(tp_size, cp_size, cp_layout)
-    padded = -(-lengths_host // align) * align
+    padded = round_up(lengths_host, align)
     too_long = np.flatnonzero((padded > token_budget) | (lengths_host < 1))
     if too_long.size:
         i = int(too_long[0])
@@ -87,12 +99,10 @@ def pack_online(
     seq_bin_t, seq_start_t, padded_t = as_t(seq_bin), as_t(seq_start), as_t(padded)
 
     values = input_ids.values()
-    total = values.shape[0]
-    row = prepare_row_ids(lengths, total)
-    pos = prepare_position_ids(offsets, total)
-    last = pos == lengths[row] - 1
+    plan = IndexPlan.from_nested(input_ids)
+    row, pos = plan.row_ids, plan.position_ids
     dest = seq_bin_t[row] * width + seq_start_t[row] + pos
-    mask_values = torch.ones_like(values) if loss_mask is None else _mask_values(loss_mask, offsets)
+    mask_values = torch.ones_like(values) if loss_mask is None else loss_mask.values().to(torch.int64)
 
     def scatter(src: Tensor, fill: int) -> Tensor:
         out = torch.full((n_rows * width,), fill, dtype=torch.int64, device=device)
@@ -100,8 +110,8 @@ def pack_online(
 
     data = {
         "input_ids": scatter(values, pad_token_id),
-        "target_ids": scatter(torch.where(last, pad_token_id, values.roll(-1)), pad_token_id),
-        "token_mask": scatter(torch.where(last, 0, mask_values.roll(-1)), 0),
+        "target_ids": scatter(plan.next_token_labels(values, pad_token_id), pad_token_id),
+        "token_mask": scatter(plan.next_token_labels(mask_values, 0), 0),
     }
     # position within the padded segment: slot - the segment's start (a running max of starts per row)
     marks = torch.zeros(n_rows * width, dtype=torch.int64, device=device)
@@ -121,9 +131,3 @@ def pack_online(
     )
     return TensorDict(data, batch_size=[n_rows], device=device), bins
 
-
-def _mask_values(loss_mask: Tensor, offsets: Tensor) -> Tensor:
-    _check_nested(loss_mask, "loss_mask")
-    if not torch.equal(nested_offsets(loss_mask).to(torch.int64), offsets):
-        raise ValueError("loss_mask: expected the same offsets (sequence lengths) as input_ids, got different ones")
-    return loss_mask.values().to(torch.int64)

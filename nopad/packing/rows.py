@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nopad.parallel import CpLayout, cp_alignment
+from nopad.layout import round_up
+from nopad.parallel.cp import CpLayout, cp_alignment
 
 ROW_FIELDS = ("input_ids", "target_ids", "token_mask", "position_ids", "packed_cu_seqlens")
 TOKEN_FIELDS = ROW_FIELDS[:4]
@@ -33,14 +34,10 @@ def thd_alignment(tp_size: int = 1, cp_size: int = 1, cp_layout: CpLayout = "zig
     return cp_alignment(tp_size, cp_size, cp_layout)
 
 
-def aligned(length: int, alignment: int) -> int:
-    return -(-length // alignment) * alignment
-
-
 def conversation_segment(ids: Sequence[int], loss_mask: Sequence[int], alignment: int, pad_token_id: int) -> Row:
     """One conversation -> its padded segment (input/target/mask/position, no boundaries)."""
     n = len(ids)
-    m = aligned(n, alignment)
+    m = round_up(n, alignment)
     seg = {
         "input_ids": np.full(m, pad_token_id, dtype=np.int64),
         "target_ids": np.full(m, pad_token_id, dtype=np.int64),

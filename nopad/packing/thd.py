@@ -15,7 +15,7 @@ from torch import Tensor
 
 from nopad.packing.collate import packed_to_nested
 from nopad.packing.rows import TOKEN_FIELDS
-from nopad.parallel import CpLayout, cp_alignment
+from nopad.parallel.cp import CpLayout, cp_alignment
 
 
 @dataclass

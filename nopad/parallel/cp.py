@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad.layout import prepare_offsets, prepare_position_ids, prepare_row_ids
+from nopad.layout import prepare_offsets, prepare_position_ids, prepare_row_ids, round_up
 
 CpLayout = Literal["zigzag", "contiguous"]
 CP_LAYOUTS = ("zigzag", "contiguous")
@@ -53,8 +53,8 @@ def prepare_padded_lengths(lengths: Tensor, align: int, total_multiple: int = 1)
     if total_multiple % align:
         raise ValueError(f"total_multiple: expected a multiple of the segment alignment {align}, got {total_multiple}")
     lengths = lengths.to(torch.int64)
-    padded = lengths + (-lengths) % align
-    tail = (-padded.sum()) % total_multiple
+    padded = round_up(lengths, align)
+    tail = round_up(padded.sum(), total_multiple) - padded.sum()
     return torch.cat([padded[:-1], padded[-1:] + tail])
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nopad.engines.fsdp import prepare_model_inputs
 from nopad.layout import IndexPlan
 
 
@@ -82,8 +83,6 @@ def check_isolation(
     Change an early sequence (the default, 0): a causal leak only reaches later ones. Host syncs
     (it is a probe, not a hot path).
     """
-    from nopad.engines.fsdp import prepare_model_inputs  # here: nopad.engines.fsdp re-exports this module
-
     config: Any = model.config
     vocab: int = config.vocab_size
     if micro_batch is None:

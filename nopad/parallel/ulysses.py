@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad.layout import block_causal_mask
+from nopad.layout import block_causal_mask, round_up
 
 ULYSSES_PREFIX = "nopad_ulysses_"
 SP_GROUP_KWARG = "nopad_sp_group"
@@ -32,7 +32,7 @@ def padded_length(total: int, sp_size: int = 1, multiple: int = 1) -> int:
     if sp_size < 1 or multiple < 1:
         raise ValueError(f"sp_size/multiple: expected >= 1, got {sp_size}/{multiple}")
     step = math.lcm(sp_size, multiple)
-    return -(-total // step) * step
+    return round_up(total, step)
 
 
 def local_range(padded_total: int, sp_size: int, sp_rank: int) -> tuple[int, int]:
