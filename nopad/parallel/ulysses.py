@@ -13,6 +13,7 @@ Function. ``group`` is always an explicit argument; nothing is read from a globa
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -216,9 +217,19 @@ def enable_ulysses(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# model -> its configs: a switch per forward (nopad.attention.packed_attention) need not walk every module
+_CONFIGS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+
 def set_attn_implementation(model: torch.nn.Module, name: str) -> None:
-    """Set ``_attn_implementation`` on every config of ``model`` (a VL model has one per tower)."""
-    configs: dict[int, Any] = {id(m.config): m.config for m in model.modules()
-                               if hasattr(getattr(m, "config", None), "_attn_implementation")}
-    for each in configs.values():
+    """Set ``_attn_implementation`` on every config of ``model`` (a VL model has one per tower).
+
+    The configs are found once per model (a walk over its modules) and remembered.
+    """
+    configs = _CONFIGS.get(model)
+    if configs is None or (configs and configs[0] is not getattr(model, "config", configs[0])):
+        found = {id(m.config): m.config for m in model.modules()
+                 if hasattr(getattr(m, "config", None), "_attn_implementation")}
+        configs = _CONFIGS[model] = list(found.values())
+    for each in configs:
         each._attn_implementation = name
