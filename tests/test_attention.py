@@ -307,10 +307,8 @@ def test_from_pretrained_takes_nopad_varlen_after_import_nopad_even_before_trans
 
 # ---- the real kernels, on a GPU ----------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the real kernels run there")
-
-
-@cuda
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the real kernels run there")
 @pytest.mark.parametrize("kernel", attention.KERNELS)
 def test_real_kernels_are_within_the_bf16_padded_error_of_an_fp32_padded_forward(kernel):
     if kernel not in available_kernels("cuda", torch.bfloat16):
