@@ -65,8 +65,6 @@ def run_demo(batch_size: int = 16, prompt_len: int = 64, response_len: int = 128
 
 def format_report(r: dict) -> str:
     ok = "OK" if r["max_abs_logprob_diff"] < TOLERANCE else "FAIL"
-    def verdict(report) -> str:
-        return str(report)
     rows = [
         ("batch", f"B={r['batch_size']} {r['arch']} (random weights) on {r['device']}"),
         ("tokens computed, padded", f"{r['tokens_padded']:,}"),
@@ -74,8 +72,8 @@ def format_report(r: dict) -> str:
         ("padding never computed", f"{r['padding_fraction']:.1%} of all slots"),
         ("max |logp padded - packed|", f"{r['max_abs_logprob_diff']:.2e} over {r['response_tokens']:,} "
                                        f"response tokens ({ok}: < {TOLERANCE:g})"),
-        ("leak probe, use_cache default", verdict(r["leak_default_use_cache"])),
-        ("leak probe, nopad inputs", verdict(r["leak_nopad"])),
+        ("leak probe, use_cache default", str(r["leak_default_use_cache"])),
+        ("leak probe, nopad inputs", str(r["leak_nopad"])),
         ("left_right_2_no_padding", f"{r['ms_convert']:8.2f} ms"),
         ("padded forward", f"{r['ms_padded_forward']:8.2f} ms"),
         ("packed forward", f"{r['ms_packed_forward']:8.2f} ms"),

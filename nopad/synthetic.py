@@ -5,6 +5,7 @@ Nothing here downloads anything: models are built from a config with random weig
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -13,6 +14,14 @@ def long_tailed_lengths(n: int, width: int, *, low: int = 1, generator: torch.Ge
     """(n,) int64 lengths in [low, width], exponential with mean width / 4: most short, a few long."""
     draw = -torch.log1p(-torch.rand(n, generator=generator)) * (width / 4)
     return (draw + low).round().long().clamp(low, width)
+
+
+def lognormal_lengths(n: int, capacity: int, seed: int = 0) -> np.ndarray:
+    """(n,) int64 lognormal lengths in [1, capacity] (median capacity/12, sigma 1.2): mostly short, a
+    long tail up to the capacity. The packing benchmark's conversations (numpy: packing runs on the host)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.lognormal(mean=np.log(capacity / 12), sigma=1.2, size=n)
+    return np.clip(lengths.astype(np.int64), 1, capacity)
 
 
 def synthetic_batch(B: int, prompt_width: int, resp_width: int, *, seed: int = 0, device: str = "cpu",

@@ -19,7 +19,6 @@ every shard and the way back are a fixed number of tensor ops whatever the batch
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,9 +120,6 @@ class ParallelDims:
 
     def postprocess_kwargs(self) -> dict[str, Any]:
         return {"cp_size": self.cp_size, "cp_rank": self.cp_rank, "cp_group": self.cp_group}
-
-    def replace(self, **changes) -> ParallelDims:
-        return dataclasses.replace(self, **changes)
 
 
 def from_parallel_state() -> ParallelDims:
