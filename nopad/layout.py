@@ -326,7 +326,7 @@ class IndexPlan:
         """(total,) positions of the real tokens in the flattened (B * width) padded buffer."""
         if self._indices is None:
             if self.width is None or self.starts is None:
-                raise ValueError("this plan has no padded width; build it with width=")
+                raise input_error("width", None, "a plan with a padded width (build it with width=)", "none")
             rows = torch.arange(self.batch_size, device=self.offsets.device)
             self._indices = self.token_index(rows * self.width + self.starts)
         return self._indices

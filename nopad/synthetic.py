@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from nopad.errors import input_error
+
 
 def long_tailed_lengths(n: int, width: int, *, low: int = 1, generator: torch.Generator | None = None) -> torch.Tensor:
     """(n,) int64 lengths in [low, width], exponential with mean width / 4: most short, a few long."""
@@ -54,7 +56,7 @@ def tiny_causal_lm(arch: str = "llama", *, vocab: int = 1000, hidden: int = 64, 
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
     if arch not in classes:
-        raise ValueError(f"arch: expected one of {sorted(classes)}, got {arch!r}")
+        raise input_error("arch", None, f'one of {sorted(classes)}', f'{arch!r}')
     config_cls, model_cls = (getattr(transformers, name) for name in classes[arch])
     config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nopad.errors import input_error
 from nopad.layout import check_nested, nested_offsets
 from nopad.parallel.cp import CpLayout, check_cp_args, gather_cp_shards, unshard_index
 from nopad.parallel.thd import (
@@ -91,9 +92,9 @@ def postprocess_thd(
     if cu is None:
         cu = packed_seq_params.cu_seqlens_q
     if cu.dim() != 1 or cu.shape[0] != batch + 1:
-        raise ValueError(f"packed_seq_params.cu_seqlens_q_padded: expected shape ({batch + 1},), got {tuple(cu.shape)}")
+        raise input_error("packed_seq_params.cu_seqlens_q_padded", None, f'shape ({batch + 1},)', f'{tuple(cu.shape)}')
     if output.dim() < 2 or output.shape[0] != 1:
-        raise ValueError(f"output: expected shape (1, T/cp, ...), got {tuple(output.shape)}")
+        raise input_error("output", None, "shape (1, T/cp, ...)", f'{tuple(output.shape)}')
     local_len = output.shape[1]
     gathered = gather_cp_shards(output[0], cp_size, cp_rank, cp_group).flatten(0, 1)
     total = input_ids_nested.values().shape[0]
@@ -131,7 +132,7 @@ def from_parallel_state() -> ParallelDims:
     from megatron.core import parallel_state as mpu
 
     if not mpu.model_parallel_is_initialized():
-        raise ValueError("parallel_state: expected megatron-core model parallel groups to be initialised, they are not")
+        raise input_error("parallel_state", None, "megatron-core model parallel groups to be initialised", "none")
     return ParallelDims(
         tp_size=mpu.get_tensor_model_parallel_world_size(), cp_size=mpu.get_context_parallel_world_size(),
         cp_rank=mpu.get_context_parallel_rank(), cp_group=mpu.get_context_parallel_group(),

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from nopad.errors import input_error
 from nopad.layout import round_up
 from nopad.packing.algorithms import ALGORITHMS, pack_lengths
 from nopad.packing.rows import Columns, Row, conversation_segment, join_segments, validate_columns
@@ -61,13 +62,11 @@ class PackReport:
 
 def _check_config(pack_length: int, alignment: int, overflow: str, algorithm: str) -> None:
     if alignment < 1 or pack_length < 1 or pack_length % alignment:
-        raise ValueError(
-            f"pack_length: expected a positive multiple of the alignment {alignment}, got {pack_length}"
-        )
+        raise input_error("pack_length", None, f'a positive multiple of the alignment {alignment}', f'{pack_length}')
     if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"overflow: expected one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        raise input_error("overflow", None, f'one of {OVERFLOW_POLICIES}', f'{overflow!r}')
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm: expected one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+        raise input_error("algorithm", None, f'one of {sorted(ALGORITHMS)}', f'{algorithm!r}')
 
 
 def _pieces(
@@ -111,7 +110,7 @@ def pack_conversations(
     segments: list[Row] = []
     for index, (ids, mask) in enumerate(conversations):
         if len(mask) != len(ids):
-            raise ValueError(f"loss_mask conversation {index}: expected {len(ids)} entries like ids, got {len(mask)}")
+            raise input_error(f'loss_mask conversation {index}', None, f'{len(ids)} entries like ids', f'{len(mask)}')
         for piece_ids, piece_mask in _pieces(index, ids, mask, report, overflow):
             seg = conversation_segment(piece_ids, piece_mask, alignment, pad_token_id)
             report.real_tokens += len(piece_ids)

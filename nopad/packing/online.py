@@ -80,9 +80,11 @@ def pack_online(
     too_long = np.flatnonzero((padded > token_budget) | (lengths_host < 1))
     if too_long.size:
         i = int(too_long[0])
-        raise ValueError(
-            f"input_ids row {i}: expected 1 to {token_budget} tokens after padding to a multiple of {align}, "
-            f"got {int(lengths_host[i])} (padded {int(padded[i])}); online packing never splits a sequence"
+        raise input_error(
+            "input_ids",
+            i,
+            f'1 to {token_budget} tokens after padding to a multiple of {align}',
+            f'{int(lengths_host[i])} (padded {int(padded[i])}); online packing never splits a sequence',
         )
     bins = pack_lengths(padded, token_budget, algorithm=algorithm, min_bins=min_bins, bins_multiple_of=dp_size)
     seq_bin, seq_rank, seq_start, fills = bin_layout(bins, padded)

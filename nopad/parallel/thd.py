@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nopad.errors import input_error
 from nopad.layout import check_nested, is_nested, nested_offsets, prepare_offsets, to_host
 from nopad.parallel.cp import (
     CpLayout,
@@ -145,10 +146,10 @@ class ThdPlan:
         """
         flat = self._values(routed_experts)
         if flat.dim() < 2:
-            raise ValueError(f"routed_experts: expected (total, ..., topk), got shape {tuple(flat.shape)}")
+            raise input_error("routed_experts", None, "(total, ..., topk)", f'shape {tuple(flat.shape)}')
         topk = flat.shape[-1]
         if not 0 < topk <= num_experts:
-            raise ValueError(f"num_experts: expected >= topk {topk} (distinct experts per slot), got {num_experts}")
+            raise input_error("num_experts", None, f'>= topk {topk} (distinct experts per slot)', f'{num_experts}')
         out = flat.index_select(0, self.source_index())
         pick = torch.arange(topk, device=out.device)
         spread = (self.global_index.view(-1, *([1] * (out.dim() - 1))) * topk + pick) % num_experts
@@ -181,7 +182,7 @@ class ThdPlan:
         if is_nested(x):
             x = check_nested(x, "tensor").values()
         if x.dim() < 1 or x.shape[0] != self.source_len:
-            raise ValueError(f"tensor: expected {self.source_len} tokens on dim 0, got shape {tuple(x.shape)}")
+            raise input_error("tensor", None, f'{self.source_len} tokens on dim 0', f'shape {tuple(x.shape)}')
         return x
 
     def __repr__(self) -> str:
@@ -206,9 +207,9 @@ def build_thd_plan(
     lengths = torch.as_tensor(lengths)
     if lengths.dim() != 1 or lengths.shape[0] == 0 or lengths.dtype.is_floating_point:
         got = f"{lengths.dtype} of shape {tuple(lengths.shape)}"
-        raise ValueError(f"{field}: expected a non-empty 1-D integer tensor, got {got}")
+        raise input_error(f'{field}', None, "a non-empty 1-D integer tensor", f'{got}')
     if pad_to_length_bucket is not None and (not isinstance(pad_to_length_bucket, int) or pad_to_length_bucket <= 0):
-        raise ValueError(f"pad_to_length_bucket: expected a positive int or None, got {pad_to_length_bucket!r}")
+        raise input_error("pad_to_length_bucket", None, "a positive int or None", f'{pad_to_length_bucket!r}')
     lengths = lengths.to(torch.int64)
     align = cp_alignment(tp_size, cp_size, cp_layout)
     total_multiple = align
@@ -222,19 +223,23 @@ def build_thd_plan(
         source_offsets = prepare_offsets(lengths)[:-1]
     source_offsets = torch.as_tensor(source_offsets, device=lengths.device).to(torch.int64)
     if source_offsets.shape != lengths.shape:
-        raise ValueError(f"source_offsets: expected shape {tuple(lengths.shape)}, got {tuple(source_offsets.shape)}")
+        raise input_error("source_offsets", None, f'shape {tuple(lengths.shape)}', f'{tuple(source_offsets.shape)}')
     ends = source_offsets + lengths
     total, total_padded, max_seqlen, min_len, first, last_end = to_host(
         lengths.sum(), padded.sum(), padded.max(), lengths.min(), source_offsets.min(), ends.max()
     )
     if min_len < 1:
         row = int((lengths < 1).nonzero()[0])
-        raise ValueError(f"{field} row {row}: expected a sequence of >= 1 token, got length {int(lengths[row])}")
+        raise input_error(f'{field}', row, "a sequence of >= 1 token", f'length {int(lengths[row])}')
     source_len = total if source_len is None else source_len
     if first < 0 or last_end > source_len:
         row = int(((source_offsets < 0) | (ends > source_len)).nonzero()[0])
-        raise ValueError(f"source_offsets row {row}: expected a sequence inside the {source_len} source tokens, "
-                         f"got start {int(source_offsets[row])} length {int(lengths[row])}")
+        raise input_error(
+            "source_offsets",
+            row,
+            f'a sequence inside the {source_len} source tokens',
+            f'start {int(source_offsets[row])} length {int(lengths[row])}',
+        )
     return ThdPlan(
         lengths, source_offsets, padded, total=total, total_padded=total_padded, max_seqlen=max_seqlen,
         source_len=source_len, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout, align=align,
