@@ -13,3 +13,8 @@ def input_error(field: str, row: int | None, expected: str, actual: str) -> Valu
     """``ValueError("<field>[ row <row>]: expected <expected>, got <actual>")``; the caller raises it."""
     where = field if row is None else f"{field} row {row}"
     return ValueError(f"{where}: expected {expected}, got {actual}")
+
+
+def in_file(path: object, error: ValueError | str) -> ValueError:
+    """``error`` (an :func:`input_error` or a reason) prefixed with the file it was found in."""
+    return ValueError(f"{path}: {error}")

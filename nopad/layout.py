@@ -69,6 +69,27 @@ def ragged_dim(nested: Tensor) -> int:
     return int(nested._ragged_idx)  # type: ignore[attr-defined]
 
 
+def check_nested(x: object, field: str, *, ragged_dim: int | None = 1, value_dims: int | None = None) -> Tensor:
+    """THE nested-input check: ``x`` is a jagged nested tensor ragged at ``ragged_dim`` (None: any)
+    whose values have ``value_dims`` dims (None: any); else ValueError naming ``field``. No sync."""
+    if not is_nested(x):
+        got = f"a dense tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+        if x is None:
+            got = "nothing"
+        raise input_error(field, None, "a jagged nested tensor (B, j, ...)", got)
+    nested: Tensor = x  # type: ignore[assignment]
+    if _njt is None or not isinstance(nested, _njt.NestedTensor):  # (``.layout`` costs a Python dispatch)
+        if nested.layout != torch.jagged:
+            raise input_error(field, None, "layout=torch.jagged", f"{nested.layout}")
+    ragged = int(nested._ragged_idx)  # type: ignore[attr-defined]
+    if ragged_dim is not None and ragged != ragged_dim:
+        raise input_error(field, None, f"the ragged dim at {ragged_dim}", f"it at {ragged}")
+    values = jagged_values(nested) if value_dims is not None else None
+    if values is not None and values.dim() != value_dims:
+        raise input_error(field, None, f"values with {value_dims} dims", f"shape {tuple(values.shape)}")
+    return nested
+
+
 def prepare_offsets(lengths: Tensor) -> Tensor:
     """(B,) lengths -> (B+1,) int64 offsets (cu_seqlens) starting at 0. No sync."""
     return torch.nn.functional.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
@@ -387,7 +408,7 @@ class IndexPlan:
         """(total,) positions of the real tokens in the flattened (B * width) padded buffer."""
         if self._indices is None:
             if self.width is None or self.starts is None:
-                raise ValueError("this plan has no padded width; build it with width=")
+                raise input_error("width", None, "a plan with a padded width (build it with width=)", "none")
             rows = torch.arange(self.batch_size, device=self.offsets.device)
             self._indices = self.token_index(rows * self.width + self.starts)
         return self._indices

@@ -5,14 +5,25 @@ Nothing here downloads anything: models are built from a config with random weig
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from tensordict import TensorDict
+
+from nopad.errors import input_error
 
 
 def long_tailed_lengths(n: int, width: int, *, low: int = 1, generator: torch.Generator | None = None) -> torch.Tensor:
     """(n,) int64 lengths in [low, width], exponential with mean width / 4: most short, a few long."""
     draw = -torch.log1p(-torch.rand(n, generator=generator)) * (width / 4)
     return (draw + low).round().long().clamp(low, width)
+
+
+def lognormal_lengths(n: int, capacity: int, seed: int = 0) -> np.ndarray:
+    """(n,) int64 lognormal lengths in [1, capacity] (median capacity/12, sigma 1.2): mostly short, a
+    long tail up to the capacity. The packing benchmark's conversations (numpy: packing runs on the host)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.lognormal(mean=np.log(capacity / 12), sigma=1.2, size=n)
+    return np.clip(lengths.astype(np.int64), 1, capacity)
 
 
 def synthetic_batch(B: int, prompt_width: int, resp_width: int, *, seed: int = 0, device: str = "cpu",
@@ -49,7 +60,7 @@ def tiny_causal_lm(arch: str = "llama", *, vocab: int = 1000, hidden: int = 64, 
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
     if arch not in classes:
-        raise ValueError(f"arch: expected one of {sorted(classes)}, got {arch!r}")
+        raise input_error("arch", None, f'one of {sorted(classes)}', f'{arch!r}')
     config_cls, model_cls = (getattr(transformers, name) for name in classes[arch])
     config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32768,

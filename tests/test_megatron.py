@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from nopad.bench import bench_thd, reference_preprocess_thd
 from nopad.diagnostics import OpCounter
-from nopad.engines import megatron as megatron_engine
 from nopad.engines.megatron import (
     FallbackPackedSeqParams,
     ParallelDims,
@@ -28,6 +27,7 @@ from nopad.engines.megatron import (
     thd_plan,
 )
 from nopad.layout import IndexPlan, prepare_offsets
+from nopad.parallel import thd as thd_module
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -274,7 +274,7 @@ def test_packed_seq_params_is_megatron_cores_class_with_a_same_named_fallback():
 
 
 def test_without_megatron_core_the_fallback_params_carry_the_same_batch(monkeypatch):
-    monkeypatch.setattr(megatron_engine, "packed_seq_params_class", lambda: FallbackPackedSeqParams)
+    monkeypatch.setattr(thd_module, "packed_seq_params_class", lambda: FallbackPackedSeqParams)
     ids = encoded_ids([3, 6, 1])
     tokens, params, _ = preprocess_thd(ids, tp_size=2)
     assert isinstance(params, FallbackPackedSeqParams) and params.cu_seqlens_q.tolist() == [0, 4, 10, 12]

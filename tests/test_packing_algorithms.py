@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from nopad.bench import format_table
 from nopad.packing import (
     ALGORITHMS,
     best_fit_decreasing,
@@ -16,7 +17,7 @@ from nopad.packing import (
     pack_lengths,
     packing_metrics,
 )
-from nopad.packing.bench import format_table, packing_bench
+from nopad.packing.bench import packing_bench
 
 
 def _check_valid(bins, lengths, capacity):

@@ -28,7 +28,7 @@ from nopad._batch import get_field
 from nopad.attention import available_kernels, packed_attention, reads_boundaries, use_packed_attention
 from nopad.compat import moved_attributes
 from nopad.errors import input_error
-from nopad.layout import IndexPlan, is_nested, jagged_values, nested_offsets, ragged_dim
+from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
 from nopad.parallel.ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
 PAD_TOKEN_ID = 0
@@ -54,10 +54,8 @@ class OutputArgs:
 
 def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
     input_ids, position_ids = get_field(micro_batch, "input_ids"), get_field(micro_batch, "position_ids")
-    for key, x in (("input_ids", input_ids), ("position_ids", position_ids)):
-        if not is_nested(x):
-            raise input_error(key, None, "a jagged nested tensor (the output of left_right_2_no_padding)",
-                        "nothing" if x is None else f"a dense tensor of shape {tuple(x.shape)}")
+    input_ids = check_nested(input_ids, "input_ids", ragged_dim=None)  # the output of left_right_2_no_padding
+    position_ids = check_nested(position_ids, "position_ids", ragged_dim=None)
     if input_ids.dim() != 2 or ragged_dim(input_ids) != 1:
         raise input_error("input_ids", None, "nested (batch, j) ragged on dim 1",
                     f"{input_ids.dim()} dims, ragged dim {ragged_dim(input_ids)}")

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from nopad.engines.fsdp import prepare_model_inputs
+from nopad.errors import input_error
 from nopad.layout import IndexPlan
 
 
@@ -90,7 +91,7 @@ def check_isolation(
     inputs, args = prepare_model_inputs(micro_batch, attn_implementation=config._attn_implementation)
     plan = args.plan
     if not 0 <= changed_sequence < plan.batch_size:
-        raise ValueError(f"changed_sequence: expected 0 <= index < {plan.batch_size}, got {changed_sequence}")
+        raise input_error("changed_sequence", None, f'0 <= index < {plan.batch_size}', f'{changed_sequence}')
     inputs.update(model_kwargs)
     ids = inputs["input_ids"]
     in_changed = torch.zeros_like(ids, dtype=torch.bool)

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Iterator
 
+from nopad.errors import input_error
 from nopad.packing.algorithms import ALGORITHMS
 from nopad.packing.files import write_packed
 from nopad.packing.offline import OVERFLOW_POLICIES, pack_conversations
@@ -36,9 +37,9 @@ def _records(path: str, tokenizer: Tokenizer) -> Iterator[tuple[list[int], list[
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {line_no}: expected a JSON object, got invalid JSON ({e.msg})") from None
+                raise input_error(f'{path} line {line_no}', None, "a JSON object", f'invalid JSON ({e.msg})') from None
             if not isinstance(record, dict):
-                raise ValueError(f"{path} line {line_no}: expected a JSON object, got {type(record).__name__}")
+                raise input_error(f'{path} line {line_no}', None, "a JSON object", f'{type(record).__name__}')
             yield encode_record(record, tokenizer, line=line_no)
 
 

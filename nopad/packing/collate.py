@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad.errors import input_error
 from nopad.layout import (
     prepare_offsets,
     prepare_position_ids,
@@ -47,17 +48,20 @@ def collate_packed(
     rows carry their own boundaries and must never be re-grouped with rows that do not.
     """
     if not rows:
-        raise ValueError("rows: expected at least one packed row, got an empty batch")
+        raise input_error("rows", None, "at least one packed row", "an empty batch")
     unpacked = [i for i, r in enumerate(rows) if "packed_cu_seqlens" not in r]
     if unpacked:
         kind = "a mix of packed and unpacked rows" if len(unpacked) < len(rows) else "only unpacked rows"
-        raise ValueError(
-            f"rows: expected every row packed (with packed_cu_seqlens), got {kind}: rows {unpacked[:8]} lack it"
+        raise input_error(
+            "rows",
+            None,
+            "every row packed (with packed_cu_seqlens)",
+            f'{kind}: rows {unpacked[:8]} lack it',
         )
     for i, r in enumerate(rows):
         missing = [f for f in ROW_FIELDS if f not in r]
         if missing:
-            raise ValueError(f"row {i}: expected fields {list(ROW_FIELDS)}, missing {missing}")
+            raise input_error("rows", i, f"fields {list(ROW_FIELDS)}", f"missing {missing}")
     cols = Columns.from_rows([{f: np.asarray(r[f]) for f in ROW_FIELDS} for r in rows])  # type: ignore[misc]
     width = int(cols.row_lengths.max())
     validate_columns(cols, pack_length=width, alignment=alignment)
@@ -85,7 +89,7 @@ def packed_to_nested(
     whatever the batch size: the gathers are computed from the boundaries, not by boolean masks.
     """
     if "packed_cu_seqlens" not in batch.keys():
-        raise ValueError("batch: expected packed rows carrying packed_cu_seqlens, got an unpacked batch")
+        raise input_error("batch", None, "packed rows carrying packed_cu_seqlens", "an unpacked batch")
     cu, count = batch["packed_cu_seqlens"], batch["packed_cu_seqlens_lengths"]
     width = batch["input_ids"].shape[1]
     segs_per_row = count - 1
@@ -96,9 +100,11 @@ def packed_to_nested(
     n_seg, total, bad = to_host(segs_per_row.sum(), row_len.sum(), misaligned.any())
     if bad:
         r = int(misaligned.any(1).nonzero()[0])
-        raise ValueError(
-            f"packed_cu_seqlens row {r}: expected segment lengths that are multiples of {alignment}{context}, "
-            f"got boundaries {cu[r, : int(count[r])].tolist()}; repack for this parallel layout"
+        raise input_error(
+            "packed_cu_seqlens",
+            r,
+            f'segment lengths that are multiples of {alignment}{context}',
+            f'boundaries {cu[r, :int(count[r])].tolist()}; repack for this parallel layout',
         )
     seg_row = prepare_row_ids(segs_per_row, n_seg)
     lengths = seg[seg_row, prepare_position_ids(prepare_offsets(segs_per_row), n_seg)]

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from nopad.errors import in_file, input_error
 from nopad.packing.rows import ROW_FIELDS, Columns, Row, validate_columns
 from nopad.packing.tokenizer import TokenizerIdentity
 
@@ -120,7 +121,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     raw = (schema.metadata or {}).get(METADATA_KEY)
     if raw is None:
         key = METADATA_KEY.decode()
-        raise ValueError(f"{os.fspath(path)}: expected nopad packed-file metadata ({key}), found none")
+        raise input_error(os.fspath(path), None, f"nopad packed-file metadata ({key})", "none")
     return json.loads(raw)
 
 
@@ -136,18 +137,18 @@ def read_packed(path: str | os.PathLike[str], *, tokenizer: TokenizerIdentity | 
     path = os.fspath(path)
     meta = read_metadata(path)
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format_version: expected {FORMAT_VERSION}, got {meta.get('format_version')!r}")
+        raise input_error(f'{path}: format_version', None, f'{FORMAT_VERSION}', f"{meta.get('format_version')!r}")
     stored = TokenizerIdentity(**meta["tokenizer"])
     if tokenizer is not None and (why := stored.mismatch(tokenizer)):
-        raise ValueError(f"{path}: refusing a file from another tokenizer: {why}")
+        raise in_file(path, f"refusing a file from another tokenizer: {why}")
     table = pq.read_table(path)
     if table.column_names != list(ROW_FIELDS):
-        raise ValueError(f"{path}: columns: expected {list(ROW_FIELDS)}, got {table.column_names}")
+        raise input_error(f'{path}: columns', None, f'{list(ROW_FIELDS)}', f'{table.column_names}')
     values, offsets = {}, {}
     for f in ROW_FIELDS:
         arr = table.column(f).combine_chunks()
         if arr.null_count:
-            raise ValueError(f"{path}: {f}: expected no null rows, got {arr.null_count}")
+            raise input_error(f'{path}: {f}', None, "no null rows", f'{arr.null_count}')
         base = int(arr.offsets[0].as_py()) if len(arr) else 0
         off = np.asarray(arr.offsets, dtype=np.int64) - base
         offsets[f] = off
@@ -159,9 +160,10 @@ def read_packed(path: str | os.PathLike[str], *, tokenizer: TokenizerIdentity | 
             cols, pack_length=meta["pack_length"], alignment=meta["alignment"], vocab_size=stored.vocab_size
         )
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise in_file(path, e) from None
     if cols.num_rows != meta["num_rows"]:
-        raise ValueError(f"{path}: num_rows: expected {meta['num_rows']} as recorded, got {cols.num_rows}")
+        raise input_error(f'{path}: num_rows', None, f"{meta['num_rows']} as recorded", f'{cols.num_rows}')
     if cols.checksum() != meta["rows_checksum"]:
-        raise ValueError(f"{path}: rows_checksum: the rows differ from the checksum recorded when it was written")
+        expected = "the checksum recorded when the file was written"
+        raise in_file(path, input_error("rows_checksum", None, expected, "rows that differ"))
     return PackedFile(path, meta, cols)

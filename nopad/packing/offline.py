@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from nopad.errors import input_error
 from nopad.layout import round_up
 from nopad.packing.algorithms import ALGORITHMS, pack_lengths
 from nopad.packing.rows import Columns, Row, conversation_segment, join_segments, validate_columns
@@ -63,13 +62,11 @@ class PackReport:
 
 def _check_config(pack_length: int, alignment: int, overflow: str, algorithm: str) -> None:
     if alignment < 1 or pack_length < 1 or pack_length % alignment:
-        raise ValueError(
-            f"pack_length: expected a positive multiple of the alignment {alignment}, got {pack_length}"
-        )
+        raise input_error("pack_length", None, f'a positive multiple of the alignment {alignment}', f'{pack_length}')
     if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"overflow: expected one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        raise input_error("overflow", None, f'one of {OVERFLOW_POLICIES}', f'{overflow!r}')
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm: expected one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+        raise input_error("algorithm", None, f'one of {sorted(ALGORITHMS)}', f'{algorithm!r}')
 
 
 def _pieces(
@@ -111,38 +108,19 @@ def pack_conversations(
     _check_config(pack_length, alignment, overflow, algorithm)
     report = PackReport(pack_length=pack_length, alignment=alignment)
     segments: list[Row] = []
-    rows: list[Row] = []
-    open_row: list[Row] = []
-    fill = 0
     for index, (ids, mask) in enumerate(conversations):
         if len(mask) != len(ids):
-            raise ValueError(f"loss_mask conversation {index}: expected {len(ids)} entries like ids, got {len(mask)}")
+            raise input_error(f'loss_mask conversation {index}', None, f'{len(ids)} entries like ids', f'{len(mask)}')
         for piece_ids, piece_mask in _pieces(index, ids, mask, report, overflow):
             seg = conversation_segment(piece_ids, piece_mask, alignment, pad_token_id)
             report.real_tokens += len(piece_ids)
-            if algorithm != "concatenative":
-                segments.append(seg)
-                continue
-            m = len(seg["input_ids"])
-            if fill + m > pack_length:
-                rows.append(join_segments(open_row))
-                open_row, fill = [], 0
-            open_row.append(seg)
-            fill += m
-            if fill == pack_length:  # exact fill closes the row now: no zero-length segment can follow
-                rows.append(join_segments(open_row))
-                open_row, fill = [], 0
-    if open_row:
-        rows.append(join_segments(open_row))
-    if segments:
-        bins = pack_lengths([len(s["input_ids"]) for s in segments], pack_length, algorithm=algorithm)
-        rows = [join_segments([segments[i] for i in sorted(b)]) for b in bins]
+            segments.append(seg)
+    # every algorithm, concatenative included, comes from algorithms.py; segments keep input order in a row
+    # (an exact fill closes a row under next fit too: no zero-length segment can follow)
+    bins = pack_lengths([len(s["input_ids"]) for s in segments], pack_length, algorithm=algorithm)
+    rows = [join_segments([segments[i] for i in sorted(b)]) for b in bins if b]
     report.rows = len(rows)
     report.packed_conversations = sum(len(r["packed_cu_seqlens"]) - 1 for r in rows)
     report.row_tokens = int(sum(len(r["input_ids"]) for r in rows))
     validate_columns(Columns.from_rows(rows), pack_length=pack_length, alignment=alignment)
     return rows, report
-
-
-def row_lengths(rows: Sequence[Row]) -> np.ndarray:
-    return np.array([len(r["input_ids"]) for r in rows], dtype=np.int64)

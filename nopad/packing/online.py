@@ -14,18 +14,10 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad.errors import input_error
-from nopad.layout import IndexPlan, is_nested, nested_offsets, ragged_dim, round_up
+from nopad.layout import IndexPlan, check_nested, nested_offsets, round_up
 from nopad.packing.algorithms import Bins, pack_lengths
 from nopad.packing.rows import thd_alignment
 from nopad.parallel.cp import CpLayout
-
-
-def _check_nested(x: Tensor, field: str) -> None:
-    if not is_nested(x) or x.layout != torch.jagged:
-        shape = tuple(x.shape) if not is_nested(x) else "nested"
-        raise ValueError(f"{field}: expected a jagged nested (B, j) tensor, got {shape}")
-    if ragged_dim(x) != 1 or x.values().dim() != 1:
-        raise ValueError(f"{field}: expected (B, j) token ids, got values of shape {tuple(x.values().shape)}")
 
 
 def bin_layout(bins: Bins, padded_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -68,12 +60,12 @@ def pack_online(
     A sequence longer than the budget raises ValueError (online packing never splits). One host
     sync (the lengths); the token movement is a fixed number of tensor ops.
     """
-    _check_nested(input_ids, "input_ids")
+    check_nested(input_ids, "input_ids", value_dims=1)
     offsets = nested_offsets(input_ids).to(torch.int64)
     lengths = offsets.diff()
     mismatch = torch.zeros(1, dtype=torch.int64, device=lengths.device)
     if loss_mask is not None:
-        _check_nested(loss_mask, "loss_mask")
+        check_nested(loss_mask, "loss_mask", value_dims=1)
         mask_offsets = nested_offsets(loss_mask).to(torch.int64)
         if mask_offsets is not offsets:
             same_shape = mask_offsets.shape == offsets.shape
@@ -88,9 +80,11 @@ def pack_online(
     too_long = np.flatnonzero((padded > token_budget) | (lengths_host < 1))
     if too_long.size:
         i = int(too_long[0])
-        raise ValueError(
-            f"input_ids row {i}: expected 1 to {token_budget} tokens after padding to a multiple of {align}, "
-            f"got {int(lengths_host[i])} (padded {int(padded[i])}); online packing never splits a sequence"
+        raise input_error(
+            "input_ids",
+            i,
+            f'1 to {token_budget} tokens after padding to a multiple of {align}',
+            f'{int(lengths_host[i])} (padded {int(padded[i])}); online packing never splits a sequence',
         )
     bins = pack_lengths(padded, token_budget, algorithm=algorithm, min_bins=min_bins, bins_multiple_of=dp_size)
     seq_bin, seq_rank, seq_start, fills = bin_layout(bins, padded)

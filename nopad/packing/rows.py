@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nopad.errors import input_error
 from nopad.layout import round_up
 from nopad.parallel.cp import CpLayout, cp_alignment
 
@@ -103,14 +104,14 @@ def validate_columns(cols: Columns, *, pack_length: int, alignment: int = 1, voc
     """Check every row; raise ValueError naming the field, the first bad row and what was expected."""
     missing = [f for f in ROW_FIELDS if f not in cols.values]
     if missing:
-        raise ValueError(f"columns: expected fields {list(ROW_FIELDS)}, missing {missing}")
+        raise input_error("columns", None, f"fields {list(ROW_FIELDS)}", f"missing {missing}")
     tok_off = cols.offsets["input_ids"]
     lens = np.diff(tok_off)
 
     def fail_row(field: str, r: int, expected: str) -> None:
         got = cols.row(r)[field].tolist()
         shown = got if len(got) <= 16 else got[:8] + ["..."] + got[-4:]
-        raise ValueError(f"{field} row {r}: expected {expected}, got {shown} (row length {int(lens[r])})")
+        raise input_error(f'{field}', r, f'{expected}', f'{shown} (row length {int(lens[r])})')
 
     def fail(field: str, rows_bad: np.ndarray, expected: str) -> None:
         if rows_bad.any():

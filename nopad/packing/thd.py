@@ -2,7 +2,7 @@
 
 Both packers produce the same TensorDict (collate.py's fields). Its conversation segments,
 already padded to the alignment, become a nested batch that goes through the Megatron adapter's
-own plan (nopad.engines.megatron), so the CP sharding is the adapter's, never re-derived here.
+own plan (nopad.parallel.thd), so the CP sharding is the adapter's, never re-derived here.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import Tensor
 from nopad.packing.collate import packed_to_nested
 from nopad.packing.rows import TOKEN_FIELDS
 from nopad.parallel.cp import CpLayout, cp_alignment
+from nopad.parallel.thd import thd_plan
 
 
 @dataclass
@@ -45,8 +46,6 @@ def packed_to_thd(
     and positions are the rows' own (target_ids, token_mask, position_ids), sharded by the same plan
     as the tokens. Two host syncs (the rows' boundaries, then the adapter's plan), whatever N.
     """
-    from nopad.engines.megatron import thd_plan
-
     align = cp_alignment(tp_size, cp_size, cp_layout)
     context = f" (tp={tp_size}, cp={cp_size}, {cp_layout})"
     nested = packed_to_nested(batch, TOKEN_FIELDS, alignment=align, context=context)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nopad.errors import input_error
 from nopad.layout import prepare_offsets, prepare_position_ids, prepare_row_ids, round_up
 
 CpLayout = Literal["zigzag", "contiguous"]
@@ -51,7 +52,7 @@ def prepare_padded_lengths(lengths: Tensor, align: int, total_multiple: int = 1)
     buffer makes TransformerEngine's partitioning return duplicate and missing tokens. No sync.
     """
     if total_multiple % align:
-        raise ValueError(f"total_multiple: expected a multiple of the segment alignment {align}, got {total_multiple}")
+        raise input_error("total_multiple", None, f'a multiple of the segment alignment {align}', f'{total_multiple}')
     lengths = lengths.to(torch.int64)
     padded = round_up(lengths, align)
     tail = round_up(padded.sum(), total_multiple) - padded.sum()
@@ -124,10 +125,11 @@ def gather_cp_shards(local: Tensor, cp_size: int, cp_rank: int, group=None) -> T
     if cp_size == 1:
         return local.unsqueeze(0)
     if not dist.is_initialized():
-        raise ValueError(f"cp_size: expected torch.distributed to be initialised for cp_size={cp_size}, it is not")
+        expected = f"torch.distributed to be initialised for cp_size={cp_size}"
+        raise input_error("cp_size", None, expected, "no process group")
     world = dist.get_world_size(group)
     if world != cp_size:
-        raise ValueError(f"cp_group: expected a group of cp_size={cp_size} ranks, got {world}")
+        raise input_error("cp_group", None, f'a group of cp_size={cp_size} ranks', f'{world}')
     shards = [torch.empty_like(local) for _ in range(cp_size)]
     dist.all_gather(shards, local.detach().contiguous(), group=group)
     shards[cp_rank] = local
@@ -138,10 +140,10 @@ def gather_cp_shards(local: Tensor, cp_size: int, cp_rank: int, group=None) -> T
 def check_cp_args(tp_size: int, cp_size: int, cp_rank: int, cp_layout: str) -> None:
     """ValueError naming the argument when a size, rank or layout is out of range."""
     if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size: expected an int >= 1, got {tp_size!r}")
+        raise input_error("tp_size", None, "an int >= 1", f'{tp_size!r}')
     if not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
+        raise input_error("cp_size", None, "an int >= 1", f'{cp_size!r}')
     if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank: expected an int in [0, cp_size={cp_size}), got {cp_rank!r}")
+        raise input_error("cp_rank", None, f'an int in [0, cp_size={cp_size})', f'{cp_rank!r}')
     if cp_layout not in CP_LAYOUTS:
-        raise ValueError(f"cp_layout: expected one of {CP_LAYOUTS}, got {cp_layout!r}")
+        raise input_error("cp_layout", None, f'one of {CP_LAYOUTS}', f'{cp_layout!r}')

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nopad.errors import input_error
 from nopad.layout import block_causal_mask, round_up
 
 ULYSSES_PREFIX = "nopad_ulysses_"
@@ -31,7 +32,7 @@ SP_GROUP_KWARG = "nopad_sp_group"
 def padded_length(total: int, sp_size: int = 1, multiple: int = 1) -> int:
     """Smallest length >= ``total`` divisible by both ``sp_size`` and ``multiple`` (>= 1 each)."""
     if sp_size < 1 or multiple < 1:
-        raise ValueError(f"sp_size/multiple: expected >= 1, got {sp_size}/{multiple}")
+        raise input_error("sp_size/multiple", None, ">= 1", f'{sp_size}/{multiple}')
     step = math.lcm(sp_size, multiple)
     return round_up(total, step)
 
@@ -39,9 +40,9 @@ def padded_length(total: int, sp_size: int = 1, multiple: int = 1) -> int:
 def local_range(padded_total: int, sp_size: int, sp_rank: int) -> tuple[int, int]:
     """[start, stop) of rank ``sp_rank``'s slice of a row of ``padded_total`` tokens."""
     if padded_total % sp_size:
-        raise ValueError(f"padded_total: expected a multiple of sp_size {sp_size}, got {padded_total}")
+        raise input_error("padded_total", None, f'a multiple of sp_size {sp_size}', f'{padded_total}')
     if not 0 <= sp_rank < sp_size:
-        raise ValueError(f"sp_rank: expected 0 <= rank < {sp_size}, got {sp_rank}")
+        raise input_error("sp_rank", None, f'0 <= rank < {sp_size}', f'{sp_rank}')
     local = padded_total // sp_size
     return sp_rank * local, (sp_rank + 1) * local
 
@@ -84,11 +85,15 @@ def all_to_all(x: Tensor, group, scatter_dim: int, gather_dim: int) -> Tensor:
     Both dims must be non-negative; ``x.shape[scatter_dim]`` must divide by the group size.
     """
     if scatter_dim < 0 or gather_dim < 0 or scatter_dim == gather_dim:
-        raise ValueError(f"scatter_dim/gather_dim: expected two distinct dims >= 0, got {scatter_dim}/{gather_dim}")
+        raise input_error("scatter_dim/gather_dim", None, "two distinct dims >= 0", f'{scatter_dim}/{gather_dim}')
     world = dist.get_world_size(group)
     if x.shape[scatter_dim] % world:
-        raise ValueError(f"tensor: expected dim {scatter_dim} divisible by the group size {world}, "
-                         f"got shape {tuple(x.shape)}")
+        raise input_error(
+            "tensor",
+            None,
+            f'dim {scatter_dim} divisible by the group size {world}',
+            f'shape {tuple(x.shape)}',
+        )
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
@@ -175,7 +180,7 @@ def ulysses_attention(base: str):
         world = dist.get_world_size(group)
         heads, kv_heads = query.shape[1], key.shape[1]
         if heads % world:
-            raise ValueError(f"attention heads: expected a multiple of the SP size {world}, got {heads}")
+            raise input_error("attention heads", None, f'a multiple of the SP size {world}', f'{heads}')
         groups = heads // kv_heads
         if kv_heads % world:  # too few kv heads to split: give every query head its own copy
             key, value, groups = _repeat_heads(key, groups), _repeat_heads(value, groups), 1
@@ -183,8 +188,12 @@ def ulysses_attention(base: str):
         total = query.shape[2]
         cu_seqlens = kwargs.get("cu_seq_lens_q")
         if cu_seqlens is None:
-            raise ValueError("cu_seq_lens_q: expected the full row's boundaries in the model kwargs under Ulysses SP, "
-                             "got none (build the inputs with nopad.engines.fsdp.prepare_model_inputs)")
+            raise input_error(
+                "cu_seq_lens_q",
+                None,
+                "the full row's boundaries in the model kwargs under Ulysses SP",
+                "none (build the inputs with nopad.engines.fsdp.prepare_model_inputs)",
+            )
         if not getattr(base_fn, "reads_boundaries", "flash" in base):  # sdpa, eager: the mask carries them
             additive = None if base == "sdpa" else query.dtype
             attention_mask = block_causal_mask(cu_seqlens, total, additive_dtype=additive)
