@@ -6,6 +6,7 @@ All timings of one table come from one run on one machine, so only their ratios 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -15,9 +16,10 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad.diagnostics import OpCounter
 from nopad.layout import IndexPlan, prepare_offsets
 from nopad.ops import unpad_input
-from nopad.padding import left_right_2_no_padding, no_padding_2_padding
+from nopad.padding import left_right_2_no_padding, no_padding_2_padding, plan_left_right
 from nopad.synthetic import synthetic_batch
 
 
@@ -119,6 +121,19 @@ def _bench_batch(B: int, prompt_width: int, resp_width: int, device: str, repeat
         lambda: reference_left_right(data),
         lambda: bare_gather(data),
     )
+    # the rollout hands the batch over from the host, where its mask is known: a plan made there,
+    # timed with the conversion (its host work included); counted on the conversion alone
+    masks = data["attention_mask"].cpu(), data["response_mask"].cpu()
+    with_host_plan = _row(
+        "padded -> nested, host plan",
+        B,
+        device,
+        repeats,
+        lambda: left_right_2_no_padding(data, plan=plan_left_right(*masks)),
+        to_nested["loop_ms"],
+        lambda: bare_gather(data),
+        counted=functools.partial(left_right_2_no_padding, data, plan=plan_left_right(*masks)),
+    )
     offsets = out["input_ids"].offsets()
     logp = torch.nested.nested_tensor_from_jagged(torch.randn(total, device=device), offsets)
     src = torch.randint(0, total, (B * resp_width,), device=device)
@@ -131,7 +146,7 @@ def _bench_batch(B: int, prompt_width: int, resp_width: int, device: str, repeat
         lambda: reference_no_padding(logp, data),
         lambda: logp.values().index_select(0, src),
     )
-    return [to_nested, to_padded]
+    return [to_nested, with_host_plan, to_padded]
 
 
 def bench_padded_to_nested_steps(
@@ -227,13 +242,19 @@ def bench_thd(
     return rows
 
 
-def _row(name, B, device, repeats, ours, loop, gather) -> dict:
+def _row(name, B, device, repeats, ours, loop, gather, counted=None) -> dict:
+    """``loop``: the per-row reference to time, or its time (ms) when another row already took it.
+    Ops and syncs are counted on one call of ``counted`` (default ``ours``)."""
+    with OpCounter() as counter:
+        (counted or ours)()
     # the loop runs on its own: its thousands of small allocations would flush what the other two use
     t_ours, t_gather = time_interleaved([ours, gather], device, repeats)
-    t_loop = timeit(loop, device, repeats)
+    t_loop = loop if isinstance(loop, float) else timeit(loop, device, repeats)
     return {
         "conversion": name,
         "B": B,
+        "ops": counter.ops,
+        "syncs": counter.syncs,
         "nopad_ms": t_ours,
         "loop_ms": t_loop,
         "gather_ms": t_gather,

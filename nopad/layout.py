@@ -419,6 +419,35 @@ class IndexPlan:
         shift = row_start.to(self.offsets.device) - self.offsets[:-1]
         return spread_over_tokens(shift, self.offsets, self.total, plus_position=True)
 
+    @property
+    def device(self) -> torch.device:
+        return self.offsets.device
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = True) -> IndexPlan:
+        """The same plan on ``device``: lengths, offsets, starts and gather indices in ONE copy.
+
+        A plan made on the host from host facts (a CPU attention mask, or lengths) drives the
+        conversion of a batch that lives on a GPU without any device sync: the four index tensors
+        travel together from pinned memory with one non-blocking copy, and total, width and the
+        min / max lengths are already host ints. On the host side this materialises the indices.
+        """
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        parts = [self.lengths, self.offsets]
+        if self.starts is not None:
+            parts.append(self.starts)
+        if self.width is not None:
+            parts.append(self.indices)
+        host = torch.cat([p.to(torch.int64) for p in parts])
+        if device.type == "cuda" and self.device.type == "cpu":
+            host = host.pin_memory()
+        moved = host.to(device, non_blocking=non_blocking).split([p.shape[0] for p in parts])
+        lengths, offsets, *rest = moved
+        starts = rest.pop(0) if self.starts is not None else None
+        return IndexPlan(lengths, offsets, total=self.total, width=self.width, starts=starts,
+                         indices=rest[0] if rest else None, max_seqlen=self._max_seqlen, min_seqlen=self._min_seqlen)
+
     # ---- moving tensors -----------------------------------------------------------------
     def pack(self, x: Tensor, seq_dim: int = 1) -> Tensor:
         """Padded (B, ..., S, ...) with the sequence at ``seq_dim`` -> (total, ...) real tokens."""

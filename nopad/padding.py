@@ -93,7 +93,11 @@ def _check_per_token(data: TensorDict, key: str, B: int, S: int) -> Tensor:
 
 
 def left_right_2_no_padding(
-    data: TensorDict, fields: Iterable[str] = (), *, check_response_mask: bool = False
+    data: TensorDict,
+    fields: Iterable[str] = (),
+    *,
+    check_response_mask: bool = False,
+    plan: IndexPlan | None = None,
 ) -> TensorDict:
     """Padded TensorDict -> a new TensorDict with nested per-token fields. One host sync.
 
@@ -108,6 +112,12 @@ def left_right_2_no_padding(
     whose response_mask marks padding (one more pass over it, in the same sync). Reading it costs
     as much as the gathers themselves on a CPU, so a producer that builds the mask from
     attention_mask, or checked it once, should leave this off in the forward pass.
+
+    ``plan``: the batch's :func:`plan_left_right`, made beforehand, typically on the host from the
+    CPU copy of ``attention_mask`` that the rollout already had (validation happens there). The
+    conversion then makes no host sync at all: a host plan reaches the batch's device in one
+    non-blocking copy (:meth:`IndexPlan.to`). It must be this batch's plan: only its batch size and
+    width are checked here, since comparing it with the device mask would cost the sync it saves.
     """
     missing = [k for k in REQUIRED_KEYS if k not in data.keys()]
     if missing:
@@ -134,7 +144,14 @@ def left_right_2_no_padding(
     ):
         raise input_error("position_ids", None, f"shape ({B}, {S}) or ({B}, 3|4, {S})", f"{tuple(position_ids.shape)}")
 
-    plan = plan_left_right(attention_mask, response_mask, check_response_mask=check_response_mask)
+    if plan is None:
+        plan = plan_left_right(attention_mask, response_mask, check_response_mask=check_response_mask)
+    elif plan.batch_size != B or plan.width != S or plan.starts is None:
+        raise input_error("plan", None, f"plan_left_right of this batch: {B} rows of width {S}", f"{plan!r}")
+    elif response_mask.dim() != 2 or response_mask.shape[0] != B or response_mask.shape[1] >= S:
+        raise input_error("response_mask", None, f"shape ({B}, R) with R < seqlen {S}", f"{tuple(response_mask.shape)}")
+    else:
+        plan = plan.to(input_ids.device)
     out = data.copy()  # shallow: new keys and metadata never reach the caller's TensorDict
     out["input_ids"] = plan.nest(input_ids)
     out["position_ids"] = plan.nest(position_ids, seq_dim=2 if mrope else 1)

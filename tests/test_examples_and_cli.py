@@ -56,7 +56,8 @@ def test_bench_json_and_plot(tmp_path, capsys):
                  "--repeats", "2", "--engines", "--steps", "--json", *plot]) == 0
     results = json.loads(capsys.readouterr().out)
     rows = results["conversions"]
-    assert {r["conversion"] for r in rows} == {"padded -> nested", "nested -> padded"}
+    assert {r["conversion"] for r in rows} == {"padded -> nested", "padded -> nested, host plan", "nested -> padded"}
+    assert [r["syncs"] for r in rows[:3]] == [1, 0, 0]  # a host plan makes the conversion sync-free
     assert all(r["nopad_ms"] > 0 and r["loop/nopad"] > 0 for r in rows)
     assert [r["B"] for r in results["megatron preprocess_thd (need_roll, cp=2)"]] == [4, 16]
     steps = results["padded -> nested in steps (B=16)"]

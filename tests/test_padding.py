@@ -7,7 +7,9 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import nopad
+from nopad import OpCounter, left_right_2_no_padding, plan_left_right
 from tests.batches import batch_shapes, make_batch, reference_nest, reference_response
+from tests.models import make_padded_batch
 
 PER_TOKEN = ("input_ids", "routed_experts", "teacher_logprobs", "teacher_ids")
 
@@ -271,3 +273,47 @@ def test_plan_left_right_counts_rows_longer_than_int16(width):
     plan = nopad.plan_left_right(mask, mask[:, 8:])
     assert plan.lengths.tolist() == [width - 3, 101] and plan.max_seqlen == width - 3
     assert torch.equal(plan.indices, mask.flatten().nonzero().flatten())
+
+
+# ---- a plan made on the host ---------------------------------------------------------------------
+
+
+def test_a_host_plan_gives_the_same_batch_with_no_sync_and_a_fraction_of_the_ops():
+    from nopad.synthetic import synthetic_batch
+
+    td = synthetic_batch(8, 16, 32, vocab=1000, mrope=4)
+    plan = plan_left_right(td["attention_mask"], td["response_mask"])
+    with OpCounter() as without:
+        reference = left_right_2_no_padding(td)
+    with OpCounter() as with_plan:
+        out = left_right_2_no_padding(td, plan=plan)
+    assert with_plan.syncs == 0 and not with_plan.host_reads and without.syncs == 1
+    assert with_plan.ops < without.ops
+    for key in ("input_ids", "position_ids"):
+        assert torch.equal(out[key].values(), reference[key].values())
+        assert torch.equal(out[key].offsets(), reference[key].offsets())
+    assert torch.equal(out.get_non_tensor("indices"), reference.get_non_tensor("indices"))
+
+
+def test_a_host_plan_drives_a_batch_on_another_device_in_one_copy_without_reading_it_back():
+    from nopad.synthetic import synthetic_batch
+
+    td = synthetic_batch(8, 16, 32, vocab=1000)
+    plan = plan_left_right(td["attention_mask"], td["response_mask"])  # on the host, validated there
+    on_device = td.to("meta")  # a device whose values cannot even be read: any sync would fail
+    with OpCounter() as counter:
+        out = left_right_2_no_padding(on_device, plan=plan)
+    assert counter.syncs == 0 and not counter.host_reads
+    assert counter.by_op["aten._to_copy.default"] == 1  # lengths, offsets, starts and indices together
+    assert out["input_ids"].device.type == "meta" and out["input_ids"].values().shape == (plan.total,)
+    moved = plan.to("meta")
+    assert moved.total == plan.total and moved.max_seqlen == plan.max_seqlen and moved.indices.device.type == "meta"
+    assert plan.to("cpu") is plan
+
+
+def test_a_plan_of_another_batch_is_refused():
+    td = make_padded_batch(4, 6, 5, seed=1)
+    other = make_padded_batch(3, 6, 5, seed=1)
+    plan = plan_left_right(other["attention_mask"], other["response_mask"])
+    with pytest.raises(ValueError, match=r"plan: expected plan_left_right of this batch: 4 rows of width 11"):
+        left_right_2_no_padding(td, plan=plan)
