@@ -181,8 +181,9 @@ def select_kernel(requested: str, device_type: str, dtype: torch.dtype, needs: N
             why = None if why is None else f"cannot honour {why}"
         if why is not None:
             runnable = available_kernels(device_type, dtype)
-            raise input_error("kernel", None, f"a kernel that runs here (available: {runnable})",
-                        f"{requested!r}, which {why}")
+            raise input_error(
+                "kernel", None, f"a kernel that runs here (available: {runnable})", f"{requested!r}, which {why}"
+            )
         return requested
     candidates = [k for k in KERNELS if _unavailable(k, device_type, dtype) is None and _refusal(k, needs) is None]
     # sdpa always qualifies, so candidates is never empty
@@ -217,8 +218,20 @@ def run_kernel(
     fn = SPECS[kernel].load()
     left, right = _window(needs)
     if kernel == "flash_attn":
-        return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scale,
-                  causal=needs.causal, window_size=(left, right), softcap=softcap or 0.0)
+        return fn(
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            dropout_p=dropout,
+            softmax_scale=scale,
+            causal=needs.causal,
+            window_size=(left, right),
+            softcap=softcap or 0.0,
+        )
     if kernel == "varlen_attn":
         params, extra = _params(fn), dict[str, Any]()
         if "window_size" in params:
@@ -233,21 +246,34 @@ def run_kernel(
         return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **extra)
     if kernel == "aten_flash":
         window = {} if needs.window is None else {"window_size_left": left, "window_size_right": right}
-        return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout, needs.causal, False,
-                  scale=scale, **window)[0]
-    return _dense_attention(q, k, v, cu_seqlens, scale=scale, needs=needs, dropout=dropout, softcap=softcap,
-                            sinks=sinks)
+        return fn(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout, needs.causal, False, scale=scale, **window
+        )[0]
+    return _dense_attention(
+        q, k, v, cu_seqlens, scale=scale, needs=needs, dropout=dropout, softcap=softcap, sinks=sinks
+    )
 
 
-def _dense_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, scale: float, needs: Needs,
-                     dropout: float, softcap: float | None, sinks: Tensor | None) -> Tensor:
+def _dense_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    scale: float,
+    needs: Needs,
+    dropout: float,
+    softcap: float | None,
+    sinks: Tensor | None,
+) -> Tensor:
     """The exact fallback: attention over a (T, T) block-diagonal mask. Any device, any dtype."""
     total = q.shape[0]
     mask = block_causal_mask(cu_seqlens, total, causal=needs.causal, window=needs.window)
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H, T, D)
     if softcap is None and sinks is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale,
-                                             enable_gqa=needs.gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=needs.gqa
+        )
         return out[0].transpose(0, 1)
     # soft-capping and sinks act on the scores, which sdpa does not expose: the eager formula
     times = q.shape[1] // k.shape[1]
@@ -292,8 +318,12 @@ def _given_boundaries(cu: Tensor, cu_k: Tensor | None, max_length: Any, device: 
     if cu.dim() != 1 or cu.shape[0] < 2:
         raise input_error("cu_seq_lens_q", None, "(sequences + 1,) boundaries", f"shape {tuple(cu.shape)}")
     if cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
-        raise input_error("cu_seq_lens_k", None, "the same boundaries as cu_seq_lens_q (self-attention)",
-                    f"{cu_k.tolist()} vs {cu.tolist()}")
+        raise input_error(
+            "cu_seq_lens_k",
+            None,
+            "the same boundaries as cu_seq_lens_q (self-attention)",
+            f"{cu_k.tolist()} vs {cu.tolist()}",
+        )
     longest = int(cu.diff().max()) if max_length is None else int(max_length)  # a sync only when not given
     return cu.to(device=device, dtype=torch.int32), longest
 
@@ -345,29 +375,43 @@ def nopad_varlen_attention(
     """
     B, H, T, D = query.shape
     if key.shape[2] != T or key.shape[0] != B or H % key.shape[1]:
-        raise input_error("key", None, f"(batch {B}, a divisor of {H} heads, {T} tokens, dim) for a training forward "
-                    "without a KV cache (nopad_varlen does not serve generation)", f"shape {tuple(key.shape)}")
+        raise input_error(
+            "key",
+            None,
+            f"(batch {B}, a divisor of {H} heads, {T} tokens, dim) for a training forward "
+            "without a KV cache (nopad_varlen does not serve generation)",
+            f"shape {tuple(key.shape)}",
+        )
     sinks = kwargs.get("s_aux")
     causal = kwargs.get("is_causal")
-    needs = Needs(gqa=key.shape[1] != H, causal=bool(getattr(module, "is_causal", True) if causal is None else causal),
-                  window=sliding_window if sliding_window is not None and sliding_window < T else None,
-                  dropout=dropout > 0, softcap=softcap is not None, sinks=sinks is not None)
+    needs = Needs(
+        gqa=key.shape[1] != H,
+        causal=bool(getattr(module, "is_causal", True) if causal is None else causal),
+        window=sliding_window if sliding_window is not None and sliding_window < T else None,
+        dropout=dropout > 0,
+        softcap=softcap is not None,
+        sinks=sinks is not None,
+    )
     kernel = select_kernel(_requested_kernel(module), query.device.type, query.dtype, needs)
     scale = D**-0.5 if scaling is None else scaling
     # (B, H, T, D) -> (B * T, H, D): a view of HF's (B, T, H, D) projection after its transpose
     q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (query, key, value))
     if attention_mask is not None:
         if attention_mask.shape != (B, T):
-            raise input_error("attention_mask", None,
-                              f"None or a ({B}, {T}) padding mask (nopad_varlen builds no dense masks)",
-                              f"shape {tuple(attention_mask.shape)}")
+            raise input_error(
+                "attention_mask",
+                None,
+                f"None or a ({B}, {T}) padding mask (nopad_varlen builds no dense masks)",
+                f"shape {tuple(attention_mask.shape)}",
+            )
         plan = _from_mask.get((attention_mask,), lambda: IndexPlan.from_mask(attention_mask))
         q, k, v = (t.index_select(0, plan.indices) for t in (q, k, v))
         cu_seqlens, max_seqlen = plan.cu_seqlens, plan.max_seqlen
     else:
         cu_seqlens, max_seqlen = _boundaries(B, T, query.device, kwargs)  # cu_seqlens must end at B * T
-    out = run_kernel(kernel, q, k, v, cu_seqlens, max_seqlen, scale=scale, needs=needs, dropout=dropout,
-                     softcap=softcap, sinks=sinks)
+    out = run_kernel(
+        kernel, q, k, v, cu_seqlens, max_seqlen, scale=scale, needs=needs, dropout=dropout, softcap=softcap, sinks=sinks
+    )
     if attention_mask is not None:
         out = plan.unpack(out)  # (B, T, H, D), zeros at padding
     return out.reshape(B, T, H, D), None
@@ -502,6 +546,15 @@ def packed_attention(model: torch.nn.Module, kernel: str | None = "auto") -> Ite
 
 
 __all__ = [
-    "IMPLEMENTATION", "KERNELS", "Needs", "available_kernels", "nopad_varlen_attention", "packed_attention",
-    "reads_boundaries", "register", "run_kernel", "select_kernel", "use_packed_attention",
+    "IMPLEMENTATION",
+    "KERNELS",
+    "Needs",
+    "available_kernels",
+    "nopad_varlen_attention",
+    "packed_attention",
+    "reads_boundaries",
+    "register",
+    "run_kernel",
+    "select_kernel",
+    "use_packed_attention",
 ]

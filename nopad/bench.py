@@ -267,6 +267,7 @@ def format_table(rows: list[dict]) -> str:
     if not rows:
         return ""
     cols = list(rows[0])
+
     def fmt(v) -> str:
         if v is None:
             return "-"
@@ -315,8 +316,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", action="store_true", help="also run the Megatron THD preprocessing benchmark")
     parser.add_argument("--steps", action="store_true", help="also split padded -> nested at the largest B into steps")
     parser.add_argument("--all", action="store_true", help="conversions, steps, engines and packing")
-    parser.add_argument("--model", action="store_true",
-                        help="instead: a causal LM's log-probs, padded vs packed with each attention kernel")
+    parser.add_argument(
+        "--model",
+        action="store_true",
+        help="instead: a causal LM's log-probs, padded vs packed with each attention kernel",
+    )
     parser.add_argument("--plot", metavar="FILE.png", help="write time against batch size to this PNG")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -328,8 +332,10 @@ def run_model(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": rows}, indent=2))
     else:
-        print(f"device={args.device}  threads={torch.get_num_threads()}  (best of {min(args.repeats, 5)}; "
-              "packed includes both conversions; diff against an fp32 padded forward)")
+        print(
+            f"device={args.device}  threads={torch.get_num_threads()}  (best of {min(args.repeats, 5)}; "
+            "packed includes both conversions; diff against an fp32 padded forward)"
+        )
         print(f"\n== model log-probs ==\n{format_table(rows)}")
     if args.plot:
         plot_model(rows, args.plot)

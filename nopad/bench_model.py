@@ -79,8 +79,9 @@ def _peak_gib(device: torch.device) -> float | None:
 
 
 def _build(shape: ModelShape, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    model = tiny_causal_lm(vocab=shape.vocab, hidden=shape.hidden, layers=shape.layers, heads=shape.heads,
-                           kv_heads=shape.kv_heads)
+    model = tiny_causal_lm(
+        vocab=shape.vocab, hidden=shape.hidden, layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads
+    )
     return model.to(device=device, dtype=dtype)
 
 
@@ -97,8 +98,9 @@ def _contenders(model: torch.nn.Module, data: TensorDict, kernels: list[str]) ->
     return runs
 
 
-def _measure(run: Callable[[], torch.Tensor], device: torch.device, backward: bool) -> tuple[float, float | None,
-                                                                                          torch.Tensor | None]:
+def _measure(
+    run: Callable[[], torch.Tensor], device: torch.device, backward: bool
+) -> tuple[float, float | None, torch.Tensor | None]:
     """ms of one call, its peak GiB and its output (None after an out-of-memory)."""
     _reset_peak(device)
     try:
@@ -181,13 +183,21 @@ def plot_model(rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(3 + 2.5 * len(shapes), 4.5))
     width = 0.8 / len(contenders)
     for i, name in enumerate(contenders):
-        values = [next((r["fwd_bwd_ms"] for r in rows if r["shape"] == s and r["contender"] == name), 0.0)
-                  for s in shapes]
-        ax.bar([x + i * width for x in range(len(shapes))], [v if v != float("inf") else 0 for v in values],
-               width, label=name)
+        values = [
+            next((r["fwd_bwd_ms"] for r in rows if r["shape"] == s and r["contender"] == name), 0.0) for s in shapes
+        ]
+        ax.bar(
+            [x + i * width for x in range(len(shapes))],
+            [v if v != float("inf") else 0 for v in values],
+            width,
+            label=name,
+        )
     ax.set_xticks([x + width * (len(contenders) - 1) / 2 for x in range(len(shapes))], shapes, fontsize=8)
-    ax.set(ylabel="forward + backward ms (best of repeats)", yscale="log",
-           title="response log-probs: padded vs packed, per attention kernel (one run)")
+    ax.set(
+        ylabel="forward + backward ms (best of repeats)",
+        yscale="log",
+        title="response log-probs: padded vs packed, per attention kernel (one run)",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -41,8 +41,14 @@ def _timed(fn: Callable[[], Any], device: str) -> tuple[Any, float]:
 SIZES = {"cpu": (16, 64, 128, 64, 2, 4, 2, 1000), "cuda": (32, 1024, 2048, 1024, 8, 16, 4, 32_000)}
 
 
-def run_demo(batch_size: int | None = None, prompt_len: int | None = None, response_len: int | None = None,
-             seed: int = 0, device: str = "cpu", arch: str = "llama") -> dict:
+def run_demo(
+    batch_size: int | None = None,
+    prompt_len: int | None = None,
+    response_len: int | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    arch: str = "llama",
+) -> dict:
     """Run the demo and return its measurements (the CLI prints them).
 
     On a CPU everything is fp32 and packed must equal padded within 1e-5. On CUDA the model runs
@@ -58,8 +64,9 @@ def run_demo(batch_size: int | None = None, prompt_len: int | None = None, respo
     B, P, R, hidden, layers, heads, kv_heads, vocab = SIZES["cuda" if on_gpu else "cpu"]
     B, P, R = batch_size or B, prompt_len or P, response_len or R
     data = synthetic_batch(B, P, R, seed=seed, device=device, vocab=vocab)
-    model = tiny_causal_lm(arch, vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-                           seed=seed).to(device)
+    model = tiny_causal_lm(
+        arch, vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, seed=seed
+    ).to(device)
     mask = data["response_mask"].bool()
     exact = None
     if on_gpu:
@@ -84,12 +91,24 @@ def run_demo(batch_size: int | None = None, prompt_len: int | None = None, respo
         leak_nopad = check_isolation(model, nested, atol=1e-5 if exact is None else 1e-2)
     slots, real = data["attention_mask"].numel(), int(data["attention_mask"].sum())
     return {
-        "batch_size": B, "arch": arch, "device": device, "dtype": str(next(model.parameters()).dtype),
-        "attention": kernel, "reference": "fp32 padded forward" if exact is not None else "padded forward",
-        "tokens_padded": slots, "tokens_packed": real, "padding_fraction": 1 - real / slots,
-        "response_tokens": int(mask.sum()), "max_abs_logprob_diff": diff, "tolerance": tolerance,
-        "leak_default_use_cache": leak_default, "leak_nopad": leak_nopad,
-        "ms_convert": t_convert, "ms_padded_forward": t_padded, "ms_packed_forward": t_packed, "ms_back": t_back,
+        "batch_size": B,
+        "arch": arch,
+        "device": device,
+        "dtype": str(next(model.parameters()).dtype),
+        "attention": kernel,
+        "reference": "fp32 padded forward" if exact is not None else "padded forward",
+        "tokens_padded": slots,
+        "tokens_packed": real,
+        "padding_fraction": 1 - real / slots,
+        "response_tokens": int(mask.sum()),
+        "max_abs_logprob_diff": diff,
+        "tolerance": tolerance,
+        "leak_default_use_cache": leak_default,
+        "leak_nopad": leak_nopad,
+        "ms_convert": t_convert,
+        "ms_padded_forward": t_padded,
+        "ms_packed_forward": t_packed,
+        "ms_back": t_back,
     }
 
 
@@ -107,8 +126,11 @@ def format_report(r: dict) -> str:
         ("tokens computed, padded", f"{r['tokens_padded']:,}"),
         ("tokens computed, packed", f"{r['tokens_packed']:,}"),
         ("padding never computed", f"{r['padding_fraction']:.1%} of all slots"),
-        (f"max |logp packed - {r['reference']}|", f"{r['max_abs_logprob_diff']:.2e} over {r['response_tokens']:,} "
-                                                  f"response tokens ({ok}: <= {r['tolerance']:.2g})"),
+        (
+            f"max |logp packed - {r['reference']}|",
+            f"{r['max_abs_logprob_diff']:.2e} over {r['response_tokens']:,} "
+            f"response tokens ({ok}: <= {r['tolerance']:.2g})",
+        ),
         ("leak probe, use_cache default", str(r["leak_default_use_cache"])),
         ("leak probe, nopad inputs", str(r["leak_nopad"])),
         ("left_right_2_no_padding", f"{r['ms_convert']:8.2f} ms"),

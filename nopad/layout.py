@@ -288,8 +288,9 @@ class IndexPlan:
         """(B+1,) cu_seqlens -> plan of right-padded rows. One sync (total, max, min)."""
         offsets = torch.as_tensor(offsets, dtype=torch.int64)
         if offsets.dim() != 1 or offsets.shape[0] < 2:
-            raise input_error("offsets", None, "a 1-D tensor of batch+1 >= 2 boundaries",
-                f"shape {tuple(offsets.shape)}")
+            raise input_error(
+                "offsets", None, "a 1-D tensor of batch+1 >= 2 boundaries", f"shape {tuple(offsets.shape)}"
+            )
         first, total, max_len, min_len = to_host(offsets[0], offsets[-1], offsets.diff().max(), offsets.diff().min())
         if first != 0 or min_len < 0:
             raise input_error("offsets", None, "boundaries starting at 0 that never go down", f"{offsets.tolist()}")
@@ -305,8 +306,12 @@ class IndexPlan:
         B * S tokens of the flattened rows. One host sync: the start flags come over in one copy.
         """
         if position_ids.dim() not in (1, 2) or position_ids.shape[-1] == 0:
-            raise input_error("position_ids", None, "a non-empty (seqlen,) or (batch, seqlen) tensor",
-                        f"shape {tuple(position_ids.shape)}")
+            raise input_error(
+                "position_ids",
+                None,
+                "a non-empty (seqlen,) or (batch, seqlen) tensor",
+                f"shape {tuple(position_ids.shape)}",
+            )
         if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
             raise input_error("position_ids", None, "an integer tensor", f"dtype {position_ids.dtype}")
         rows = position_ids.reshape(-1, position_ids.shape[-1])
@@ -328,8 +333,9 @@ class IndexPlan:
     def from_nested(cls, nested: Tensor, *, width: int | None = None) -> IndexPlan:
         """Plan of a jagged nested tensor's rows (right padding). No sync if width is given."""
         if not is_nested(nested):
-            raise input_error("tensor", None, "a jagged nested tensor",
-                f"a dense tensor of shape {tuple(nested.shape)}")
+            raise input_error(
+                "tensor", None, "a jagged nested tensor", f"a dense tensor of shape {tuple(nested.shape)}"
+            )
         offsets = nested_offsets(nested).to(torch.int64)
         total = jagged_values(nested).shape[ragged_dim(nested) - 1]
         lengths = offsets.diff()
@@ -445,8 +451,16 @@ class IndexPlan:
         moved = host.to(device, non_blocking=non_blocking).split([p.shape[0] for p in parts])
         lengths, offsets, *rest = moved
         starts = rest.pop(0) if self.starts is not None else None
-        return IndexPlan(lengths, offsets, total=self.total, width=self.width, starts=starts,
-                         indices=rest[0] if rest else None, max_seqlen=self._max_seqlen, min_seqlen=self._min_seqlen)
+        return IndexPlan(
+            lengths,
+            offsets,
+            total=self.total,
+            width=self.width,
+            starts=starts,
+            indices=rest[0] if rest else None,
+            max_seqlen=self._max_seqlen,
+            min_seqlen=self._min_seqlen,
+        )
 
     # ---- moving tensors -----------------------------------------------------------------
     def pack(self, x: Tensor, seq_dim: int = 1) -> Tensor:

@@ -45,55 +45,162 @@ def _reference(q, k, v, cu_q, cu_k, scale, left, right, *, gqa_native: bool, nam
     return out
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     assert dropout_p == 0.0 and softcap == 0.0 and isinstance(max_seqlen_q, int)
     left, right = window_size
     right = 0 if causal else right
-    return _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, gqa_native=True,
-                      name="flash_attn", window_size=tuple(window_size), causal=causal)
+    return _reference(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        softmax_scale,
+        left,
+        right,
+        gqa_native=True,
+        name="flash_attn",
+        window_size=tuple(window_size),
+        causal=causal,
+    )
 
 
-def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+def varlen_attn(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
     """torch 2.12 and later."""
     assert isinstance(max_q, int)
-    return _reference(query, key, value, cu_seq_q, cu_seq_k, scale, *window_size, gqa_native=enable_gqa,
-                      name="varlen_attn", window_size=tuple(window_size), enable_gqa=enable_gqa)
+    return _reference(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        scale,
+        *window_size,
+        gqa_native=enable_gqa,
+        name="varlen_attn",
+        window_size=tuple(window_size),
+        enable_gqa=enable_gqa,
+    )
 
 
-def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                     window_size=(-1, -1)):
+def varlen_attn_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
     """torch 2.11: a window, no enable_gqa."""
-    return _reference(query, key, value, cu_seq_q, cu_seq_k, scale, *window_size, gqa_native=False,
-                      name="varlen_attn", window_size=tuple(window_size))
+    return _reference(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        scale,
+        *window_size,
+        gqa_native=False,
+        name="varlen_attn",
+        window_size=tuple(window_size),
+    )
 
 
-def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, is_causal=False,
-                     scale=None):
+def varlen_attn_2_10(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, is_causal=False, scale=None
+):
     """torch 2.10: is_causal, no window, no enable_gqa."""
-    return _reference(query, key, value, cu_seq_q, cu_seq_k, scale, -1, 0 if is_causal else -1, gqa_native=False,
-                      name="varlen_attn", is_causal=is_causal)
+    return _reference(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        scale,
+        -1,
+        0 if is_causal else -1,
+        gqa_native=False,
+        name="varlen_attn",
+        is_causal=is_causal,
+    )
 
 
-def aten_flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                                 return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
-                                 seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
+def aten_flash_attention_forward(
+    query,
+    key,
+    value,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    return_debug_mask,
+    *,
+    scale=None,
+    window_size_left=None,
+    window_size_right=None,
+    seqused_k=None,
+    alibi_slopes=None,
+    block_table=None,
+    num_splits=None,
+):
     assert dropout_p == 0.0 and not return_debug_mask and isinstance(max_q, int)
     left = -1 if window_size_left is None else window_size_left
     right = 0 if is_causal else (-1 if window_size_right is None else window_size_right)
-    out = _reference(query, key, value, cum_seq_q, cum_seq_k, scale, left, right, gqa_native=True,
-                     name="aten_flash", is_causal=is_causal, window=(window_size_left, window_size_right))
+    out = _reference(
+        query,
+        key,
+        value,
+        cum_seq_q,
+        cum_seq_k,
+        scale,
+        left,
+        right,
+        gqa_native=True,
+        name="aten_flash",
+        is_causal=is_causal,
+        window=(window_size_left, window_size_right),
+    )
     empty = query.new_empty(0)
     return out, empty, empty, empty, empty
 
 
-def aten_flash_without_window(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                              return_debug_mask, *, scale=None):
+def aten_flash_without_window(
+    query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None
+):
     """An older torch's op, before window_size_left/right."""
-    return aten_flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                                        return_debug_mask, scale=scale)
+    return aten_flash_attention_forward(
+        query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, scale=scale
+    )
 
 
 STANDINS = {

@@ -35,8 +35,9 @@ BUILDERS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen2_vl_text": tiny_qwen
 
 
 def _batch(name, seed=11):
-    return make_padded_batch(4, 7, 6, seed=seed, prompt_lens=[1, 7, 3, 5], resp_lens=[6, 1, 4, 6],
-                             mrope=name == "qwen2_vl_text")
+    return make_padded_batch(
+        4, 7, 6, seed=seed, prompt_lens=[1, 7, 3, 5], resp_lens=[6, 1, 4, 6], mrope=name == "qwen2_vl_text"
+    )
 
 
 def _log_probs_entropy_grads(model, td, packed: bool, kernel: str | None = None):
@@ -52,8 +53,9 @@ def _log_probs_entropy_grads(model, td, packed: bool, kernel: str | None = None)
         with torch.no_grad():
             positions = td["position_ids"]
             positions = positions.transpose(0, 1) if positions.dim() == 3 else positions
-            logits = model(input_ids=td["input_ids"], attention_mask=td["attention_mask"], position_ids=positions,
-                           use_cache=False).logits / temperature.view(-1, 1, 1)
+            logits = model(
+                input_ids=td["input_ids"], attention_mask=td["attention_mask"], position_ids=positions, use_cache=False
+            ).logits / temperature.view(-1, 1, 1)
         plan = IndexPlan.from_mask(td["attention_mask"])
         entropy = torch.distributions.Categorical(logits=plan.pack(logits)).entropy()
     log_probs.sum().backward()
@@ -130,10 +132,20 @@ def _sliding_qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(3)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         use_sliding_window=True, sliding_window=3, max_window_layers=2,
-                         layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "sdpa"
     return Qwen2ForCausalLM(config).float().eval()
 
@@ -155,8 +167,11 @@ def test_a_kernel_that_cannot_slide_is_refused_when_forced_and_skipped_by_auto(m
     assert attention.select_kernel("auto", "cpu", torch.bfloat16, window) == "sdpa"
     assert attention.select_kernel("auto", "cpu", torch.bfloat16, attention.Needs()) == "varlen_attn"
     model = use_packed_attention(_sliding_qwen2(), "varlen_attn")
-    with pytest.raises(ValueError, match=r"kernel: expected a kernel that runs here .*'varlen_attn', which cannot "
-                                         r"honour a sliding window"):
+    with pytest.raises(
+        ValueError,
+        match=r"kernel: expected a kernel that runs here .*'varlen_attn', which cannot "
+        r"honour a sliding window",
+    ):
         packed_logprobs(model, left_right_2_no_padding(_batch("qwen2")), attention=None)
 
 
@@ -164,11 +179,17 @@ def test_a_kernel_that_cannot_slide_is_refused_when_forced_and_skipped_by_auto(m
 
 
 def test_a_kernel_that_cannot_run_here_is_a_clear_error_naming_what_can():
-    with pytest.raises(ValueError, match=r"kernel: expected a kernel that runs here \(available: \['sdpa'\]\), got "
-                                         r"'aten_flash', which needs a cuda device, the model is on cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"kernel: expected a kernel that runs here \(available: \['sdpa'\]\), got "
+        r"'aten_flash', which needs a cuda device, the model is on cpu",
+    ):
         use_packed_attention(tiny_llama(), "aten_flash")
-    with pytest.raises(ValueError, match=r"kernel: expected 'auto' or one of \['flash_attn', 'varlen_attn', "
-                                         r"'aten_flash', 'sdpa'\], got 'flash'"):
+    with pytest.raises(
+        ValueError,
+        match=r"kernel: expected 'auto' or one of \['flash_attn', 'varlen_attn', "
+        r"'aten_flash', 'sdpa'\], got 'flash'",
+    ):
         use_packed_attention(tiny_llama(), "flash")
 
 
@@ -195,8 +216,9 @@ def test_softcap_and_sinks_on_the_fallback_equal_the_eager_formula():
     module.config = type("C", (), {"_attn_implementation": "nopad_varlen"})()
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     sinks = torch.randn(4)
-    out, _ = attention.nopad_varlen_attention(module, q, k, v, None, softcap=2.0, s_aux=sinks, cu_seq_lens_q=cu,
-                                              max_length_q=4)
+    out, _ = attention.nopad_varlen_attention(
+        module, q, k, v, None, softcap=2.0, s_aux=sinks, cu_seq_lens_q=cu, max_length_q=4
+    )
     kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     for start, end in ((0, 2), (2, 6)):
         s = q[..., start:end, :] @ kr[..., start:end, :].transpose(-1, -2) * 8**-0.5
@@ -306,6 +328,7 @@ def test_from_pretrained_takes_nopad_varlen_after_import_nopad_even_before_trans
 
 
 # ---- the real kernels, on a GPU ----------------------------------------------------------------------
+
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the real kernels run there")

@@ -133,8 +133,9 @@ def test_wrap_jagged_equals_torchs_public_constructor(shape, ragged_dim, seqlens
     values, offsets = torch.arange(torch.Size(shape).numel()).reshape(shape), torch.tensor([0, 1, 5, 7])
     min_len, max_len = seqlens or (None, None)
     ours = nopad.layout.wrap_jagged(values, offsets, ragged_dim, min_seqlen=min_len, max_seqlen=max_len)
-    public = torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged_dim, min_seqlen=min_len,
-                                                    max_seqlen=max_len)
+    public = torch.nested.nested_tensor_from_jagged(
+        values, offsets, jagged_dim=ragged_dim, min_seqlen=min_len, max_seqlen=max_len
+    )
     assert ours.shape == public.shape and ragged_dim == nopad.ragged_dim(ours) == nopad.ragged_dim(public)
     assert ours.offsets() is offsets and ours.values() is not None and torch.equal(ours.values(), public.values())
     assert [torch.equal(a, b) for a, b in zip(ours.unbind(), public.unbind())] == [True] * 3
@@ -168,8 +169,13 @@ def test_block_causal_mask_with_a_window_and_without_causality_matches_a_naive_l
     for causal in (True, False):
         for window in (None, 1, 2, 3):
             mask = nopad.layout.block_causal_mask(cu, 9, causal=causal, window=window)[0, 0].tolist()
-            expected = [[segment[i] == segment[j] and (not causal or j <= i) and (window is None or abs(i - j) < window)
-                         for j in range(9)] for i in range(9)]
+            expected = [
+                [
+                    segment[i] == segment[j] and (not causal or j <= i) and (window is None or abs(i - j) < window)
+                    for j in range(9)
+                ]
+                for i in range(9)
+            ]
             assert mask == expected, (causal, window)
 
 
