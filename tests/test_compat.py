@@ -30,3 +30,21 @@ def test_parallel_package_reexports_cp():
 
     assert cp_alignment is cp.cp_alignment
     assert nopad.check_isolation is leak.check_isolation
+
+
+def test_renamed_thd_plan_names_warn_and_agree():
+    import torch
+
+    from nopad.parallel.thd import build_thd_plan
+
+    plan = build_thd_plan(torch.tensor([3, 5]), cp_size=2)
+    for old, new in (("source_offsets", "source_starts"), ("total_padded", "padded_total"),
+                     ("max_seqlen", "padded_max_seqlen"), ("align", "alignment")):
+        with pytest.warns(DeprecationWarning, match=new):
+            value = getattr(plan, old)
+        assert value is getattr(plan, new) or value == getattr(plan, new)
+    with pytest.warns(DeprecationWarning, match="source_starts"):
+        old = build_thd_plan(torch.tensor([3, 5]), source_offsets=torch.tensor([0, 3]))
+    assert torch.equal(old.source_starts, torch.tensor([0, 3]))
+    with pytest.raises(TypeError):
+        build_thd_plan(torch.tensor([3]), source_offsets=torch.tensor([0]), source_starts=torch.tensor([0]))
