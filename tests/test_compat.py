@@ -48,3 +48,18 @@ def test_renamed_thd_plan_names_warn_and_agree():
     assert torch.equal(old.source_starts, torch.tensor([0, 3]))
     with pytest.raises(TypeError):
         build_thd_plan(torch.tensor([3]), source_offsets=torch.tensor([0]), source_starts=torch.tensor([0]))
+
+
+def test_renamed_keywords_warn_and_still_work():
+    import torch
+
+    from nopad.bench import bench_thd
+    from nopad.packing import pack_online
+
+    ids = torch.nested.nested_tensor_from_jagged(torch.arange(1, 8), torch.tensor([0, 3, 7]))
+    with pytest.warns(DeprecationWarning, match="pack_length"):
+        old, _ = pack_online(ids, token_budget=8)
+    new, _ = pack_online(ids, 8)
+    assert torch.equal(old["input_ids"], new["input_ids"])
+    with pytest.warns(DeprecationWarning, match="repeats"):
+        assert len(bench_thd((2,), max_len=8, repeat=1)) == 1

@@ -300,7 +300,7 @@ def test_benchmark_reference_agrees_with_preprocess(lengths, cp, need_roll, data
 
 
 def test_bench_thd_returns_rows_of_batch_and_times():
-    rows = bench_thd((2, 16), max_len=32, repeat=1)
+    rows = bench_thd((2, 16), max_len=32, repeats=1)
     assert [row[0] for row in rows] == [2, 16]
     assert all(ref > 0 and ours > 0 and ratio == pytest.approx(ref / ours) for _, ref, ours, ratio in rows)
 
