@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nopad.errors import input_error
-from nopad.layout import round_up
+from nopad.layout import prepare_row_ids, round_up
 
 ULYSSES_PREFIX = "nopad_ulysses_"
 SP_GROUP_KWARG = "nopad_sp_group"
@@ -141,7 +141,7 @@ def block_causal_mask(cu_seqlens: Tensor, total: int, *, additive_dtype: torch.d
     ``cu_seqlens`` must end at ``total`` (fold any tail padding into a last segment). No sync.
     """
     positions = torch.arange(total, device=cu_seqlens.device)
-    segment = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
+    segment = prepare_row_ids(cu_seqlens.diff(), total)  # layout's one token -> sequence derivation
     allowed = (segment.unsqueeze(1) == segment.unsqueeze(0)) & (positions.unsqueeze(1) >= positions.unsqueeze(0))
     allowed = allowed.view(1, 1, total, total)
     if additive_dtype is None:
