@@ -27,8 +27,11 @@ MOVED_MODULES = {
 
 def warn_deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
     """One DeprecationWarning: ``old`` is deprecated, use ``new``; removed in the next release."""
-    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecationWarning,
-                  stacklevel=stacklevel)
+    warnings.warn(
+        f"{old} is deprecated and will be removed in the next release; use {new}",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -235,8 +235,9 @@ class IndexPlan:
         """(B+1,) cu_seqlens -> plan of right-padded rows. One sync (total, max, min)."""
         offsets = torch.as_tensor(offsets, dtype=torch.int64)
         if offsets.dim() != 1 or offsets.shape[0] < 2:
-            raise input_error("offsets", None, "a 1-D tensor of batch+1 >= 2 boundaries",
-                f"shape {tuple(offsets.shape)}")
+            raise input_error(
+                "offsets", None, "a 1-D tensor of batch+1 >= 2 boundaries", f"shape {tuple(offsets.shape)}"
+            )
         first, total, max_len, min_len = to_host(offsets[0], offsets[-1], offsets.diff().max(), offsets.diff().min())
         if first != 0 or min_len < 0:
             raise input_error("offsets", None, "boundaries starting at 0 that never go down", f"{offsets.tolist()}")
@@ -246,8 +247,9 @@ class IndexPlan:
     def from_nested(cls, nested: Tensor, *, width: int | None = None) -> IndexPlan:
         """Plan of a jagged nested tensor's rows (right padding). No sync if width is given."""
         if not is_nested(nested):
-            raise input_error("tensor", None, "a jagged nested tensor",
-                f"a dense tensor of shape {tuple(nested.shape)}")
+            raise input_error(
+                "tensor", None, "a jagged nested tensor", f"a dense tensor of shape {tuple(nested.shape)}"
+            )
         offsets = nested_offsets(nested).to(torch.int64)
         total = nested.values().shape[ragged_dim(nested) - 1]
         lengths = offsets.diff()

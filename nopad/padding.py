@@ -79,9 +79,7 @@ def plan_left_right(attention_mask: Tensor, response_mask: Tensor, *, check_resp
             if bad.any():
                 row = _first_row(bad)
                 raise input_error(field, row, expected, f"attention_mask {attention_mask[row].tolist()}")
-    return IndexPlan(
-        lengths, offsets, total=total, width=S, starts=starts, max_seqlen=max_len, min_seqlen=min_len
-    )
+    return IndexPlan(lengths, offsets, total=total, width=S, starts=starts, max_seqlen=max_len, min_seqlen=min_len)
 
 
 def _check_per_token(data: TensorDict, key: str, B: int, S: int) -> Tensor:
@@ -199,8 +197,9 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
         width = to_host(resp_lens.max())[0]
     indices = get_field(data, "indices")
     if isinstance(indices, Tensor) and not _is_nested(tensor) and indices.shape[0] != values.shape[0]:
-        raise input_error("tensor", None, f"{indices.shape[0]} tokens (the batch's total)",
-            f"shape {tuple(values.shape)}")
+        raise input_error(
+            "tensor", None, f"{indices.shape[0]} tokens (the batch's total)", f"shape {tuple(values.shape)}"
+        )
     ends = _sequence_ends(tensor, data).to(values.device)
     resp_lens = resp_lens.to(values.device)
     return gather_rows(values, ends - resp_lens - 1, None, resp_lens, width)

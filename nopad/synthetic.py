@@ -26,8 +26,16 @@ def lognormal_lengths(n: int, capacity: int, seed: int = 0) -> np.ndarray:
     return np.clip(lengths.astype(np.int64), 1, capacity)
 
 
-def synthetic_batch(B: int, prompt_width: int, resp_width: int, *, seed: int = 0, device: str = "cpu",
-                    vocab: int = 150_000, mrope: int = 0) -> TensorDict:
+def synthetic_batch(
+    B: int,
+    prompt_width: int,
+    resp_width: int,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    vocab: int = 150_000,
+    mrope: int = 0,
+) -> TensorDict:
     """A padded RL batch: prompts left-padded to ``prompt_width``, responses right-padded to ``resp_width``.
 
     Keys: input_ids (B, S), attention_mask (B, S), response_mask (B, R), position_ids (B, S) or
@@ -44,23 +52,38 @@ def synthetic_batch(B: int, prompt_width: int, resp_width: int, *, seed: int = 0
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     if mrope:
         position_ids = position_ids.unsqueeze(1).expand(B, mrope, S).contiguous()
-    fields = dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-                  position_ids=position_ids)
+    fields = dict(
+        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, position_ids=position_ids
+    )
     return TensorDict(fields, batch_size=[B]).to(device)
 
 
-def tiny_causal_lm(arch: str = "llama", *, vocab: int = 1000, hidden: int = 64, layers: int = 2, seed: int = 0,
-                   attn_implementation: str = "sdpa") -> torch.nn.Module:
+def tiny_causal_lm(
+    arch: str = "llama",
+    *,
+    vocab: int = 1000,
+    hidden: int = 64,
+    layers: int = 2,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+) -> torch.nn.Module:
     """A small random-weight HF causal LM (``llama`` or ``qwen2``), fp32, eval mode. Needs the hf extra."""
     import transformers
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
     if arch not in classes:
-        raise input_error("arch", None, f'one of {sorted(classes)}', f'{arch!r}')
+        raise input_error("arch", None, f"one of {sorted(classes)}", f"{arch!r}")
     config_cls, model_cls = (getattr(transformers, name) for name in classes[arch])
-    config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                        tie_word_embeddings=False)
+    config = config_cls(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model = model_cls(config)
     model.config._attn_implementation = attn_implementation

@@ -38,8 +38,12 @@ def test_renamed_thd_plan_names_warn_and_agree():
     from nopad.parallel.thd import build_thd_plan
 
     plan = build_thd_plan(torch.tensor([3, 5]), cp_size=2)
-    for old, new in (("source_offsets", "source_starts"), ("total_padded", "padded_total"),
-                     ("max_seqlen", "padded_max_seqlen"), ("align", "alignment")):
+    for old, new in (
+        ("source_offsets", "source_starts"),
+        ("total_padded", "padded_total"),
+        ("max_seqlen", "padded_max_seqlen"),
+        ("align", "alignment"),
+    ):
         with pytest.warns(DeprecationWarning, match=new):
             value = getattr(plan, old)
         assert value is getattr(plan, new) or value == getattr(plan, new)

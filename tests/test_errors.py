@@ -21,8 +21,9 @@ def test_no_hand_formatted_value_error_outside_the_errors_module():
     assert not bad, f"build these with nopad.errors.input_error: {bad}"
 
 
-@pytest.mark.parametrize(("row", "want"), [(None, "lengths: expected >= 0, got -1"),
-                                           (3, "lengths row 3: expected >= 0, got -1")])
+@pytest.mark.parametrize(
+    ("row", "want"), [(None, "lengths: expected >= 0, got -1"), (3, "lengths row 3: expected >= 0, got -1")]
+)
 def test_messages_name_field_row_expected_and_actual(row, want):
     assert str(input_error("lengths", row, ">= 0", "-1")) == want
     assert str(in_file("a.parquet", input_error("lengths", row, ">= 0", "-1"))) == f"a.parquet: {want}"

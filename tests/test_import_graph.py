@@ -25,8 +25,16 @@ LAYERS = {
     "integrations": {"core", "parallel", "attention", "engines", "packing", "losses", "integrations"},
     "apps": {"core", "parallel", "attention", "engines", "packing", "losses", "integrations", "apps"},
 }
-CORE = {"nopad.errors", "nopad.compat", "nopad.ops", "nopad.layout", "nopad.padding", "nopad._batch",
-        "nopad.diagnostics", "nopad.synthetic"}
+CORE = {
+    "nopad.errors",
+    "nopad.compat",
+    "nopad.ops",
+    "nopad.layout",
+    "nopad.padding",
+    "nopad._batch",
+    "nopad.diagnostics",
+    "nopad.synthetic",
+}
 APPS = {"nopad", "nopad.cli", "nopad.bench", "nopad.demo"}
 
 
@@ -92,8 +100,12 @@ def render(edges: dict[str, set[str]]) -> str:
 
 
 def test_arrows_point_down():
-    bad = [f"{m} ({layer_of(m)}) imports {d} ({layer_of(d)})" for m, deps in graph().items() for d in deps
-           if layer_of(d) not in LAYERS[layer_of(m)]]
+    bad = [
+        f"{m} ({layer_of(m)}) imports {d} ({layer_of(d)})"
+        for m, deps in graph().items()
+        for d in deps
+        if layer_of(d) not in LAYERS[layer_of(m)]
+    ]
     assert not bad, bad
 
 
@@ -119,9 +131,13 @@ def test_no_import_cycle():
 
 def test_no_private_name_imported_across_modules():
     known = modules()
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {name} from {target}"
-           for path in known.values() for target, names, line in imports(path, set(known))
-           for name in names if name.startswith("_")]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {name} from {target}"
+        for path in known.values()
+        for target, names, line in imports(path, set(known))
+        for name in names
+        if name.startswith("_")
+    ]
     assert not bad, bad
 
 

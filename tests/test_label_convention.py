@@ -36,8 +36,12 @@ def test_fsdp_megatron_and_packing_give_the_same_labels_and_masks(order):
     ids = _nested(seqs)
     want_labels, want_mask = _reference(seqs)
 
-    _, args = prepare_model_inputs({"input_ids": ids, "position_ids": IndexPlan.from_nested(ids).to_nested(
-        IndexPlan.from_nested(ids).position_ids)})
+    _, args = prepare_model_inputs(
+        {
+            "input_ids": ids,
+            "position_ids": IndexPlan.from_nested(ids).to_nested(IndexPlan.from_nested(ids).position_ids),
+        }
+    )
     fsdp = (args.labels.tolist(), args.label_mask.int().tolist())
 
     plan = thd_plan(ids)  # cp=1, tp=1: no alignment padding, the packed order

@@ -56,21 +56,32 @@ def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
     input_ids = check_nested(input_ids, "input_ids", ragged_dim=None)  # the output of left_right_2_no_padding
     position_ids = check_nested(position_ids, "position_ids", ragged_dim=None)
     if input_ids.dim() != 2 or ragged_dim(input_ids) != 1:
-        raise input_error("input_ids", None, "nested (batch, j) ragged on dim 1",
-                    f"{input_ids.dim()} dims, ragged dim {ragged_dim(input_ids)}")
+        raise input_error(
+            "input_ids",
+            None,
+            "nested (batch, j) ragged on dim 1",
+            f"{input_ids.dim()} dims, ragged dim {ragged_dim(input_ids)}",
+        )
     total = input_ids.values().shape[0]
     expected_ragged = 1 if position_ids.dim() == 2 else 2
     pos_ragged = ragged_dim(position_ids)
     pos_total = position_ids.values().shape[pos_ragged - 1]
     if pos_ragged != expected_ragged or position_ids.dim() not in (2, 3) or pos_total != total:
-        raise input_error("position_ids", None,
+        raise input_error(
+            "position_ids",
+            None,
             f"nested (batch, j) or (batch, C, j) with {total} tokens like input_ids",
-                    f"{position_ids.dim()} dims, ragged dim {pos_ragged}, {pos_total} tokens")
+            f"{position_ids.dim()} dims, ragged dim {pos_ragged}, {pos_total} tokens",
+        )
     ids_offsets, pos_offsets = nested_offsets(input_ids), nested_offsets(position_ids)
     # left_right_2_no_padding shares one offsets tensor; comparing values (a sync) only when they differ.
     if pos_offsets is not ids_offsets and not torch.equal(pos_offsets, ids_offsets):
-        raise input_error("position_ids", None, "the same sequence boundaries as input_ids",
-                    f"offsets {pos_offsets.tolist()} vs {ids_offsets.tolist()}")
+        raise input_error(
+            "position_ids",
+            None,
+            "the same sequence boundaries as input_ids",
+            f"offsets {pos_offsets.tolist()} vs {ids_offsets.tolist()}",
+        )
     return input_ids, position_ids
 
 
@@ -82,8 +93,12 @@ def _token_temperature(temperature, plan: IndexPlan, device) -> Tensor | float:
         if temperature.dim() == 0:
             temperature = temperature.reshape(1).expand(plan.batch_size)
         if temperature.shape != (plan.batch_size,):
-            raise input_error("temperature", None, f"a float, a 0-d tensor or a ({plan.batch_size},) per-sample tensor",
-                        f"shape {tuple(temperature.shape)}")
+            raise input_error(
+                "temperature",
+                None,
+                f"a float, a 0-d tensor or a ({plan.batch_size},) per-sample tensor",
+                f"shape {tuple(temperature.shape)}",
+            )
         if temperature.device.type == "cpu" and bool((temperature <= 0).any()):
             row = int((temperature <= 0).nonzero()[0])
             raise input_error("temperature", row, "a value > 0", f"{float(temperature[row])}")
@@ -133,8 +148,12 @@ def prepare_model_inputs(
     if pad_to_multiple < 1:
         raise input_error("pad_to_multiple", None, "an int >= 1", f"{pad_to_multiple}")
     if sp_size > 1 and attn_implementation is not None and not attn_implementation.startswith(ULYSSES_PREFIX):
-        raise input_error("attn_implementation", None, f"a Ulysses wrapper ('{ULYSSES_PREFIX}*', see enable_ulysses) "
-                    f"for sp_size {sp_size}", repr(attn_implementation))
+        raise input_error(
+            "attn_implementation",
+            None,
+            f"a Ulysses wrapper ('{ULYSSES_PREFIX}*', see enable_ulysses) for sp_size {sp_size}",
+            repr(attn_implementation),
+        )
     plan = IndexPlan.from_nested(input_ids)
     total = plan.total
     if total == 0:
@@ -173,12 +192,20 @@ def prepare_model_inputs(
         if pad:
             cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), padded_total)])
         max_length = max(plan.max_seqlen, pad)
-        model_inputs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_length,
-                            max_length_k=max_length)
+        model_inputs.update(
+            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_length, max_length_k=max_length
+        )
     if sp_size > 1:
         model_inputs[SP_GROUP_KWARG] = sp_group
-    args = OutputArgs(plan=plan, labels=labels, temperature=temps, label_mask=label_mask, padded_total=padded_total,
-                      sp_group=sp_group, sp_size=sp_size)
+    args = OutputArgs(
+        plan=plan,
+        labels=labels,
+        temperature=temps,
+        label_mask=label_mask,
+        padded_total=padded_total,
+        sp_group=sp_group,
+        sp_size=sp_size,
+    )
     return model_inputs, args
 
 
@@ -188,8 +215,9 @@ def _sp_size_rank(group, sp_size: int | None, sp_rank: int | None) -> tuple[int,
 
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if (sp_size is not None and sp_size != size) or (sp_rank is not None and sp_rank != rank):
-            raise input_error("sp_size/sp_rank", None, f"the group's size {size} and rank {rank}",
-                f"{sp_size}/{sp_rank}")
+            raise input_error(
+                "sp_size/sp_rank", None, f"the group's size {size} and rank {rank}", f"{sp_size}/{sp_rank}"
+            )
         return size, rank
     sp_size, sp_rank = sp_size or 1, sp_rank or 0
     if sp_size > 1:
@@ -243,15 +271,17 @@ class _TokenLogProbs(torch.autograd.Function):
         return buf.to(logits.dtype), None, None, None
 
 
-def token_log_probs(logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0,
-                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def token_log_probs(
+    logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """(L, V) logits, (L,) labels, float or (L,) temperature -> (L,) log-probs and optional (L,) entropy.
 
     Float32 results. One extra (L, V) buffer in the forward (see :class:`_TokenLogProbs`).
     """
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
-        raise input_error("logits", None, f"(tokens, vocab) matching labels {tuple(labels.shape)}",
-            f"{tuple(logits.shape)}")
+        raise input_error(
+            "logits", None, f"(tokens, vocab) matching labels {tuple(labels.shape)}", f"{tuple(logits.shape)}"
+        )
     dtype = torch.promote_types(logits.dtype, torch.float32)  # fp64 logits keep fp64 temperatures
     if isinstance(temperature, Tensor):
         inv_temp = temperature.to(device=logits.device, dtype=dtype).reciprocal().unsqueeze(-1)
@@ -300,24 +330,43 @@ def _attn_implementation(model: torch.nn.Module) -> str | None:
 
 
 @overload
-def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Tensor = ..., *,
-                    calculate_entropy: Literal[False] = ..., **input_kwargs) -> Tensor: ...
+def packed_logprobs(
+    model: torch.nn.Module,
+    micro_batch,
+    temperature: float | Tensor = ...,
+    *,
+    calculate_entropy: Literal[False] = ...,
+    **input_kwargs,
+) -> Tensor: ...
 
 
 @overload
-def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Tensor = ..., *,
-                    calculate_entropy: Literal[True], **input_kwargs) -> dict[str, Tensor]: ...
+def packed_logprobs(
+    model: torch.nn.Module,
+    micro_batch,
+    temperature: float | Tensor = ...,
+    *,
+    calculate_entropy: Literal[True],
+    **input_kwargs,
+) -> dict[str, Tensor]: ...
 
 
-def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Tensor = 1.0, *,
-                    calculate_entropy: bool = False, **input_kwargs) -> Tensor | dict[str, Tensor]:
+def packed_logprobs(
+    model: torch.nn.Module,
+    micro_batch,
+    temperature: float | Tensor = 1.0,
+    *,
+    calculate_entropy: bool = False,
+    **input_kwargs,
+) -> Tensor | dict[str, Tensor]:
     """Nested micro-batch -> nested (B, j) log-probs from ONE packed forward of ``model``.
 
     ``input_kwargs`` go to :func:`prepare_model_inputs` (pad_to_multiple, sp_group, ...). With
     ``calculate_entropy`` returns the dict of :func:`prepare_model_outputs` instead.
     """
-    inputs, args = prepare_model_inputs(micro_batch, temperature=temperature,
-                                        attn_implementation=_attn_implementation(model), **input_kwargs)
+    inputs, args = prepare_model_inputs(
+        micro_batch, temperature=temperature, attn_implementation=_attn_implementation(model), **input_kwargs
+    )
     out = prepare_model_outputs(model(**inputs), args, micro_batch, calculate_entropy=calculate_entropy)
     return out if calculate_entropy else out["log_probs"]
 
@@ -334,9 +383,10 @@ def padded_logprobs(model: torch.nn.Module, padded: TensorDict, temperature: flo
     if position_ids.dim() == 3:
         position_ids = position_ids.transpose(0, 1)  # (C, B, S), as mrope models take it
     R = response_mask.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits
-    scaled = logits[:, -R - 1:-1].float()
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits
+    scaled = logits[:, -R - 1 : -1].float()
     if isinstance(temperature, Tensor):
         scaled = scaled / temperature.to(scaled).view(-1, 1, 1)
     else:
@@ -347,11 +397,15 @@ def padded_logprobs(model: torch.nn.Module, padded: TensorDict, temperature: flo
 
 # The leak probe lives in nopad.engines.leak, above this adapter (it runs prepare_model_inputs);
 # its names stay readable here for one release.
-__getattr__ = moved_attributes(__name__, {
-    name: f"nopad.engines.leak:{name}" for name in ("IsolationReport", "check_isolation", "probe_batch")
-})
+__getattr__ = moved_attributes(
+    __name__, {name: f"nopad.engines.leak:{name}" for name in ("IsolationReport", "check_isolation", "probe_batch")}
+)
 
 __all__ = [
-    "OutputArgs", "packed_logprobs", "padded_logprobs", "prepare_model_inputs", "prepare_model_outputs",
+    "OutputArgs",
+    "packed_logprobs",
+    "padded_logprobs",
+    "prepare_model_inputs",
+    "prepare_model_outputs",
     "token_log_probs",
 ]

@@ -51,8 +51,15 @@ __all__ = [
 
 # ---- the adapter ---------------------------------------------------------------------------------
 def preprocess_thd(
-    input_ids_nested: Tensor, *, tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0, cp_layout: CpLayout = "zigzag",
-    need_roll: bool = False, use_fp8_padding: bool = False, pad_to_length_bucket: int | None = None,
+    input_ids_nested: Tensor,
+    *,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_layout: CpLayout = "zigzag",
+    need_roll: bool = False,
+    use_fp8_padding: bool = False,
+    pad_to_length_bucket: int | None = None,
 ) -> tuple[Tensor, Any, Tensor]:
     """Nested (B, j, *) -> ``(tokens (1, T/cp, *), packed_seq_params, position_ids (1, T/cp))``. ONE host sync.
 
@@ -68,15 +75,27 @@ def preprocess_thd(
     ``position_ids`` are the slot's own positions either way.
     """
     plan = thd_plan(
-        input_ids_nested, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout,
-        use_fp8_padding=use_fp8_padding, pad_to_length_bucket=pad_to_length_bucket,
+        input_ids_nested,
+        tp_size=tp_size,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_layout=cp_layout,
+        use_fp8_padding=use_fp8_padding,
+        pad_to_length_bucket=pad_to_length_bucket,
     )
     return plan.shard(input_ids_nested, need_roll=need_roll), plan.packed_seq_params(), plan.position_ids
 
 
 def postprocess_thd(
-    output: Tensor, packed_seq_params: Any, input_ids_nested: Tensor, *, cp_size: int = 1, cp_rank: int = 0,
-    cp_group=None, cp_layout: CpLayout | None = None, plan: ThdPlan | None = None,
+    output: Tensor,
+    packed_seq_params: Any,
+    input_ids_nested: Tensor,
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_group=None,
+    cp_layout: CpLayout | None = None,
+    plan: ThdPlan | None = None,
 ) -> Tensor:
     """This rank's (1, T/cp, *) output -> nested (B, j, *) over the whole batch. No host sync.
 
@@ -98,16 +117,18 @@ def postprocess_thd(
     if cu is None:
         cu = packed_seq_params.cu_seqlens_q
     if cu.dim() != 1 or cu.shape[0] != batch + 1:
-        raise input_error("packed_seq_params.cu_seqlens_q_padded", None, f'shape ({batch + 1},)', f'{tuple(cu.shape)}')
+        raise input_error("packed_seq_params.cu_seqlens_q_padded", None, f"shape ({batch + 1},)", f"{tuple(cu.shape)}")
     if output.dim() < 2 or output.shape[0] != 1:
-        raise input_error("output", None, "shape (1, T/cp, ...)", f'{tuple(output.shape)}')
+        raise input_error("output", None, "shape (1, T/cp, ...)", f"{tuple(output.shape)}")
     local_len = output.shape[1]
     gathered = gather_cp_shards(output[0], cp_size, cp_rank, cp_group).flatten(0, 1)
     total = input_ids_nested.values().shape[0]
     index = unshard_index(cu, offsets.diff(), total, local_len, cp_size, layout)
     values = gathered.index_select(0, index)
     return torch.nested.nested_tensor_from_jagged(
-        values, offsets, min_seqlen=getattr(input_ids_nested, "_maybe_min_seqlen", None),
+        values,
+        offsets,
+        min_seqlen=getattr(input_ids_nested, "_maybe_min_seqlen", None),
         max_seqlen=getattr(input_ids_nested, "_maybe_max_seqlen", None),
     )
 
@@ -140,6 +161,8 @@ def from_parallel_state() -> ParallelDims:
     if not mpu.model_parallel_is_initialized():
         raise input_error("parallel_state", None, "megatron-core model parallel groups to be initialised", "none")
     return ParallelDims(
-        tp_size=mpu.get_tensor_model_parallel_world_size(), cp_size=mpu.get_context_parallel_world_size(),
-        cp_rank=mpu.get_context_parallel_rank(), cp_group=mpu.get_context_parallel_group(),
+        tp_size=mpu.get_tensor_model_parallel_world_size(),
+        cp_size=mpu.get_context_parallel_world_size(),
+        cp_rank=mpu.get_context_parallel_rank(),
+        cp_group=mpu.get_context_parallel_group(),
     )

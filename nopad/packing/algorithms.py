@@ -29,15 +29,15 @@ Lengths = Sequence[int] | np.ndarray
 
 def _as_lengths(lengths: Lengths, capacity: int) -> list[int]:
     if capacity <= 0:
-        raise input_error("capacity", None, "a positive number of tokens", f'{capacity}')
+        raise input_error("capacity", None, "a positive number of tokens", f"{capacity}")
     arr = np.asarray(lengths)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise input_error("lengths", None, "a 1-D sequence of integers", f'shape {arr.shape} dtype {arr.dtype}')
+        raise input_error("lengths", None, "a 1-D sequence of integers", f"shape {arr.shape} dtype {arr.dtype}")
     if arr.size:
         bad = np.flatnonzero((arr <= 0) | (arr > capacity))
         if bad.size:
             i = int(bad[0])
-            raise input_error(f'lengths item {i}', None, f'1 <= length <= capacity {capacity}', f'{int(arr[i])}')
+            raise input_error(f"lengths item {i}", None, f"1 <= length <= capacity {capacity}", f"{int(arr[i])}")
     return arr.astype(np.int64).tolist()
 
 
@@ -210,8 +210,8 @@ def _split_largest_bins(bins: Bins, lengths: list[int], target: int) -> Bins:
             raise input_error(
                 "bins",
                 None,
-                f'at least as many items as the {target} bins asked for',
-                f'{len(lengths)} items',
+                f"at least as many items as the {target} bins asked for",
+                f"{len(lengths)} items",
             )
         load, n, b = heapq.heappop(heap)
         if len(b) < 2:
@@ -245,9 +245,9 @@ def pack_lengths(
     a ValueError says so when there are too few items to reach the count.
     """
     if algorithm not in ALGORITHMS:
-        raise input_error("algorithm", None, f'one of {sorted(ALGORITHMS)}', f'{algorithm!r}')
+        raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
     if min_bins < 0 or bins_multiple_of < 1:
-        raise input_error("min_bins/bins_multiple_of", None, ">= 0 and >= 1", f'{min_bins} and {bins_multiple_of}')
+        raise input_error("min_bins/bins_multiple_of", None, ">= 0 and >= 1", f"{min_bins} and {bins_multiple_of}")
     ls = _as_lengths(lengths, capacity)
     bins = ALGORITHMS[algorithm](ls, capacity)
     target = max(len(bins), min_bins if ls else 0)

@@ -1,10 +1,10 @@
 """Collate packed rows into one TensorDict, and read a collated batch back as nested conversations.
 
-    input_ids, target_ids, token_mask, position_ids   (N, L) int64, L = the longest row; shorter rows
-                                                      are padded (pad id, mask 0, position 0)
-    packed_cu_seqlens                                 (N, K) int64, each row's boundaries padded with -1
-    packed_cu_seqlens_lengths                         (N,) how many of the K entries are real
-    packed_max_seqlen                                 (N,) the longest conversation in each row
+input_ids, target_ids, token_mask, position_ids   (N, L) int64, L = the longest row; shorter rows
+                                                  are padded (pad id, mask 0, position 0)
+packed_cu_seqlens                                 (N, K) int64, each row's boundaries padded with -1
+packed_cu_seqlens_lengths                         (N,) how many of the K entries are real
+packed_max_seqlen                                 (N,) the longest conversation in each row
 """
 
 from __future__ import annotations
@@ -38,9 +38,7 @@ def _padded(values: np.ndarray, offsets: np.ndarray, width: int, fill: int) -> n
     return out
 
 
-def collate_packed(
-    rows: Sequence[Mapping[str, object]], *, pad_token_id: int = 0, alignment: int = 1
-) -> TensorDict:
+def collate_packed(rows: Sequence[Mapping[str, object]], *, pad_token_id: int = 0, alignment: int = 1) -> TensorDict:
     """Packed rows (dicts with the fields of rows.py) -> TensorDict of batch size [N].
 
     Every row is validated (boundaries, positions, labels; segments multiples of ``alignment``).
@@ -56,7 +54,7 @@ def collate_packed(
             "rows",
             None,
             "every row packed (with packed_cu_seqlens)",
-            f'{kind}: rows {unpacked[:8]} lack it',
+            f"{kind}: rows {unpacked[:8]} lack it",
         )
     for i, r in enumerate(rows):
         missing = [f for f in ROW_FIELDS if f not in r]
@@ -103,8 +101,8 @@ def packed_to_nested(
         raise input_error(
             "packed_cu_seqlens",
             r,
-            f'segment lengths that are multiples of {alignment}{context}',
-            f'boundaries {cu[r, :int(count[r])].tolist()}; repack for this parallel layout',
+            f"segment lengths that are multiples of {alignment}{context}",
+            f"boundaries {cu[r, : int(count[r])].tolist()}; repack for this parallel layout",
         )
     seg_row = prepare_row_ids(segs_per_row, n_seg)
     lengths = seg[seg_row, prepare_position_ids(prepare_offsets(segs_per_row), n_seg)]

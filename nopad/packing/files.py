@@ -56,9 +56,7 @@ def write_packed(
         "report": report or {},
     }
     arrays = [
-        pa.ListArray.from_arrays(
-            pa.array(cols.offsets[f].astype(np.int32)), pa.array(cols.values[f].astype(np.int32))
-        )
+        pa.ListArray.from_arrays(pa.array(cols.offsets[f].astype(np.int32)), pa.array(cols.values[f].astype(np.int32)))
         for f in ROW_FIELDS
     ]
     table = pa.Table.from_arrays(arrays, names=list(ROW_FIELDS))
@@ -137,18 +135,18 @@ def read_packed(path: str | os.PathLike[str], *, tokenizer: TokenizerIdentity | 
     path = os.fspath(path)
     meta = read_metadata(path)
     if meta.get("format_version") != FORMAT_VERSION:
-        raise input_error(f'{path}: format_version', None, f'{FORMAT_VERSION}', f"{meta.get('format_version')!r}")
+        raise input_error(f"{path}: format_version", None, f"{FORMAT_VERSION}", f"{meta.get('format_version')!r}")
     stored = TokenizerIdentity(**meta["tokenizer"])
     if tokenizer is not None and (why := stored.mismatch(tokenizer)):
         raise in_file(path, f"refusing a file from another tokenizer: {why}")
     table = pq.read_table(path)
     if table.column_names != list(ROW_FIELDS):
-        raise input_error(f'{path}: columns', None, f'{list(ROW_FIELDS)}', f'{table.column_names}')
+        raise input_error(f"{path}: columns", None, f"{list(ROW_FIELDS)}", f"{table.column_names}")
     values, offsets = {}, {}
     for f in ROW_FIELDS:
         arr = table.column(f).combine_chunks()
         if arr.null_count:
-            raise input_error(f'{path}: {f}', None, "no null rows", f'{arr.null_count}')
+            raise input_error(f"{path}: {f}", None, "no null rows", f"{arr.null_count}")
         base = int(arr.offsets[0].as_py()) if len(arr) else 0
         off = np.asarray(arr.offsets, dtype=np.int64) - base
         offsets[f] = off
@@ -162,7 +160,7 @@ def read_packed(path: str | os.PathLike[str], *, tokenizer: TokenizerIdentity | 
     except ValueError as e:
         raise in_file(path, e) from None
     if cols.num_rows != meta["num_rows"]:
-        raise input_error(f'{path}: num_rows', None, f"{meta['num_rows']} as recorded", f'{cols.num_rows}')
+        raise input_error(f"{path}: num_rows", None, f"{meta['num_rows']} as recorded", f"{cols.num_rows}")
     if cols.checksum() != meta["rows_checksum"]:
         expected = "the checksum recorded when the file was written"
         raise in_file(path, input_error("rows_checksum", None, expected, "rows that differ"))

@@ -62,11 +62,11 @@ class PackReport:
 
 def _check_config(pack_length: int, alignment: int, overflow: str, algorithm: str) -> None:
     if alignment < 1 or pack_length < 1 or pack_length % alignment:
-        raise input_error("pack_length", None, f'a positive multiple of the alignment {alignment}', f'{pack_length}')
+        raise input_error("pack_length", None, f"a positive multiple of the alignment {alignment}", f"{pack_length}")
     if overflow not in OVERFLOW_POLICIES:
-        raise input_error("overflow", None, f'one of {OVERFLOW_POLICIES}', f'{overflow!r}')
+        raise input_error("overflow", None, f"one of {OVERFLOW_POLICIES}", f"{overflow!r}")
     if algorithm not in ALGORITHMS:
-        raise input_error("algorithm", None, f'one of {sorted(ALGORITHMS)}', f'{algorithm!r}')
+        raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
 
 
 def _pieces(
@@ -110,7 +110,7 @@ def pack_conversations(
     segments: list[Row] = []
     for index, (ids, mask) in enumerate(conversations):
         if len(mask) != len(ids):
-            raise input_error(f'loss_mask conversation {index}', None, f'{len(ids)} entries like ids', f'{len(mask)}')
+            raise input_error(f"loss_mask conversation {index}", None, f"{len(ids)} entries like ids", f"{len(mask)}")
         for piece_ids, piece_mask in _pieces(index, ids, mask, report, overflow):
             seg = conversation_segment(piece_ids, piece_mask, alignment, pad_token_id)
             report.real_tokens += len(piece_ids)

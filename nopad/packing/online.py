@@ -89,8 +89,8 @@ def pack_online(
         raise input_error(
             "input_ids",
             i,
-            f'1 to {pack_length} tokens after padding to a multiple of {align}',
-            f'{int(lengths_host[i])} (padded {int(padded[i])}); online packing never splits a sequence',
+            f"1 to {pack_length} tokens after padding to a multiple of {align}",
+            f"{int(lengths_host[i])} (padded {int(padded[i])}); online packing never splits a sequence",
         )
     bins = pack_lengths(padded, pack_length, algorithm=algorithm, min_bins=min_bins, bins_multiple_of=dp_size)
     seq_bin, seq_rank, seq_start, fills = bin_layout(bins, padded)
@@ -130,4 +130,3 @@ def pack_online(
         0, seq_bin_t, padded_t, reduce="amax"
     )
     return TensorDict(data, batch_size=[n_rows], device=device), bins
-

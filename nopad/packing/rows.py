@@ -111,7 +111,7 @@ def validate_columns(cols: Columns, *, pack_length: int, alignment: int = 1, voc
     def fail_row(field: str, r: int, expected: str) -> None:
         got = cols.row(r)[field].tolist()
         shown = got if len(got) <= 16 else got[:8] + ["..."] + got[-4:]
-        raise input_error(f'{field}', r, f'{expected}', f'{shown} (row length {int(lens[r])})')
+        raise input_error(f"{field}", r, f"{expected}", f"{shown} (row length {int(lens[r])})")
 
     def fail(field: str, rows_bad: np.ndarray, expected: str) -> None:
         if rows_bad.any():

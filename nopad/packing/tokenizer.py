@@ -73,7 +73,7 @@ class HFTokenizer:
     def __init__(self, path: str | os.PathLike[str]):
         path = os.fspath(path)
         if not os.path.isdir(path):
-            raise input_error("tokenizer", None, "a local directory holding a saved tokenizer", f'{path!r}')
+            raise input_error("tokenizer", None, "a local directory holding a saved tokenizer", f"{path!r}")
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -114,13 +114,13 @@ def encode_record(
         ids = [int(i) for i in record["input_ids"]]
         mask = [int(m) for m in record.get("loss_mask", [1] * len(ids))]
         if len(mask) != len(ids):
-            raise input_error(f'{where}', None, f'loss_mask of {len(ids)} entries like input_ids', f'{len(mask)}')
+            raise input_error(f"{where}", None, f"loss_mask of {len(ids)} entries like input_ids", f"{len(mask)}")
         vocab = tokenizer.identity.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise input_error(f'{where}', None, f'input_ids in [0, {vocab}) for {tokenizer.identity.name}', f'{bad[0]}')
+            raise input_error(f"{where}", None, f"input_ids in [0, {vocab}) for {tokenizer.identity.name}", f"{bad[0]}")
         if any(m not in (0, 1) for m in mask):
-            raise input_error(f'{where}', None, "loss_mask of 0/1", f'{sorted(set(mask))}')
+            raise input_error(f"{where}", None, "loss_mask of 0/1", f"{sorted(set(mask))}")
         return ids, mask
     if "text" in record:
         ids = tokenizer.encode(str(record["text"])) + [tokenizer.eos_token_id]
@@ -130,7 +130,7 @@ def encode_record(
         last_role = None
         for k, message in enumerate(record["messages"]):
             if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-                raise input_error(f'{where}: message {k}', None, "an object with 'role' and 'content'", f'{message!r}')
+                raise input_error(f"{where}: message {k}", None, "an object with 'role' and 'content'", f"{message!r}")
             head = tokenizer.encode(f"<|{message['role']}|>\n")
             body = tokenizer.encode(f"{message['content']}\n")
             last_role = message["role"]
@@ -139,4 +139,4 @@ def encode_record(
         ids.append(tokenizer.eos_token_id)
         mask.append(int(last_role == "assistant"))
         return ids, mask
-    raise input_error(f'{where}', None, "a key 'input_ids', 'text' or 'messages'", f'keys {sorted(record)}')
+    raise input_error(f"{where}", None, "a key 'input_ids', 'text' or 'messages'", f"keys {sorted(record)}")

@@ -52,7 +52,7 @@ def prepare_padded_lengths(lengths: Tensor, align: int, total_multiple: int = 1)
     buffer makes TransformerEngine's partitioning return duplicate and missing tokens. No sync.
     """
     if total_multiple % align:
-        raise input_error("total_multiple", None, f'a multiple of the segment alignment {align}', f'{total_multiple}')
+        raise input_error("total_multiple", None, f"a multiple of the segment alignment {align}", f"{total_multiple}")
     lengths = lengths.to(torch.int64)
     padded = round_up(lengths, align)
     tail = round_up(padded.sum(), total_multiple) - padded.sum()
@@ -129,7 +129,7 @@ def gather_cp_shards(local: Tensor, cp_size: int, cp_rank: int, group=None) -> T
         raise input_error("cp_size", None, expected, "no process group")
     world = dist.get_world_size(group)
     if world != cp_size:
-        raise input_error("cp_group", None, f'a group of cp_size={cp_size} ranks', f'{world}')
+        raise input_error("cp_group", None, f"a group of cp_size={cp_size} ranks", f"{world}")
     shards = [torch.empty_like(local) for _ in range(cp_size)]
     dist.all_gather(shards, local.detach().contiguous(), group=group)
     shards[cp_rank] = local
@@ -140,10 +140,10 @@ def gather_cp_shards(local: Tensor, cp_size: int, cp_rank: int, group=None) -> T
 def check_cp_args(tp_size: int, cp_size: int, cp_rank: int, cp_layout: str) -> None:
     """ValueError naming the argument when a size, rank or layout is out of range."""
     if not isinstance(tp_size, int) or tp_size < 1:
-        raise input_error("tp_size", None, "an int >= 1", f'{tp_size!r}')
+        raise input_error("tp_size", None, "an int >= 1", f"{tp_size!r}")
     if not isinstance(cp_size, int) or cp_size < 1:
-        raise input_error("cp_size", None, "an int >= 1", f'{cp_size!r}')
+        raise input_error("cp_size", None, "an int >= 1", f"{cp_size!r}")
     if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise input_error("cp_rank", None, f'an int in [0, cp_size={cp_size})', f'{cp_rank!r}')
+        raise input_error("cp_rank", None, f"an int in [0, cp_size={cp_size})", f"{cp_rank!r}")
     if cp_layout not in CP_LAYOUTS:
-        raise input_error("cp_layout", None, f'one of {CP_LAYOUTS}', f'{cp_layout!r}')
+        raise input_error("cp_layout", None, f"one of {CP_LAYOUTS}", f"{cp_layout!r}")

@@ -84,8 +84,19 @@ class ThdPlan:
     """
 
     def __init__(
-        self, lengths: Tensor, source_starts: Tensor, padded_lengths: Tensor, *, total: int, padded_total: int,
-        padded_max_seqlen: int, source_len: int, tp_size: int, cp_size: int, cp_rank: int, cp_layout: CpLayout,
+        self,
+        lengths: Tensor,
+        source_starts: Tensor,
+        padded_lengths: Tensor,
+        *,
+        total: int,
+        padded_total: int,
+        padded_max_seqlen: int,
+        source_len: int,
+        tp_size: int,
+        cp_size: int,
+        cp_rank: int,
+        cp_layout: CpLayout,
         alignment: int,
     ):
         self.lengths, self.source_starts = lengths, source_starts
@@ -153,10 +164,10 @@ class ThdPlan:
         """
         flat = self._values(routed_experts)
         if flat.dim() < 2:
-            raise input_error("routed_experts", None, "(total, ..., topk)", f'shape {tuple(flat.shape)}')
+            raise input_error("routed_experts", None, "(total, ..., topk)", f"shape {tuple(flat.shape)}")
         topk = flat.shape[-1]
         if not 0 < topk <= num_experts:
-            raise input_error("num_experts", None, f'>= topk {topk} (distinct experts per slot)', f'{num_experts}')
+            raise input_error("num_experts", None, f">= topk {topk} (distinct experts per slot)", f"{num_experts}")
         out = flat.index_select(0, self.source_index())
         pick = torch.arange(topk, device=out.device)
         spread = (self.global_index.view(-1, *([1] * (out.dim() - 1))) * topk + pick) % num_experts
@@ -172,8 +183,13 @@ class ThdPlan:
         """
         cu = self.cu_seqlens_padded
         params = packed_seq_params_class()(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-            max_seqlen_q=self.padded_max_seqlen, max_seqlen_kv=self.padded_max_seqlen,
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu,
+            max_seqlen_q=self.padded_max_seqlen,
+            max_seqlen_kv=self.padded_max_seqlen,
         )
         params.cp_partition_mode = self.cp_layout
         if self.cp_layout == "contiguous" and self.cp_size > 1 and not _has_field(params, "cp_partition_mode"):
@@ -189,12 +205,14 @@ class ThdPlan:
         if is_nested(x):
             x = check_nested(x, "tensor").values()
         if x.dim() < 1 or x.shape[0] != self.source_len:
-            raise input_error("tensor", None, f'{self.source_len} tokens on dim 0', f'shape {tuple(x.shape)}')
+            raise input_error("tensor", None, f"{self.source_len} tokens on dim 0", f"shape {tuple(x.shape)}")
         return x
 
     def __repr__(self) -> str:
-        return (f"ThdPlan(batch={self.batch_size}, total={self.total}, padded={self.padded_total}, "
-                f"cp={self.cp_rank}/{self.cp_size} {self.cp_layout}, alignment={self.alignment})")
+        return (
+            f"ThdPlan(batch={self.batch_size}, total={self.total}, padded={self.padded_total}, "
+            f"cp={self.cp_rank}/{self.cp_size} {self.cp_layout}, alignment={self.alignment})"
+        )
 
     # ---- constructors, named like IndexPlan's ------------------------------------------------
     @classmethod
@@ -230,9 +248,18 @@ class ThdPlan:
 
 
 def build_thd_plan(
-    lengths: Tensor, *, tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0, cp_layout: CpLayout = "zigzag",
-    use_fp8_padding: bool = False, pad_to_length_bucket: int | None = None, source_starts: Tensor | None = None,
-    source_len: int | None = None, field: str = "lengths", source_offsets: Tensor | None = None,
+    lengths: Tensor,
+    *,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_layout: CpLayout = "zigzag",
+    use_fp8_padding: bool = False,
+    pad_to_length_bucket: int | None = None,
+    source_starts: Tensor | None = None,
+    source_len: int | None = None,
+    field: str = "lengths",
+    source_offsets: Tensor | None = None,
 ) -> ThdPlan:
     """Plan this CP rank's THD shard from (B,) sequence lengths. ONE host sync.
 
@@ -247,9 +274,9 @@ def build_thd_plan(
     lengths = torch.as_tensor(lengths)
     if lengths.dim() != 1 or lengths.shape[0] == 0 or lengths.dtype.is_floating_point:
         got = f"{lengths.dtype} of shape {tuple(lengths.shape)}"
-        raise input_error(f'{field}', None, "a non-empty 1-D integer tensor", f'{got}')
+        raise input_error(f"{field}", None, "a non-empty 1-D integer tensor", f"{got}")
     if pad_to_length_bucket is not None and (not isinstance(pad_to_length_bucket, int) or pad_to_length_bucket <= 0):
-        raise input_error("pad_to_length_bucket", None, "a positive int or None", f'{pad_to_length_bucket!r}')
+        raise input_error("pad_to_length_bucket", None, "a positive int or None", f"{pad_to_length_bucket!r}")
     lengths = lengths.to(torch.int64)
     align = cp_alignment(tp_size, cp_size, cp_layout)
     total_multiple = align
@@ -264,32 +291,48 @@ def build_thd_plan(
         source_offsets = prepare_offsets(lengths)[:-1]
     source_offsets = torch.as_tensor(source_offsets, device=lengths.device).to(torch.int64)
     if source_offsets.shape != lengths.shape:
-        raise input_error("source_starts", None, f'shape {tuple(lengths.shape)}', f'{tuple(source_offsets.shape)}')
+        raise input_error("source_starts", None, f"shape {tuple(lengths.shape)}", f"{tuple(source_offsets.shape)}")
     ends = source_offsets + lengths
     total, padded_total, padded_max_seqlen, min_len, first, last_end = to_host(
         lengths.sum(), padded.sum(), padded.max(), lengths.min(), source_offsets.min(), ends.max()
     )
     if min_len < 1:
         row = int((lengths < 1).nonzero()[0])
-        raise input_error(f'{field}', row, "a sequence of >= 1 token", f'length {int(lengths[row])}')
+        raise input_error(f"{field}", row, "a sequence of >= 1 token", f"length {int(lengths[row])}")
     source_len = total if source_len is None else source_len
     if first < 0 or last_end > source_len:
         row = int(((source_offsets < 0) | (ends > source_len)).nonzero()[0])
         raise input_error(
             "source_starts",
             row,
-            f'a sequence inside the {source_len} source tokens',
-            f'start {int(source_offsets[row])} length {int(lengths[row])}',
+            f"a sequence inside the {source_len} source tokens",
+            f"start {int(source_offsets[row])} length {int(lengths[row])}",
         )
     return ThdPlan(
-        lengths, source_offsets, padded, total=total, padded_total=padded_total, padded_max_seqlen=padded_max_seqlen,
-        source_len=source_len, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout, alignment=align,
+        lengths,
+        source_offsets,
+        padded,
+        total=total,
+        padded_total=padded_total,
+        padded_max_seqlen=padded_max_seqlen,
+        source_len=source_len,
+        tp_size=tp_size,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_layout=cp_layout,
+        alignment=align,
     )
 
 
 def thd_plan(
-    input_ids_nested: Tensor, *, tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0, cp_layout: CpLayout = "zigzag",
-    use_fp8_padding: bool = False, pad_to_length_bucket: int | None = None,
+    input_ids_nested: Tensor,
+    *,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_layout: CpLayout = "zigzag",
+    use_fp8_padding: bool = False,
+    pad_to_length_bucket: int | None = None,
 ) -> ThdPlan:
     """:func:`build_thd_plan` from a jagged nested (B, j, *) tensor's offsets. ONE host sync.
 
@@ -297,6 +340,12 @@ def thd_plan(
     """
     check_nested(input_ids_nested, "input_ids")
     return build_thd_plan(
-        nested_offsets(input_ids_nested).diff(), tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout,
-        use_fp8_padding=use_fp8_padding, pad_to_length_bucket=pad_to_length_bucket, field="input_ids",
+        nested_offsets(input_ids_nested).diff(),
+        tp_size=tp_size,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_layout=cp_layout,
+        use_fp8_padding=use_fp8_padding,
+        pad_to_length_bucket=pad_to_length_bucket,
+        field="input_ids",
     )

@@ -31,7 +31,7 @@ SP_GROUP_KWARG = "nopad_sp_group"
 def padded_length(total: int, sp_size: int = 1, multiple: int = 1) -> int:
     """Smallest length >= ``total`` divisible by both ``sp_size`` and ``multiple`` (>= 1 each)."""
     if sp_size < 1 or multiple < 1:
-        raise input_error("sp_size/multiple", None, ">= 1", f'{sp_size}/{multiple}')
+        raise input_error("sp_size/multiple", None, ">= 1", f"{sp_size}/{multiple}")
     step = math.lcm(sp_size, multiple)
     return round_up(total, step)
 
@@ -39,9 +39,9 @@ def padded_length(total: int, sp_size: int = 1, multiple: int = 1) -> int:
 def local_range(padded_total: int, sp_size: int, sp_rank: int) -> tuple[int, int]:
     """[start, stop) of rank ``sp_rank``'s slice of a row of ``padded_total`` tokens."""
     if padded_total % sp_size:
-        raise input_error("padded_total", None, f'a multiple of sp_size {sp_size}', f'{padded_total}')
+        raise input_error("padded_total", None, f"a multiple of sp_size {sp_size}", f"{padded_total}")
     if not 0 <= sp_rank < sp_size:
-        raise input_error("sp_rank", None, f'0 <= rank < {sp_size}', f'{sp_rank}')
+        raise input_error("sp_rank", None, f"0 <= rank < {sp_size}", f"{sp_rank}")
     local = padded_total // sp_size
     return sp_rank * local, (sp_rank + 1) * local
 
@@ -84,14 +84,14 @@ def all_to_all(x: Tensor, group, scatter_dim: int, gather_dim: int) -> Tensor:
     Both dims must be non-negative; ``x.shape[scatter_dim]`` must divide by the group size.
     """
     if scatter_dim < 0 or gather_dim < 0 or scatter_dim == gather_dim:
-        raise input_error("scatter_dim/gather_dim", None, "two distinct dims >= 0", f'{scatter_dim}/{gather_dim}')
+        raise input_error("scatter_dim/gather_dim", None, "two distinct dims >= 0", f"{scatter_dim}/{gather_dim}")
     world = dist.get_world_size(group)
     if x.shape[scatter_dim] % world:
         raise input_error(
             "tensor",
             None,
-            f'dim {scatter_dim} divisible by the group size {world}',
-            f'shape {tuple(x.shape)}',
+            f"dim {scatter_dim} divisible by the group size {world}",
+            f"shape {tuple(x.shape)}",
         )
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
@@ -195,7 +195,7 @@ def ulysses_attention(base: str):
         world = dist.get_world_size(group)
         heads, kv_heads = query.shape[1], key.shape[1]
         if heads % world:
-            raise input_error("attention heads", None, f'a multiple of the SP size {world}', f'{heads}')
+            raise input_error("attention heads", None, f"a multiple of the SP size {world}", f"{heads}")
         groups = heads // kv_heads
         if kv_heads % world:  # too few kv heads to split: give every query head its own copy
             key, value, groups = _repeat_heads(key, groups), _repeat_heads(value, groups), 1
@@ -237,8 +237,9 @@ def enable_ulysses(model: torch.nn.Module) -> torch.nn.Module:
     # builder, so a forward without a group (or a padded forward) is masked exactly as before.
     if base in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    configs: dict[int, Any] = {id(m.config): m.config for m in model.modules()
-                               if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    configs: dict[int, Any] = {
+        id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")
+    }
     for each in configs.values():
         each._attn_implementation = name
     return model
