@@ -67,6 +67,16 @@ def renamed_keyword(function: str, old: str, new: str, old_value: Any, new_value
     return old_value
 
 
+def renamed_attribute(owner: str, old: str, new: str) -> Any:
+    """A read-only class attribute ``old`` that returns ``new`` with a DeprecationWarning."""
+
+    def get(self: Any) -> Any:
+        warn_deprecated(f"{owner}.{old}", f"{owner}.{new}")
+        return getattr(self, new)
+
+    return property(get, doc=f"Deprecated: use ``{new}``.")
+
+
 def moved_attributes(module: str, moved: dict[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__``: ``moved`` maps an old attribute name to ``"new.module:new_name"``."""
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nopad.compat import renamed_keyword, warn_deprecated
+from nopad.compat import renamed_attribute, renamed_keyword
 from nopad.errors import input_error
 from nopad.layout import IndexPlan, check_nested, is_nested, nested_offsets, prepare_offsets, prepare_row_ids, to_host
 from nopad.parallel.cp import (
@@ -226,25 +226,10 @@ class ThdPlan:
         return thd_plan(input_ids_nested, **kwargs)
 
     # ---- old names, one release --------------------------------------------------------------
-    @property
-    def source_offsets(self) -> Tensor:
-        warn_deprecated("ThdPlan.source_offsets", "ThdPlan.source_starts")
-        return self.source_starts
-
-    @property
-    def total_padded(self) -> int:
-        warn_deprecated("ThdPlan.total_padded", "ThdPlan.padded_total")
-        return self.padded_total
-
-    @property
-    def max_seqlen(self) -> int:
-        warn_deprecated("ThdPlan.max_seqlen (the longest PADDED segment)", "ThdPlan.padded_max_seqlen")
-        return self.padded_max_seqlen
-
-    @property
-    def align(self) -> int:
-        warn_deprecated("ThdPlan.align", "ThdPlan.alignment")
-        return self.alignment
+    source_offsets = renamed_attribute("ThdPlan", "source_offsets", "source_starts")
+    total_padded = renamed_attribute("ThdPlan", "total_padded", "padded_total")
+    max_seqlen = renamed_attribute("ThdPlan", "max_seqlen", "padded_max_seqlen")  # the longest PADDED segment
+    align = renamed_attribute("ThdPlan", "align", "alignment")
 
 
 def build_thd_plan(
