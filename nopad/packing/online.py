@@ -15,7 +15,7 @@ from torch import Tensor
 
 from nopad.compat import renamed_keyword
 from nopad.errors import input_error
-from nopad.layout import IndexPlan, check_nested, nested_offsets, round_up
+from nopad.layout import IndexPlan, check_nested, nested_offsets, prepare_position_ids, round_up
 from nopad.packing.algorithms import Bins, pack_lengths
 from nopad.packing.rows import thd_alignment
 from nopad.parallel.cp import CpLayout
@@ -113,11 +113,11 @@ def pack_online(
         "target_ids": scatter(plan.next_token_labels(values, pad_token_id), pad_token_id),
         "token_mask": scatter(plan.next_token_labels(mask_values, 0), 0),
     }
-    # position within the padded segment: slot - the segment's start (a running max of starts per row)
-    marks = torch.zeros(n_rows * width, dtype=torch.int64, device=device)
-    marks.index_copy_(0, seq_bin_t * width + seq_start_t, seq_start_t)
+    # position within the padded segment (padding keeps counting), 0 past a row's fill: layout's one
+    # derivation over the segments' boundaries in the flat (n_rows * width) buffer (host arithmetic on B)
+    starts = np.concatenate([seq_bin * width + seq_start, np.arange(n_rows) * width + fills, [n_rows * width]])
+    positions = prepare_position_ids(as_t(np.unique(starts)), n_rows * width).view(n_rows, width)
     slot = torch.arange(width, device=device)
-    positions = slot - marks.view(n_rows, width).cummax(1).values
     data["position_ids"] = torch.where(slot < as_t(fills).unsqueeze(1), positions, 0)
 
     counts = np.array([len(b) for b in bins], dtype=np.int64)
