@@ -67,3 +67,11 @@ def test_renamed_keywords_warn_and_still_work():
     assert torch.equal(old["input_ids"], new["input_ids"])
     with pytest.warns(DeprecationWarning, match="repeats"):
         assert len(bench_thd((2,), max_len=8, repeat=1)) == 1
+
+
+def test_thd_alignment_is_cp_alignment_with_a_warning():
+    import nopad.packing
+    from nopad.parallel.cp import cp_alignment
+
+    with pytest.warns(DeprecationWarning, match="cp_alignment"):
+        assert nopad.packing.thd_alignment is cp_alignment

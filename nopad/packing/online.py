@@ -17,8 +17,7 @@ from nopad.compat import renamed_keyword
 from nopad.errors import input_error
 from nopad.layout import IndexPlan, check_nested, nested_offsets, prepare_position_ids, round_up
 from nopad.packing.algorithms import Bins, pack_lengths
-from nopad.packing.rows import thd_alignment
-from nopad.parallel.cp import CpLayout
+from nopad.parallel.cp import CpLayout, cp_alignment
 
 
 def bin_layout(bins: Bins, padded_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -81,7 +80,7 @@ def pack_online(
     if mask_differs:
         raise input_error("loss_mask", None, "the same offsets (sequence lengths) as input_ids", "different ones")
     lengths_host = np.asarray(lengths_list, dtype=np.int64)
-    align = thd_alignment(tp_size, cp_size, cp_layout)
+    align = cp_alignment(tp_size, cp_size, cp_layout)
     padded = round_up(lengths_host, align)
     too_long = np.flatnonzero((padded > pack_length) | (lengths_host < 1))
     if too_long.size:
