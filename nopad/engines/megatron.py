@@ -123,7 +123,10 @@ def postprocess_thd(
     local_len = output.shape[1]
     gathered = gather_cp_shards(output[0], cp_size, cp_rank, cp_group).flatten(0, 1)
     total = input_ids_nested.values().shape[0]
-    index = unshard_index(cu, offsets.diff(), total, local_len, cp_size, layout)
+    if plan is not None and plan.local_len == local_len and plan.total == total:
+        index = plan.unshard_index()  # the plan's own inverse, computed once
+    else:
+        index = unshard_index(cu, offsets.diff(), total, local_len, cp_size, layout)
     values = gathered.index_select(0, index)
     return torch.nested.nested_tensor_from_jagged(
         values,

@@ -28,6 +28,7 @@ from nopad.parallel.cp import (
     fp8_alignment,
     prepare_padded_lengths,
     shard_index,
+    unshard_index,
 )
 
 
@@ -115,6 +116,7 @@ class ThdPlan:
         self._offset = self.global_index - cu[self._segment]  # slot's position inside its padded segment
         self._real = self._offset < lengths[self._segment]
         self._last = self._offset == lengths[self._segment] - 1  # the last real token of its sequence
+        self._unshard_index: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -155,6 +157,15 @@ class ThdPlan:
         out = flat.index_select(0, self.source_index(need_roll))
         real = self._reads(need_roll).view(-1, *([1] * (flat.dim() - 1)))
         return torch.where(real, out, torch.as_tensor(pad_value, dtype=out.dtype, device=out.device)).unsqueeze(0)
+
+    def unshard_index(self) -> Tensor:
+        """(total,) where each real token sits in the rank-major gathered buffer (cp_size * local_len):
+        the way back for :func:`~nopad.engines.megatron.postprocess_thd`. Computed once. No sync."""
+        if self._unshard_index is None:
+            self._unshard_index = unshard_index(
+                self.cu_seqlens_padded, self.lengths, self.total, self.local_len, self.cp_size, self.cp_layout
+            )
+        return self._unshard_index
 
     def shard_routed_experts(self, routed_experts: Tensor, num_experts: int) -> Tensor:
         """(total, *, topk) or nested (B, j, *, topk) expert ids -> (1, local_len, *, topk) shard.
