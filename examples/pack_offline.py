@@ -8,11 +8,11 @@ from pathlib import Path
 
 from nopad.packing import (
     ByteTokenizer,
+    cp_alignment,
     encode_record,
     pack_conversations,
     packed_to_thd,
     read_packed,
-    thd_alignment,
     write_packed,
 )
 
@@ -27,7 +27,7 @@ CONVERSATIONS = [
 def main() -> None:
     tokenizer = ByteTokenizer()
     cp_size, pack_length = 2, 32
-    alignment = thd_alignment(cp_size=cp_size)
+    alignment = cp_alignment(cp_size=cp_size)
     records = (encode_record(r, tokenizer) for r in CONVERSATIONS)
     rows, report = pack_conversations(records, pack_length, alignment=alignment, pad_token_id=tokenizer.pad_token_id)
     print("report:", report.summary())

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad.compat import renamed_keyword
 from nopad.diagnostics import OpCounter
 from nopad.layout import IndexPlan, prepare_offsets
 from nopad.ops import unpad_input
@@ -212,17 +213,20 @@ def bench_thd(
     *,
     max_len: int = 768,
     cp_size: int = 2,
-    repeat: int = 3,
+    repeats: int | None = None,
+    repeat: int | None = None,
     seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> list[tuple[int, float, float, float]]:
     """Time :func:`~nopad.engines.megatron.preprocess_thd` (need_roll, zigzag) against the per-sequence loop.
 
     Random lengths in [1, max_len]; rank 0 of ``cp_size``; tensors on ``device``. Checks both agree,
-    then returns rows ``(B, ref_ms, nopad_ms, ref_ms / nopad_ms)`` (best of ``repeat``).
+    then returns rows ``(B, ref_ms, nopad_ms, ref_ms / nopad_ms)`` (best of ``repeats``, default 3;
+    ``repeat=`` is its deprecated old name).
     """
     from nopad.engines.megatron import preprocess_thd, thd_plan
 
+    repeats = renamed_keyword("bench_thd", "repeat", "repeats", repeat, repeats) or 3
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for batch in batch_sizes:
@@ -236,8 +240,8 @@ def bench_thd(
         last = thd_plan(nested, cp_size=cp_size, cp_rank=0).shard(IndexPlan.from_nested(nested).last_token_mask)
         if not torch.equal(torch.where(last, 0, ref_tokens), ours()[0]):
             raise AssertionError(f"bench_thd: preprocess_thd disagrees with the reference at B={batch}")
-        ref_ms = timeit(ref, str(device), 1 if batch >= 512 else repeat)
-        ours_ms = timeit(ours, str(device), repeat)
+        ref_ms = timeit(ref, str(device), 1 if batch >= 512 else repeats)
+        ours_ms = timeit(ours, str(device), repeats)
         rows.append((batch, ref_ms, ours_ms, ref_ms / ours_ms))
     return rows
 
@@ -359,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engines:
         results["megatron preprocess_thd (need_roll, cp=2)"] = [
             {"B": B, "loop_ms": ref, "nopad_ms": ours, "loop/nopad": ratio}
-            for B, ref, ours, ratio in bench_thd(tuple(args.batch_sizes), device=args.device, repeat=args.repeats)
+            for B, ref, ours, ratio in bench_thd(tuple(args.batch_sizes), device=args.device, repeats=args.repeats)
         ]
     if args.packing:
         from nopad.packing.bench import packing_bench

@@ -57,6 +57,26 @@ def install_module_finder() -> None:
         sys.meta_path.append(MovedModuleFinder())
 
 
+def renamed_keyword(function: str, old: str, new: str, old_value: Any, new_value: Any) -> Any:
+    """The value of keyword ``new``, accepting ``old`` for one release with a DeprecationWarning."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise TypeError(f"{function}: got both {old}= (deprecated) and {new}=; pass {new}= only")
+    warn_deprecated(f"{function}({old}=...)", f"{function}({new}=...)", stacklevel=4)
+    return old_value
+
+
+def renamed_attribute(owner: str, old: str, new: str) -> Any:
+    """A read-only class attribute ``old`` that returns ``new`` with a DeprecationWarning."""
+
+    def get(self: Any) -> Any:
+        warn_deprecated(f"{owner}.{old}", f"{owner}.{new}")
+        return getattr(self, new)
+
+    return property(get, doc=f"Deprecated: use ``{new}``.")
+
+
 def moved_attributes(module: str, moved: dict[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__``: ``moved`` maps an old attribute name to ``"new.module:new_name"``."""
 

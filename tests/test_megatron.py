@@ -162,22 +162,22 @@ def test_companion_tensors_share_the_plan_and_spread_experts_on_alignment_slots(
         plan.shard_routed_experts(experts_nested, num_experts=3)
 
 
-def test_offline_rows_reach_the_same_batch_through_lengths_and_source_offsets():
+def test_offline_rows_reach_the_same_batch_through_lengths_and_source_starts():
     """Packed rows with row padding after each row: shard straight from the flat (N * L) buffer."""
     ids = encoded_ids([4, 7, 2])
     rows = torch.zeros(2, 10, dtype=torch.int64)  # row 0: sequence 0; row 1: sequences 1 and 2; zeros pad
     rows[0, :4], rows[1, :7], rows[1, 7:9] = ids[0], ids[1], ids[2]
     for rank in range(2):
         plan = build_thd_plan(
-            torch.tensor([4, 7, 2]), cp_size=2, cp_rank=rank, source_offsets=torch.tensor([0, 10, 17]), source_len=20
+            torch.tensor([4, 7, 2]), cp_size=2, cp_rank=rank, source_starts=torch.tensor([0, 10, 17]), source_len=20
         )
         for need_roll in (False, True):
             want, params, positions = preprocess_thd(ids, cp_size=2, cp_rank=rank, need_roll=need_roll)
             assert torch.equal(plan.shard(rows.flatten(), need_roll=need_roll), want)
         assert torch.equal(plan.position_ids, positions)
         assert torch.equal(plan.packed_seq_params().cu_seqlens_q, params.cu_seqlens_q)
-    with pytest.raises(ValueError, match="source_offsets row 2: expected a sequence inside the 20 source tokens"):
-        build_thd_plan(torch.tensor([4, 7, 2]), source_offsets=torch.tensor([0, 10, 19]), source_len=20)
+    with pytest.raises(ValueError, match="source_starts row 2: expected a sequence inside the 20 source tokens"):
+        build_thd_plan(torch.tensor([4, 7, 2]), source_starts=torch.tensor([0, 10, 19]), source_len=20)
 
 
 def test_autograd_reaches_the_values_through_shard_and_postprocess():
@@ -325,7 +325,7 @@ def test_benchmark_reference_agrees_with_preprocess(lengths, cp, need_roll, data
 
 
 def test_bench_thd_returns_rows_of_batch_and_times():
-    rows = bench_thd((2, 16), max_len=32, repeat=1)
+    rows = bench_thd((2, 16), max_len=32, repeats=1)
     assert [row[0] for row in rows] == [2, 16]
     assert all(ref > 0 and ours > 0 and ratio == pytest.approx(ref / ours) for _, ref, ours, ratio in rows)
 
@@ -447,3 +447,13 @@ def test_contiguous_layout_warns_when_megatron_core_cannot_honour_it():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         preprocess_thd(ids, cp_size=2, cp_rank=0, cp_layout="zigzag")
+
+
+def test_postprocess_takes_the_layout_from_the_plan_or_the_params():
+    ids = encoded_ids([3, 5, 2])
+    for layout in ("zigzag", "contiguous"):
+        plan = thd_plan(ids, cp_layout=layout)
+        tokens, params = plan.shard(ids), plan.packed_seq_params()
+        for kwargs in ({"plan": plan}, {}):
+            back = postprocess_thd(tokens, params, ids, **kwargs)
+            assert torch.equal(back.values(), ids.values())

@@ -11,11 +11,11 @@ from nopad.packing import (
     ALGORITHMS,
     ByteTokenizer,
     collate_packed,
+    cp_alignment,
     pack_conversations,
     pack_online,
     packed_to_thd,
     read_packed,
-    thd_alignment,
     write_packed,
 )
 from tests.dist_utils import run_distributed
@@ -48,7 +48,7 @@ def _both_paths(lengths, budget, *, tp=1, cp=1, algorithm="best_fit_decreasing",
         algorithm=algorithm,
         pad_token_id=BYTES.pad_token_id,
     )
-    align = thd_alignment(tp, cp)
+    align = cp_alignment(tp, cp)
     rows, report = pack_conversations(
         zip(ids, masks), budget, alignment=align, pad_token_id=BYTES.pad_token_id, algorithm=algorithm
     )
@@ -87,7 +87,7 @@ cases = st.tuples(
 @given(cases)
 def test_online_rows_equal_offline_rows_for_the_same_conversations(case):
     (tp, cp), algorithm, units, raw_lengths, seed = case
-    budget = thd_alignment(tp, cp) * 4 * units
+    budget = cp_alignment(tp, cp) * 4 * units
     lengths = [min(n, budget) for n in raw_lengths]
     online, offline, bins, _, _ = _both_paths(lengths, budget, tp=tp, cp=cp, algorithm=algorithm, seed=seed)
     _assert_same_batch(online, offline)

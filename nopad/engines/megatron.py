@@ -94,15 +94,22 @@ def postprocess_thd(
     cp_size: int = 1,
     cp_rank: int = 0,
     cp_group=None,
-    cp_layout: CpLayout = "zigzag",
+    cp_layout: CpLayout | None = None,
+    plan: ThdPlan | None = None,
 ) -> Tensor:
     """This rank's (1, T/cp, *) output -> nested (B, j, *) over the whole batch. No host sync.
 
     All-gathers the CP shards over ``cp_group`` (default: the world group), keeping this rank's
     autograd graph (other shards arrive detached), undoes the layout and drops alignment padding.
     The result shares ``input_ids_nested``'s offsets, so it lines up with every other nested field.
+    ``plan`` (the :class:`ThdPlan` that sharded the batch) supplies cp_size, cp_rank and the layout;
+    without it, ``cp_layout`` defaults to the one recorded in ``packed_seq_params``
+    (``cp_partition_mode``, which :meth:`ThdPlan.packed_seq_params` sets), else zigzag.
     """
-    check_cp_args(1, cp_size, cp_rank, cp_layout)
+    if plan is not None:
+        cp_size, cp_rank, cp_layout = plan.cp_size, plan.cp_rank, plan.cp_layout
+    layout: CpLayout = cp_layout or getattr(packed_seq_params, "cp_partition_mode", None) or "zigzag"
+    check_cp_args(1, cp_size, cp_rank, layout)
     check_nested(input_ids_nested, "input_ids")
     offsets = nested_offsets(input_ids_nested)
     batch = offsets.shape[0] - 1
@@ -116,7 +123,10 @@ def postprocess_thd(
     local_len = output.shape[1]
     gathered = gather_cp_shards(output[0], cp_size, cp_rank, cp_group).flatten(0, 1)
     total = input_ids_nested.values().shape[0]
-    index = unshard_index(cu, offsets.diff(), total, local_len, cp_size, cp_layout)
+    if plan is not None and plan.local_len == local_len and plan.total == total:
+        index = plan.unshard_index()  # the plan's own inverse, computed once
+    else:
+        index = unshard_index(cu, offsets.diff(), total, local_len, cp_size, layout)
     values = gathered.index_select(0, index)
     return torch.nested.nested_tensor_from_jagged(
         values,

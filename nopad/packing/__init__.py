@@ -1,5 +1,6 @@
 """Sequence packing: bin packing, online packing at step time, offline packed files, collate, THD."""
 
+from nopad.compat import moved_attributes
 from nopad.packing.algorithms import (
     ALGORITHMS,
     PackingMetrics,
@@ -14,9 +15,13 @@ from nopad.packing.collate import collate_packed, packed_to_nested
 from nopad.packing.files import PackedFile, read_metadata, read_packed, write_packed
 from nopad.packing.offline import PackReport, pack_conversations
 from nopad.packing.online import pack_online
-from nopad.packing.rows import ROW_FIELDS, Columns, thd_alignment, validate_columns
+from nopad.packing.rows import ROW_FIELDS, Columns, validate_columns
 from nopad.packing.thd import ThdBatch, packed_to_thd
 from nopad.packing.tokenizer import ByteTokenizer, HFTokenizer, TokenizerIdentity, encode_record, load_tokenizer
+from nopad.parallel.cp import cp_alignment
+
+# thd_alignment was a one-line alias of cp_alignment: readable here for one release, with a warning.
+__getattr__ = moved_attributes(__name__, {"thd_alignment": "nopad.parallel.cp:cp_alignment"})
 
 __all__ = [
     "ALGORITHMS",
@@ -32,6 +37,7 @@ __all__ = [
     "best_fit_decreasing",
     "collate_packed",
     "concatenative",
+    "cp_alignment",
     "encode_record",
     "first_fit_decreasing",
     "load_tokenizer",
@@ -44,7 +50,6 @@ __all__ = [
     "packing_metrics",
     "read_metadata",
     "read_packed",
-    "thd_alignment",
     "validate_columns",
     "write_packed",
 ]

@@ -11,8 +11,8 @@ from nopad.errors import input_error
 from nopad.packing.algorithms import ALGORITHMS
 from nopad.packing.files import write_packed
 from nopad.packing.offline import OVERFLOW_POLICIES, pack_conversations
-from nopad.packing.rows import thd_alignment
 from nopad.packing.tokenizer import Tokenizer, encode_record, load_tokenizer
+from nopad.parallel.cp import cp_alignment
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         tokenizer = load_tokenizer(args.tokenizer)
-        alignment = thd_alignment(args.tp_size, args.cp_size)
+        alignment = cp_alignment(args.tp_size, args.cp_size)
         records = tqdm(_records(args.input, tokenizer), desc="packing", unit=" conv", disable=args.no_progress)
         rows, report = pack_conversations(
             records,

@@ -13,11 +13,11 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad.compat import renamed_keyword
 from nopad.errors import input_error
-from nopad.layout import IndexPlan, check_nested, nested_offsets, round_up
+from nopad.layout import IndexPlan, check_nested, nested_offsets, prepare_position_ids, round_up
 from nopad.packing.algorithms import Bins, pack_lengths
-from nopad.packing.rows import thd_alignment
-from nopad.parallel.cp import CpLayout
+from nopad.parallel.cp import CpLayout, cp_alignment
 
 
 def bin_layout(bins: Bins, padded_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -41,7 +41,7 @@ def bin_layout(bins: Bins, padded_lengths: np.ndarray) -> tuple[np.ndarray, np.n
 
 def pack_online(
     input_ids: Tensor,
-    token_budget: int,
+    pack_length: int | None = None,
     *,
     loss_mask: Tensor | None = None,
     tp_size: int = 1,
@@ -51,16 +51,21 @@ def pack_online(
     dp_size: int = 1,
     min_bins: int = 1,
     pad_token_id: int = 0,
+    token_budget: int | None = None,
 ) -> tuple[TensorDict, Bins]:
     """Nested (B, j) ids -> (packed rows TensorDict [N], bins: the sequence indices of each row).
 
     Each sequence is padded to the THD alignment of (tp, cp, layout) before packing into rows of at
-    most ``token_budget`` tokens; N is a multiple of ``dp_size`` and at least ``min_bins``.
+    most ``pack_length`` tokens (formerly ``token_budget``, deprecated); N is a multiple of
+    ``dp_size`` and at least ``min_bins``.
     ``loss_mask`` (nested like ``input_ids``, optional, default all ones) marks tokens to predict.
     A sequence longer than the budget raises ValueError (online packing never splits). One host
     sync (the lengths); the token movement is a fixed number of tensor ops.
     """
     check_nested(input_ids, "input_ids", value_dims=1)
+    pack_length = renamed_keyword("pack_online", "token_budget", "pack_length", token_budget, pack_length)
+    if not isinstance(pack_length, int) or pack_length < 1:
+        raise input_error("pack_length", None, "an int >= 1", repr(pack_length))
     offsets = nested_offsets(input_ids).to(torch.int64)
     lengths = offsets.diff()
     mismatch = torch.zeros(1, dtype=torch.int64, device=lengths.device)
@@ -75,18 +80,18 @@ def pack_online(
     if mask_differs:
         raise input_error("loss_mask", None, "the same offsets (sequence lengths) as input_ids", "different ones")
     lengths_host = np.asarray(lengths_list, dtype=np.int64)
-    align = thd_alignment(tp_size, cp_size, cp_layout)
+    align = cp_alignment(tp_size, cp_size, cp_layout)
     padded = round_up(lengths_host, align)
-    too_long = np.flatnonzero((padded > token_budget) | (lengths_host < 1))
+    too_long = np.flatnonzero((padded > pack_length) | (lengths_host < 1))
     if too_long.size:
         i = int(too_long[0])
         raise input_error(
             "input_ids",
             i,
-            f"1 to {token_budget} tokens after padding to a multiple of {align}",
+            f"1 to {pack_length} tokens after padding to a multiple of {align}",
             f"{int(lengths_host[i])} (padded {int(padded[i])}); online packing never splits a sequence",
         )
-    bins = pack_lengths(padded, token_budget, algorithm=algorithm, min_bins=min_bins, bins_multiple_of=dp_size)
+    bins = pack_lengths(padded, pack_length, algorithm=algorithm, min_bins=min_bins, bins_multiple_of=dp_size)
     seq_bin, seq_rank, seq_start, fills = bin_layout(bins, padded)
     n_rows, width, device = len(bins), int(fills.max()), input_ids.device
     as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=device)  # noqa: E731
@@ -107,11 +112,11 @@ def pack_online(
         "target_ids": scatter(plan.next_token_labels(values, pad_token_id), pad_token_id),
         "token_mask": scatter(plan.next_token_labels(mask_values, 0), 0),
     }
-    # position within the padded segment: slot - the segment's start (a running max of starts per row)
-    marks = torch.zeros(n_rows * width, dtype=torch.int64, device=device)
-    marks.index_copy_(0, seq_bin_t * width + seq_start_t, seq_start_t)
+    # position within the padded segment (padding keeps counting), 0 past a row's fill: layout's one
+    # derivation over the segments' boundaries in the flat (n_rows * width) buffer (host arithmetic on B)
+    starts = np.concatenate([seq_bin * width + seq_start, np.arange(n_rows) * width + fills, [n_rows * width]])
+    positions = prepare_position_ids(as_t(np.unique(starts)), n_rows * width).view(n_rows, width)
     slot = torch.arange(width, device=device)
-    positions = slot - marks.view(n_rows, width).cummax(1).values
     data["position_ids"] = torch.where(slot < as_t(fills).unsqueeze(1), positions, 0)
 
     counts = np.array([len(b) for b in bins], dtype=np.int64)

@@ -23,16 +23,10 @@ import numpy as np
 
 from nopad.errors import input_error
 from nopad.layout import round_up
-from nopad.parallel.cp import CpLayout, cp_alignment
 
 ROW_FIELDS = ("input_ids", "target_ids", "token_mask", "position_ids", "packed_cu_seqlens")
 TOKEN_FIELDS = ROW_FIELDS[:4]
 Row = dict[str, np.ndarray]
-
-
-def thd_alignment(tp_size: int = 1, cp_size: int = 1, cp_layout: CpLayout = "zigzag") -> int:
-    """Tokens each conversation is padded to a multiple of: the Megatron adapter's rule (2*cp*tp zigzag)."""
-    return cp_alignment(tp_size, cp_size, cp_layout)
 
 
 def conversation_segment(ids: Sequence[int], loss_mask: Sequence[int], alignment: int, pad_token_id: int) -> Row:

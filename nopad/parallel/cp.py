@@ -39,22 +39,24 @@ def cp_alignment(tp_size: int = 1, cp_size: int = 1, cp_layout: CpLayout = "zigz
     return tp_size * cp_size * (2 if cp_layout == "zigzag" else 1)
 
 
-def fp8_alignment(align: int) -> tuple[int, int]:
-    """(per-segment, total) multiples for FP8 GEMMs: lcm(16, align) per segment, align * 128 in total."""
-    return math.lcm(16, align), align * 128
+def fp8_alignment(alignment: int) -> tuple[int, int]:
+    """(per-segment, total) multiples for FP8 GEMMs: lcm(16, alignment) per segment, alignment * 128 in total."""
+    return math.lcm(16, alignment), alignment * 128
 
 
-def prepare_padded_lengths(lengths: Tensor, align: int, total_multiple: int = 1) -> Tensor:
-    """(B,) lengths -> (B,) int64 lengths rounded up to ``align``; the last one also absorbs the
-    padding that rounds the TOTAL up to ``total_multiple`` (which must be a multiple of ``align``).
+def prepare_padded_lengths(lengths: Tensor, alignment: int, total_multiple: int = 1) -> Tensor:
+    """(B,) lengths -> (B,) int64 lengths rounded up to ``alignment``; the last one also absorbs the
+    padding that rounds the TOTAL up to ``total_multiple`` (which must be a multiple of ``alignment``).
 
     Tail padding is folded into the last segment because a cu_seqlens that ends short of the
     buffer makes TransformerEngine's partitioning return duplicate and missing tokens. No sync.
     """
-    if total_multiple % align:
-        raise input_error("total_multiple", None, f"a multiple of the segment alignment {align}", f"{total_multiple}")
+    if total_multiple % alignment:
+        raise input_error(
+            "total_multiple", None, f"a multiple of the segment alignment {alignment}", f"{total_multiple}"
+        )
     lengths = lengths.to(torch.int64)
-    padded = round_up(lengths, align)
+    padded = round_up(lengths, alignment)
     tail = round_up(padded.sum(), total_multiple) - padded.sum()
     return torch.cat([padded[:-1], padded[-1:] + tail])
 

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nopad.compat import renamed_attribute, renamed_keyword
 from nopad.errors import input_error
-from nopad.layout import check_nested, is_nested, nested_offsets, prepare_offsets, to_host
+from nopad.layout import IndexPlan, check_nested, is_nested, nested_offsets, prepare_offsets, prepare_row_ids, to_host
 from nopad.parallel.cp import (
     CpLayout,
     check_cp_args,
@@ -27,6 +28,7 @@ from nopad.parallel.cp import (
     fp8_alignment,
     prepare_padded_lengths,
     shard_index,
+    unshard_index,
 )
 
 
@@ -70,11 +72,14 @@ class ThdPlan:
 
     Attributes:
         lengths: (B,) int64 real tokens per sequence.
-        source_offsets: (B,) int64 where each sequence starts in the (source_len, *) values it is read from.
-        total: int, real tokens; ``total_padded``: int, T, the global padded buffer length.
+        source_starts: (B,) int64 where each sequence starts in the (source_len, *) values it is read from.
+        total: int, real tokens; ``padded_total``: int, T, the global padded buffer length.
         source_len: int, tokens in the values it shards (``total`` unless built with source offsets).
         cu_seqlens_padded: (B+1,) int32 global padded boundaries, ending at T.
-        max_seqlen: int, the longest padded segment.
+        padded_lengths: (B,) int64 each sequence's padded segment (tail padding folded into the last).
+        padded_max_seqlen: int, the longest padded segment (``max_seqlen_q/kv`` of PackedSeqParams).
+        alignment: int, the multiple every padded segment is.
+        plan: the :class:`~nopad.layout.IndexPlan` of the real tokens (row ids, positions, labels).
         local_len: int, T / cp_size, the slots this rank holds.
         global_index: (local_len,) int64 global padded slot of each local slot.
     """
@@ -82,33 +87,36 @@ class ThdPlan:
     def __init__(
         self,
         lengths: Tensor,
-        source_offsets: Tensor,
+        source_starts: Tensor,
         padded_lengths: Tensor,
         *,
         total: int,
-        total_padded: int,
-        max_seqlen: int,
+        padded_total: int,
+        padded_max_seqlen: int,
         source_len: int,
         tp_size: int,
         cp_size: int,
         cp_rank: int,
         cp_layout: CpLayout,
-        align: int,
+        alignment: int,
     ):
-        self.lengths, self.source_offsets = lengths, source_offsets
+        self.lengths, self.source_starts = lengths, source_starts
         self.padded_lengths = padded_lengths
-        self.total, self.total_padded, self.max_seqlen = total, total_padded, max_seqlen
+        self.total, self.padded_total, self.padded_max_seqlen = total, padded_total, padded_max_seqlen
+        self.plan = IndexPlan.from_lengths(lengths, width=padded_max_seqlen, total=total)
         self.source_len = source_len
         self.tp_size, self.cp_size, self.cp_rank, self.cp_layout = tp_size, cp_size, cp_rank, cp_layout
-        self.align = align
+        self.alignment = alignment
         self.cu_seqlens_padded = prepare_offsets(padded_lengths).to(torch.int32)
-        self.local_len = total_padded // cp_size
+        self.local_len = padded_total // cp_size
         self.global_index = shard_index(self.cu_seqlens_padded, self.local_len, cp_size, cp_rank, cp_layout)
         cu = self.cu_seqlens_padded.to(torch.int64)
-        self._segment = torch.searchsorted(cu, self.global_index, right=True) - 1  # contiguous shards cut segments
+        # the segment of every local slot: layout's one token -> sequence derivation, over the padded buffer
+        self._segment = prepare_row_ids(padded_lengths, padded_total).index_select(0, self.global_index)
         self._offset = self.global_index - cu[self._segment]  # slot's position inside its padded segment
         self._real = self._offset < lengths[self._segment]
         self._last = self._offset == lengths[self._segment] - 1  # the last real token of its sequence
+        self._unshard_index: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -131,7 +139,7 @@ class ThdPlan:
         has none and, like padding, reads 0 (:meth:`shard` puts ``pad_value`` there: nopad's one
         convention for the label slot no loss trains on).
         """
-        src = self.source_offsets[self._segment] + self._offset + int(need_roll)
+        src = self.source_starts[self._segment] + self._offset + int(need_roll)
         return torch.where(self._reads(need_roll), src, 0)
 
     def _reads(self, need_roll: bool) -> Tensor:
@@ -149,6 +157,15 @@ class ThdPlan:
         out = flat.index_select(0, self.source_index(need_roll))
         real = self._reads(need_roll).view(-1, *([1] * (flat.dim() - 1)))
         return torch.where(real, out, torch.as_tensor(pad_value, dtype=out.dtype, device=out.device)).unsqueeze(0)
+
+    def unshard_index(self) -> Tensor:
+        """(total,) where each real token sits in the rank-major gathered buffer (cp_size * local_len):
+        the way back for :func:`~nopad.engines.megatron.postprocess_thd`. Computed once. No sync."""
+        if self._unshard_index is None:
+            self._unshard_index = unshard_index(
+                self.cu_seqlens_padded, self.lengths, self.total, self.local_len, self.cp_size, self.cp_layout
+            )
+        return self._unshard_index
 
     def shard_routed_experts(self, routed_experts: Tensor, num_experts: int) -> Tensor:
         """(total, *, topk) or nested (B, j, *, topk) expert ids -> (1, local_len, *, topk) shard.
@@ -182,8 +199,8 @@ class ThdPlan:
             cu_seqlens_kv=cu,
             cu_seqlens_q_padded=cu,
             cu_seqlens_kv_padded=cu,
-            max_seqlen_q=self.max_seqlen,
-            max_seqlen_kv=self.max_seqlen,
+            max_seqlen_q=self.padded_max_seqlen,
+            max_seqlen_kv=self.padded_max_seqlen,
         )
         params.cp_partition_mode = self.cp_layout
         if self.cp_layout == "contiguous" and self.cp_size > 1 and not _has_field(params, "cp_partition_mode"):
@@ -204,9 +221,26 @@ class ThdPlan:
 
     def __repr__(self) -> str:
         return (
-            f"ThdPlan(batch={self.batch_size}, total={self.total}, padded={self.total_padded}, "
-            f"cp={self.cp_rank}/{self.cp_size} {self.cp_layout}, align={self.align})"
+            f"ThdPlan(batch={self.batch_size}, total={self.total}, padded={self.padded_total}, "
+            f"cp={self.cp_rank}/{self.cp_size} {self.cp_layout}, alignment={self.alignment})"
         )
+
+    # ---- constructors, named like IndexPlan's ------------------------------------------------
+    @classmethod
+    def from_lengths(cls, lengths: Tensor, **kwargs: Any) -> ThdPlan:
+        """:func:`build_thd_plan`: this CP rank's plan from (B,) lengths. ONE host sync."""
+        return build_thd_plan(lengths, **kwargs)
+
+    @classmethod
+    def from_nested(cls, input_ids_nested: Tensor, **kwargs: Any) -> ThdPlan:
+        """:func:`thd_plan`: this CP rank's plan from a jagged nested (B, j, *) tensor. ONE host sync."""
+        return thd_plan(input_ids_nested, **kwargs)
+
+    # ---- old names, one release --------------------------------------------------------------
+    source_offsets = renamed_attribute("ThdPlan", "source_offsets", "source_starts")
+    total_padded = renamed_attribute("ThdPlan", "total_padded", "padded_total")
+    max_seqlen = renamed_attribute("ThdPlan", "max_seqlen", "padded_max_seqlen")  # the longest PADDED segment
+    align = renamed_attribute("ThdPlan", "align", "alignment")
 
 
 def build_thd_plan(
@@ -218,15 +252,17 @@ def build_thd_plan(
     cp_layout: CpLayout = "zigzag",
     use_fp8_padding: bool = False,
     pad_to_length_bucket: int | None = None,
-    source_offsets: Tensor | None = None,
+    source_starts: Tensor | None = None,
     source_len: int | None = None,
     field: str = "lengths",
+    source_offsets: Tensor | None = None,
 ) -> ThdPlan:
     """Plan this CP rank's THD shard from (B,) sequence lengths. ONE host sync.
 
-    ``source_offsets`` (B,) says where each sequence starts in the flat values of ``source_len``
-    tokens later passed to :meth:`ThdPlan.shard` (default: back to back, ``cumsum(lengths)``), so
-    offline packed rows (N, L) with row padding can be sharded from ``rows.flatten()`` directly.
+    ``source_starts`` (B,) (formerly ``source_offsets``) says where each sequence starts in the flat
+    values of ``source_len`` tokens later passed to :meth:`ThdPlan.shard` (default: back to back,
+    ``cumsum(lengths)``), so offline packed rows (N, L) with row padding can be sharded from
+    ``rows.flatten()`` directly.
     Raises ValueError naming the field and row for an empty sequence or one that runs past the
     source, and for out-of-range sizes, rank, layout or bucket.
     """
@@ -246,13 +282,14 @@ def build_thd_plan(
     if pad_to_length_bucket is not None:
         total_multiple = math.lcm(total_multiple, pad_to_length_bucket)
     padded = prepare_padded_lengths(lengths, align, total_multiple)
+    source_offsets = renamed_keyword("build_thd_plan", "source_offsets", "source_starts", source_offsets, source_starts)
     if source_offsets is None:
         source_offsets = prepare_offsets(lengths)[:-1]
     source_offsets = torch.as_tensor(source_offsets, device=lengths.device).to(torch.int64)
     if source_offsets.shape != lengths.shape:
-        raise input_error("source_offsets", None, f"shape {tuple(lengths.shape)}", f"{tuple(source_offsets.shape)}")
+        raise input_error("source_starts", None, f"shape {tuple(lengths.shape)}", f"{tuple(source_offsets.shape)}")
     ends = source_offsets + lengths
-    total, total_padded, max_seqlen, min_len, first, last_end = to_host(
+    total, padded_total, padded_max_seqlen, min_len, first, last_end = to_host(
         lengths.sum(), padded.sum(), padded.max(), lengths.min(), source_offsets.min(), ends.max()
     )
     if min_len < 1:
@@ -262,7 +299,7 @@ def build_thd_plan(
     if first < 0 or last_end > source_len:
         row = int(((source_offsets < 0) | (ends > source_len)).nonzero()[0])
         raise input_error(
-            "source_offsets",
+            "source_starts",
             row,
             f"a sequence inside the {source_len} source tokens",
             f"start {int(source_offsets[row])} length {int(lengths[row])}",
@@ -272,14 +309,14 @@ def build_thd_plan(
         source_offsets,
         padded,
         total=total,
-        total_padded=total_padded,
-        max_seqlen=max_seqlen,
+        padded_total=padded_total,
+        padded_max_seqlen=padded_max_seqlen,
         source_len=source_len,
         tp_size=tp_size,
         cp_size=cp_size,
         cp_rank=cp_rank,
         cp_layout=cp_layout,
-        align=align,
+        alignment=align,
     )
 
 
