@@ -20,9 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from nopad.errors import input_error
-from nopad.layout import round_up
+from nopad.layout import IndexPlan, prepare_position_ids, prepare_row_ids, round_up
 
 ROW_FIELDS = ("input_ids", "target_ids", "token_mask", "position_ids", "packed_cu_seqlens")
 TOKEN_FIELDS = ROW_FIELDS[:4]
@@ -90,8 +91,8 @@ class Columns:
         return h.hexdigest()
 
 
-def _row_of(offsets: np.ndarray, flat_index: int) -> int:
-    return int(np.searchsorted(offsets, flat_index, side="right") - 1)
+def _row_ids(lengths: np.ndarray, total: int) -> np.ndarray:
+    return prepare_row_ids(torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64)), total).numpy()
 
 
 def validate_columns(cols: Columns, *, pack_length: int, alignment: int = 1, vocab_size: int | None = None) -> None:
@@ -124,24 +125,21 @@ def validate_columns(cols: Columns, *, pack_length: int, alignment: int = 1, voc
     seg_len = np.diff(cu)
     inside = np.ones(seg_len.shape, dtype=bool)
     inside[cu_off[1:-1] - 1] = False  # a diff that straddles two rows is not a segment
+    # which row each boundary, and each token, belongs to: layout's one token -> sequence derivation
+    row_of_boundary = _row_ids(counts, cu.shape[0])
     bad_seg = inside & ((seg_len <= 0) | (seg_len % alignment != 0))
     if bad_seg.any():
-        fail_row("packed_cu_seqlens", _row_of(cu_off, int(np.flatnonzero(bad_seg)[0])), boundary_expect)
+        fail_row("packed_cu_seqlens", int(row_of_boundary[np.flatnonzero(bad_seg)[0]]), boundary_expect)
 
-    # per token: where its segment starts (flat index), and whether it ends one
+    # per token: its position in its conversation, and whether it ends one (layout's derivations,
+    # over the conversations' boundaries in the flat run of every row's tokens)
     total = int(tok_off[-1])
     starts_mask = np.ones(cu.shape, dtype=bool)
     starts_mask[cu_off[1:] - 1] = False  # the row-length boundary starts nothing
-    row_of_boundary = np.repeat(np.arange(len(lens)), counts)
-    seg_starts = tok_off[row_of_boundary[starts_mask]] + cu[starts_mask]
-    marker = np.zeros(total, dtype=np.int64)
-    marker[seg_starts] = seg_starts
-    seg_start_of_token = np.maximum.accumulate(marker) if total else marker
-    token_row = np.repeat(np.arange(len(lens)), lens)
-    ends = np.zeros(total, dtype=bool)
-    ends[seg_starts[1:] - 1] = True
-    if total:
-        ends[-1] = True
+    seg_offsets = torch.from_numpy(np.append(tok_off[row_of_boundary[starts_mask]] + cu[starts_mask], total))
+    position_in_segment = prepare_position_ids(seg_offsets, total).numpy()
+    ends = IndexPlan(seg_offsets.diff(), seg_offsets, total=total).last_token_mask.numpy()
+    token_row = _row_ids(lens, total)
 
     def fail_tokens(field: str, bad: np.ndarray, expected: str) -> None:
         if bad.any():
@@ -149,7 +147,7 @@ def validate_columns(cols: Columns, *, pack_length: int, alignment: int = 1, voc
 
     pos, mask = cols.values["position_ids"], cols.values["token_mask"]
     ids, target = cols.values["input_ids"], cols.values["target_ids"]
-    fail_tokens("position_ids", pos != np.arange(total) - seg_start_of_token, "0, 1, ... restarting at every boundary")
+    fail_tokens("position_ids", pos != position_in_segment, "0, 1, ... restarting at every boundary")
     fail_tokens("token_mask", (mask != 0) & (mask != 1), "only 0 and 1")
     fail_tokens("token_mask", ends & (mask != 0), "0 on the last token of every conversation")
     if vocab_size is not None:
