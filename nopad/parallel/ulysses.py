@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nopad.compat import renamed_keyword
 from nopad.errors import input_error
 from nopad.layout import block_causal_mask, round_up
 
@@ -29,12 +30,18 @@ SP_GROUP_KWARG = "nopad_sp_group"
 # ---- index math (pure arithmetic, no sync) -------------------------------------------------
 
 
-def padded_length(total: int, sp_size: int = 1, multiple: int = 1) -> int:
-    """Smallest length >= ``total`` divisible by both ``sp_size`` and ``multiple`` (>= 1 each)."""
-    if sp_size < 1 or multiple < 1:
-        raise input_error("sp_size/multiple", None, ">= 1", f"{sp_size}/{multiple}")
-    step = math.lcm(sp_size, multiple)
-    return round_up(total, step)
+def padded_length(
+    total: int, sp_size: int = 1, pad_to_multiple: int | None = None, *, multiple: int | None = None
+) -> int:
+    """Smallest row length >= ``total`` divisible by both ``sp_size`` and ``pad_to_multiple`` (>= 1 each).
+
+    ``multiple=`` is the old name of ``pad_to_multiple=``, accepted for one release.
+    """
+    pad_to_multiple = renamed_keyword("padded_length", "multiple", "pad_to_multiple", multiple, pad_to_multiple)
+    pad_to_multiple = 1 if pad_to_multiple is None else pad_to_multiple
+    if sp_size < 1 or pad_to_multiple < 1:
+        raise input_error("sp_size/pad_to_multiple", None, ">= 1", f"{sp_size}/{pad_to_multiple}")
+    return round_up(total, math.lcm(sp_size, pad_to_multiple))
 
 
 def local_range(padded_total: int, sp_size: int, sp_rank: int) -> tuple[int, int]:
