@@ -332,15 +332,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_model(args: argparse.Namespace) -> int:
     from nopad.bench_model import bench_model, plot_model
 
-    rows = bench_model(args.device, repeats=min(args.repeats, 5))
-    if args.json:
-        print(json.dumps({"model": rows}, indent=2))
-    else:
+    repeats = min(args.repeats, 5)
+    if not args.json:
         print(
-            f"device={args.device}  threads={torch.get_num_threads()}  (best of {min(args.repeats, 5)}; "
+            f"device={args.device}  threads={torch.get_num_threads()}  (best of {repeats}; "
             "packed includes both conversions; diff against an fp32 padded forward)"
         )
-        print(f"\n== model log-probs ==\n{format_table(rows)}")
+    # a table per shape as soon as it is measured: the large GPU shapes take a while each
+    show = None if args.json else (lambda rows: print(f"\n{format_table(rows)}", flush=True))
+    rows = bench_model(args.device, repeats=repeats, on_shape=show)
+    if args.json:
+        print(json.dumps({"model": rows}, indent=2))
     if args.plot:
         plot_model(rows, args.plot)
     return 0

@@ -85,6 +85,10 @@ def _build(shape: ModelShape, device: torch.device, dtype: torch.dtype) -> torch
     return model.to(device=device, dtype=dtype)
 
 
+# transformers' packed sdpa builds a dense T x T mask: past this many tokens it is left out (B=128: 4.8 GB)
+HF_PACKED_SDPA_MAX_TOKENS = 32_768
+
+
 def _contenders(model: torch.nn.Module, data: TensorDict, kernels: list[str]) -> dict[str, Callable[[], torch.Tensor]]:
     def packed(kernel: str | None) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
@@ -93,7 +97,9 @@ def _contenders(model: torch.nn.Module, data: TensorDict, kernels: list[str]) ->
 
         return run
 
-    runs = {"padded sdpa": lambda: padded_logprobs(model, data), "packed, HF sdpa": packed(None)}
+    runs = {"padded sdpa": lambda: padded_logprobs(model, data)}
+    if int(data["attention_mask"].sum()) <= HF_PACKED_SDPA_MAX_TOKENS:
+        runs["packed, HF sdpa"] = packed(None)
     runs.update({f"packed, {kernel}": packed(kernel) for kernel in kernels})
     return runs
 
@@ -129,6 +135,8 @@ def bench_model_shape(shape: ModelShape, device: str = "cpu", repeats: int = 3, 
     model = fp32.to(dtype) if dtype != torch.float32 else fp32
     del fp32
     kernels = available_kernels(dev, dtype)
+    if len(kernels) > 1:  # the dense fallback is for CPUs and fp32; beside a flash kernel it only takes T x T memory
+        kernels.remove("sdpa")
     runs = _contenders(model, data, kernels)
     fwd = dict.fromkeys(runs, float("inf"))
     fwd_bwd = dict.fromkeys(runs, float("inf"))
@@ -161,13 +169,22 @@ def bench_model_shape(shape: ModelShape, device: str = "cpu", repeats: int = 3, 
     ]
 
 
-def bench_model(device: str = "cpu", shapes: tuple[ModelShape, ...] | None = None, repeats: int = 3) -> list[dict]:
-    """:func:`bench_model_shape` over ``shapes`` (default: the GPU table's four on CUDA, two small ones on CPU)."""
+def bench_model(
+    device: str = "cpu",
+    shapes: tuple[ModelShape, ...] | None = None,
+    repeats: int = 3,
+    on_shape: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """:func:`bench_model_shape` over ``shapes`` (default: the GPU table's four on CUDA, two small ones
+    on CPU); ``on_shape`` sees each shape's rows as soon as they are measured."""
     if shapes is None:
         shapes = GPU_SHAPES if torch.device(device).type == "cuda" else CPU_SHAPES
     rows: list[dict] = []
     for shape in shapes:
-        rows += bench_model_shape(shape, device, repeats)
+        measured = bench_model_shape(shape, device, repeats)
+        if on_shape is not None:
+            on_shape(measured)
+        rows += measured
     return rows
 
 
