@@ -133,11 +133,12 @@ def _unavailable(kernel: str, device_type: str, dtype: torch.dtype) -> str | Non
     return None
 
 
-def _params(fn: Callable) -> set[str]:
-    """The keyword names a kernel takes (an aten op's from its schema)."""
+@functools.lru_cache(maxsize=32)
+def _params(fn: Callable) -> frozenset[str]:
+    """The keyword names a kernel takes (an aten op's from its schema). Read once per kernel."""
     if isinstance(fn, torch._ops.OpOverloadPacket):
-        return {a.name for a in fn.default._schema.arguments}
-    return set(inspect.signature(fn).parameters)
+        return frozenset(a.name for a in fn.default._schema.arguments)
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _refusal(kernel: str, needs: Needs) -> str | None:
@@ -446,8 +447,9 @@ def _register_masks(masking_utils: Any) -> None:
 _REGISTRARS = {"transformers.modeling_utils": _register_attention, "transformers.masking_utils": _register_masks}
 
 
+@functools.cache
 def register() -> None:
-    """Register ``nopad_varlen`` (and one name per forced kernel) with transformers. Idempotent."""
+    """Register ``nopad_varlen`` (and one name per forced kernel) with transformers. Once."""
     for module_name, registrar in _REGISTRARS.items():
         registrar(importlib.import_module(module_name))
 
