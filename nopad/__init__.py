@@ -35,6 +35,7 @@ from nopad.padding import (
     response_from_nested,
     response_to_nested,
 )
+from nopad.select import select_rows
 
 __version__ = "0.1.0"
 
@@ -69,6 +70,7 @@ __all__ = [
     "prepare_row_ids",
     "response_from_nested",
     "response_to_nested",
+    "select_rows",
     "to_host",
     "wrap_jagged",
     "unpad_input",
