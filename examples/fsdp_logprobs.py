@@ -56,9 +56,13 @@ def fsdp_part(rank: int, world: int, args: argparse.Namespace) -> None:
     mask = data["response_mask"].bool()
     diff = (packed.detach() - padded).abs()[mask].max().item()
     slots, real = data["attention_mask"].numel(), int(data["attention_mask"].sum())
-    say(rank, world, f"FSDP2: tokens computed padded {slots:,}, packed {real:,} "
-                     f"({1 - real / slots:.0%} padding skipped); max |logp padded - packed| = {diff:.2e} "
-                     f"over {int(mask.sum()):,} response tokens")
+    say(
+        rank,
+        world,
+        f"FSDP2: tokens computed padded {slots:,}, packed {real:,} "
+        f"({1 - real / slots:.0%} padding skipped); max |logp padded - packed| = {diff:.2e} "
+        f"over {int(mask.sum()):,} response tokens",
+    )
     leak_default, leak_nopad = check_isolation(model, use_cache=None), check_isolation(model)
     say(rank, world, f"leak probe: use_cache default -> {leak_default}; nopad inputs -> {leak_nopad}")
 
@@ -71,9 +75,13 @@ def ulysses_part(rank: int, world: int, args: argparse.Namespace) -> None:
         model = enable_ulysses(tiny_causal_lm("llama", vocab=VOCAB, seed=0))
         sp = packed_logprobs(model, micro, sp_group=dist.group.WORLD).values()
     total = single.shape[0]
-    say(rank, world, f"Ulysses SP {world}: this rank ran {-(-total // world)} of the row's {total} tokens; "
-                     f"gathered log-probs equal one process: {torch.equal(sp, single)} "
-                     f"(max diff {(sp - single).abs().max().item():.1e})")
+    say(
+        rank,
+        world,
+        f"Ulysses SP {world}: this rank ran {-(-total // world)} of the row's {total} tokens; "
+        f"gathered log-probs equal one process: {torch.equal(sp, single)} "
+        f"(max diff {(sp - single).abs().max().item():.1e})",
+    )
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Pack a few conversations offline, write and reopen the Parquet file, and print rows and THD shards.
 
-    python examples/pack_offline.py
+python examples/pack_offline.py
 """
 
 import tempfile
@@ -33,8 +33,15 @@ def main() -> None:
     print("report:", report.summary())
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "packed.parquet"
-        write_packed(path, rows, pack_length=pack_length, tokenizer=tokenizer.identity,
-                     pad_token_id=tokenizer.pad_token_id, alignment=alignment, cp_size=cp_size)
+        write_packed(
+            path,
+            rows,
+            pack_length=pack_length,
+            tokenizer=tokenizer.identity,
+            pad_token_id=tokenizer.pad_token_id,
+            alignment=alignment,
+            cp_size=cp_size,
+        )
         packed = read_packed(path, tokenizer=tokenizer.identity)  # validates every row
         for i in range(len(packed)):
             row = packed[i]
@@ -44,8 +51,10 @@ def main() -> None:
         batch = packed.batch(range(len(packed)))
         for rank in range(cp_size):
             thd = packed_to_thd(batch, cp_size=cp_size, cp_rank=rank)
-            print(f"cp rank {rank}: tokens {tuple(thd.tokens.shape)}, "
-                  f"cu_seqlens {thd.packed_seq_params.cu_seqlens_q.tolist()}")
+            print(
+                f"cp rank {rank}: tokens {tuple(thd.tokens.shape)}, "
+                f"cu_seqlens {thd.packed_seq_params.cu_seqlens_q.tolist()}"
+            )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,15 @@ def tiny_llama(seed: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config).float()
 
@@ -47,10 +54,16 @@ def synthetic_rollout(B: int, seed: int) -> TensorDict:
     input_ids = torch.randint(1, VOCAB, attention_mask.shape, generator=g) * attention_mask
     scores = torch.randn(B, generator=g)
     advantages = ((scores - scores.mean()) / (scores.std() + 1e-6)).unsqueeze(1) * response_mask
-    return TensorDict({
-        "input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask.long(),
-        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0), "advantages": advantages,
-    }, batch_size=[B])
+    return TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "response_mask": response_mask.long(),
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "advantages": advantages,
+        },
+        batch_size=[B],
+    )
 
 
 @torch.no_grad()
@@ -77,8 +90,15 @@ def main() -> None:
     before = rollout_log_probs(model, batch)
     batch["old_log_probs"] = (before + noise) * batch["response_mask"]
     batch["ref_log_prob"] = rollout_log_probs(tiny_llama(args.seed + 1), batch)
-    cfg = LossConfig(loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
-                     entropy_coeff=0.001, use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=0.01)
+    cfg = LossConfig(
+        loss_agg_mode="seq-mean-token-mean",
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        entropy_coeff=0.001,
+        use_kl_loss=True,
+        kl_loss_type="low_var_kl",
+        kl_loss_coef=0.01,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     figures = global_batch_info(batch["response_mask"])  # once per mini batch, before splitting
@@ -99,8 +119,10 @@ def main() -> None:
 
     slots = batch["attention_mask"].numel()
     real = int(batch["attention_mask"].sum())
-    print(f"batch {args.batch} x {PROMPT_WIDTH + RESPONSE_WIDTH} padded slots, {real} real tokens, "
-          f"{args.micro_batches} micro batches")
+    print(
+        f"batch {args.batch} x {PROMPT_WIDTH + RESPONSE_WIDTH} padded slots, {real} real tokens, "
+        f"{args.micro_batches} micro batches"
+    )
     print(f"padding never computed: {slots - real}/{slots} slots = {(slots - real) / slots:.1%}")
     print(f"loss {total_loss:.6f}  grad_norm {float(grad_norm):.4f}")
     for key, values in metrics.items():

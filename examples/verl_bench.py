@@ -34,8 +34,14 @@ def make_batch(batch: int, seed: int = 0) -> TensorDict:
     input_ids = torch.randint(1, 50_000, (batch, PROMPT + RESPONSE), generator=g) * attention_mask
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return TensorDict(
-        {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
-         "position_ids": position_ids, "prompts": input_ids[:, :PROMPT], "responses": input_ids[:, PROMPT:]},
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "response_mask": response_mask,
+            "position_ids": position_ids,
+            "prompts": input_ids[:, :PROMPT],
+            "responses": input_ids[:, PROMPT:],
+        },
         batch_size=[batch],
     )
 
@@ -81,7 +87,8 @@ def measure(batch: int, repeats: int, thd: bool) -> dict[str, float]:
         real_mpu, util.mpu = util.mpu, _RankZeroOfTwo()
         try:
             out["preprocess_thd_engine"] = median_ms(
-                lambda _: util.preprocess_thd_engine(nested["input_ids"], need_roll=True), repeats)
+                lambda _: util.preprocess_thd_engine(nested["input_ids"], need_roll=True), repeats
+            )
         finally:
             util.mpu = real_mpu
     return out

@@ -36,8 +36,14 @@ def _timed(fn: Callable[[], Any], device: str) -> tuple[Any, float]:
     return out, (time.perf_counter() - start) * 1e3
 
 
-def run_demo(batch_size: int = 16, prompt_len: int = 64, response_len: int = 128, seed: int = 0,
-             device: str = "cpu", arch: str = "llama") -> dict:
+def run_demo(
+    batch_size: int = 16,
+    prompt_len: int = 64,
+    response_len: int = 128,
+    seed: int = 0,
+    device: str = "cpu",
+    arch: str = "llama",
+) -> dict:
     """Run the demo and return its measurements (the CLI prints them)."""
     from nopad.engines.fsdp import check_isolation, packed_logprobs, padded_logprobs
 
@@ -54,25 +60,38 @@ def run_demo(batch_size: int = 16, prompt_len: int = 64, response_len: int = 128
     leak_nopad = check_isolation(model, nested)
     slots, real = data["attention_mask"].numel(), int(data["attention_mask"].sum())
     return {
-        "batch_size": batch_size, "arch": arch, "device": device,
-        "tokens_padded": slots, "tokens_packed": real, "padding_fraction": 1 - real / slots,
-        "response_tokens": int(mask.sum()), "max_abs_logprob_diff": max_diff,
-        "leak_default_use_cache": leak_default, "leak_nopad": leak_nopad,
-        "ms_convert": t_convert, "ms_padded_forward": t_padded, "ms_packed_forward": t_packed, "ms_back": t_back,
+        "batch_size": batch_size,
+        "arch": arch,
+        "device": device,
+        "tokens_padded": slots,
+        "tokens_packed": real,
+        "padding_fraction": 1 - real / slots,
+        "response_tokens": int(mask.sum()),
+        "max_abs_logprob_diff": max_diff,
+        "leak_default_use_cache": leak_default,
+        "leak_nopad": leak_nopad,
+        "ms_convert": t_convert,
+        "ms_padded_forward": t_padded,
+        "ms_packed_forward": t_packed,
+        "ms_back": t_back,
     }
 
 
 def format_report(r: dict) -> str:
     ok = "OK" if r["max_abs_logprob_diff"] < TOLERANCE else "FAIL"
+
     def verdict(report) -> str:
         return str(report)
+
     rows = [
         ("batch", f"B={r['batch_size']} {r['arch']} (random weights) on {r['device']}"),
         ("tokens computed, padded", f"{r['tokens_padded']:,}"),
         ("tokens computed, packed", f"{r['tokens_packed']:,}"),
         ("padding never computed", f"{r['padding_fraction']:.1%} of all slots"),
-        ("max |logp padded - packed|", f"{r['max_abs_logprob_diff']:.2e} over {r['response_tokens']:,} "
-                                       f"response tokens ({ok}: < {TOLERANCE:g})"),
+        (
+            "max |logp padded - packed|",
+            f"{r['max_abs_logprob_diff']:.2e} over {r['response_tokens']:,} response tokens ({ok}: < {TOLERANCE:g})",
+        ),
         ("leak probe, use_cache default", verdict(r["leak_default_use_cache"])),
         ("leak probe, nopad inputs", verdict(r["leak_nopad"])),
         ("left_right_2_no_padding", f"{r['ms_convert']:8.2f} ms"),

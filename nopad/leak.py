@@ -37,10 +37,14 @@ class IsolationReport:
 
     def __str__(self) -> str:
         if not self.leaked:
-            return f"isolated: changing sequence {self.changed_sequence} moved no other logit by > {self.atol:g} " \
-                   f"(max change {self.max_change:.3g})"
-        return f"LEAK: changing sequence {self.changed_sequence} moved the logits of sequences " \
-               f"{self.moved_sequences} by up to {self.max_change:.3g}"
+            return (
+                f"isolated: changing sequence {self.changed_sequence} moved no other logit by > {self.atol:g} "
+                f"(max change {self.max_change:.3g})"
+            )
+        return (
+            f"LEAK: changing sequence {self.changed_sequence} moved the logits of sequences "
+            f"{self.moved_sequences} by up to {self.max_change:.3g}"
+        )
 
 
 def probe_batch(vocab_size: int, lengths=(5, 3, 6), seed: int = 0, position_rows: int = 1) -> dict[str, Tensor]:
@@ -106,5 +110,10 @@ def check_isolation(
     )
     per_row[changed_sequence] = 0.0
     moved = (per_row > atol).nonzero().flatten().tolist()
-    return IsolationReport(leaked=bool(moved), changed_sequence=changed_sequence, moved_sequences=moved,
-                           max_change=float(per_row.max()), atol=atol)
+    return IsolationReport(
+        leaked=bool(moved),
+        changed_sequence=changed_sequence,
+        moved_sequences=moved,
+        max_change=float(per_row.max()),
+        atol=atol,
+    )

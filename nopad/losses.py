@@ -76,8 +76,9 @@ class LossConfig:
             return cls()
         loss_mode = _read(_read(config, "policy_loss"), "loss_mode")
         if loss_mode not in (None, "vanilla"):
-            raise _fail("config.policy_loss.loss_mode", None, "'vanilla' (the PPO loss nopad implements)",
-                        repr(loss_mode))
+            raise _fail(
+                "config.policy_loss.loss_mode", None, "'vanilla' (the PPO loss nopad implements)", repr(loss_mode)
+            )
         values = {field.name: _read(config, field.name) for field in dataclasses.fields(cls)}
         return cls(**{name: value for name, value in values.items() if value is not None})
 
@@ -143,8 +144,13 @@ def agg_loss(
     needs = "batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size"
     given = batch_num_tokens if loss_agg_mode == "token-mean" else global_batch_size
     if dp_size > 1 and loss_agg_mode != "token-sum" and given is None:
-        raise _fail(needs, None, f"the global mini-batch figure when dp_size={dp_size} with {loss_agg_mode!r} "
-                    "(see nopad.losses.global_batch_info)", "None")
+        raise _fail(
+            needs,
+            None,
+            f"the global mini-batch figure when dp_size={dp_size} with {loss_agg_mode!r} "
+            "(see nopad.losses.global_batch_info)",
+            "None",
+        )
     mask = loss_mask.bool()
     row_sums = torch.where(mask, loss_mat, 0.0).sum(-1)
     if loss_agg_mode == "token-mean":
@@ -194,8 +200,12 @@ def compute_policy_loss(
     gradient is 0 * d(...)); :func:`ppo_loss` zeroes the rollout's padding before calling this.
     """
     low, high = _check_clip(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    for name, x in (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages),
-                    ("rollout_is_weights", rollout_is_weights)):
+    for name, x in (
+        ("log_prob", log_prob),
+        ("old_log_prob", old_log_prob),
+        ("advantages", advantages),
+        ("rollout_is_weights", rollout_is_weights),
+    ):
         if x is not None:
             _check_same_shape(x, name, response_mask, "response_mask")
     log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -208,8 +218,9 @@ def compute_policy_loss(
     pg_losses = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
-    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
-                    loss_scale_factor)
+    loss = agg_loss(
+        pg_losses, response_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor
+    )
     with torch.no_grad():
         metrics = {
             "actor/pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
@@ -232,8 +243,12 @@ def kl_penalty(
     (straight-through), the gradient that is unbiased for KL.
     """
     if kl_penalty is not None and kind is not None:
-        raise _fail("kl_penalty/kind", None, "one estimator name (kind= is the older name of kl_penalty=)",
-                    f"both {kl_penalty!r} and {kind!r}")
+        raise _fail(
+            "kl_penalty/kind",
+            None,
+            "one estimator name (kind= is the older name of kl_penalty=)",
+            f"both {kl_penalty!r} and {kind!r}",
+        )
     kind = kl_penalty if kl_penalty is not None else kind
     if kind is None:
         raise _fail("kl_penalty", None, f"one of {list(KL_KINDS)}", "None")
@@ -281,8 +296,15 @@ def compute_value_loss(
     vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     unclipped = (vpreds - returns).square()
     clipped = (vpred_clipped - returns).square()
-    loss = 0.5 * agg_loss(torch.maximum(unclipped, clipped), response_mask, loss_agg_mode, dp_size,
-                          batch_num_tokens, global_batch_size, loss_scale_factor)
+    loss = 0.5 * agg_loss(
+        torch.maximum(unclipped, clipped),
+        response_mask,
+        loss_agg_mode,
+        dp_size,
+        batch_num_tokens,
+        global_batch_size,
+        loss_scale_factor,
+    )
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
     return loss, clipfrac
@@ -307,10 +329,17 @@ def ppo_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
     figures = _figures(data, cfg)
     log_prob = _response_slice(model_output, "log_probs", data, response_mask)
     pg_loss, metrics = compute_policy_loss(
-        _field(data, "old_log_probs", response_mask), log_prob, _field(data, "advantages", response_mask),
-        response_mask, cfg.loss_agg_mode, clip_ratio=cfg.clip_ratio, clip_ratio_low=cfg.clip_ratio_low,
-        clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-        rollout_is_weights=_optional_field(data, "rollout_is_weights", response_mask), **figures,
+        _field(data, "old_log_probs", response_mask),
+        log_prob,
+        _field(data, "advantages", response_mask),
+        response_mask,
+        cfg.loss_agg_mode,
+        clip_ratio=cfg.clip_ratio,
+        clip_ratio_low=cfg.clip_ratio_low,
+        clip_ratio_high=cfg.clip_ratio_high,
+        clip_ratio_c=cfg.clip_ratio_c,
+        rollout_is_weights=_optional_field(data, "rollout_is_weights", response_mask),
+        **figures,
     )
     metrics["actor/pg_loss"] = pg_loss.detach()
     loss = pg_loss
@@ -338,8 +367,13 @@ def value_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict
     response_mask = _response_mask(data)
     vpreds = _response_slice(model_output, "values", data, response_mask)
     vf_loss, clipfrac = compute_value_loss(
-        vpreds, _field(data, "returns", response_mask), _field(data, "values", response_mask), response_mask,
-        cfg.cliprange_value, cfg.loss_agg_mode, **_figures(data, cfg),
+        vpreds,
+        _field(data, "returns", response_mask),
+        _field(data, "values", response_mask),
+        response_mask,
+        cfg.cliprange_value,
+        cfg.loss_agg_mode,
+        **_figures(data, cfg),
     )
     metrics = {
         "critic/vf_loss": vf_loss.detach(),
@@ -367,8 +401,12 @@ def sft_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
     if _is_nested(log_probs) and _is_nested(loss_mask):
         mask = shifted_loss_mask(loss_mask)
         if log_probs.values().shape[0] != mask.shape[0]:
-            raise _fail("model_output['log_probs']", None, f"{mask.shape[0]} tokens like data['loss_mask']",
-                        f"{log_probs.values().shape[0]}")
+            raise _fail(
+                "model_output['log_probs']",
+                None,
+                f"{mask.shape[0]} tokens like data['loss_mask']",
+                f"{log_probs.values().shape[0]}",
+            )
         loss = agg_loss(-log_probs.values().unsqueeze(0), mask.unsqueeze(0), "token-mean", **figures)
         return loss, {}
     response_mask = _response_mask(data)

@@ -78,9 +78,7 @@ def plan_left_right(attention_mask: Tensor, response_mask: Tensor, *, check_resp
             if bad.any():
                 row = _first_row(bad)
                 raise _fail(field, row, expected, f"attention_mask {attention_mask[row].tolist()}")
-    return IndexPlan(
-        lengths, offsets, total=total, width=S, starts=starts, max_seqlen=max_len, min_seqlen=min_len
-    )
+    return IndexPlan(lengths, offsets, total=total, width=S, starts=starts, max_seqlen=max_len, min_seqlen=min_len)
 
 
 def _check_per_token(data: TensorDict, key: str, B: int, S: int) -> Tensor:

@@ -15,8 +15,16 @@ def long_tailed_lengths(n: int, width: int, *, low: int = 1, generator: torch.Ge
     return (draw + low).round().long().clamp(low, width)
 
 
-def synthetic_batch(B: int, prompt_width: int, resp_width: int, *, seed: int = 0, device: str = "cpu",
-                    vocab: int = 150_000, mrope: int = 0) -> TensorDict:
+def synthetic_batch(
+    B: int,
+    prompt_width: int,
+    resp_width: int,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    vocab: int = 150_000,
+    mrope: int = 0,
+) -> TensorDict:
     """A padded RL batch: prompts left-padded to ``prompt_width``, responses right-padded to ``resp_width``.
 
     Keys: input_ids (B, S), attention_mask (B, S), response_mask (B, R), position_ids (B, S) or
@@ -33,13 +41,21 @@ def synthetic_batch(B: int, prompt_width: int, resp_width: int, *, seed: int = 0
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     if mrope:
         position_ids = position_ids.unsqueeze(1).expand(B, mrope, S).contiguous()
-    fields = dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-                  position_ids=position_ids)
+    fields = dict(
+        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, position_ids=position_ids
+    )
     return TensorDict(fields, batch_size=[B]).to(device)
 
 
-def tiny_causal_lm(arch: str = "llama", *, vocab: int = 1000, hidden: int = 64, layers: int = 2, seed: int = 0,
-                   attn_implementation: str = "sdpa") -> torch.nn.Module:
+def tiny_causal_lm(
+    arch: str = "llama",
+    *,
+    vocab: int = 1000,
+    hidden: int = 64,
+    layers: int = 2,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+) -> torch.nn.Module:
     """A small random-weight HF causal LM (``llama`` or ``qwen2``), fp32, eval mode. Needs the hf extra."""
     import transformers
 
@@ -47,9 +63,16 @@ def tiny_causal_lm(arch: str = "llama", *, vocab: int = 1000, hidden: int = 64, 
     if arch not in classes:
         raise ValueError(f"arch: expected one of {sorted(classes)}, got {arch!r}")
     config_cls, model_cls = (getattr(transformers, name) for name in classes[arch])
-    config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                        tie_word_embeddings=False)
+    config = config_cls(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model = model_cls(config)
     model.config._attn_implementation = attn_implementation

@@ -84,8 +84,9 @@ def all_to_all(x: Tensor, group, scatter_dim: int, gather_dim: int) -> Tensor:
         raise ValueError(f"scatter_dim/gather_dim: expected two distinct dims >= 0, got {scatter_dim}/{gather_dim}")
     world = dist.get_world_size(group)
     if x.shape[scatter_dim] % world:
-        raise ValueError(f"tensor: expected dim {scatter_dim} divisible by the group size {world}, "
-                         f"got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"tensor: expected dim {scatter_dim} divisible by the group size {world}, got shape {tuple(x.shape)}"
+        )
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
@@ -196,8 +197,10 @@ def ulysses_attention(base: str):
         total = query.shape[2]
         cu_seqlens = kwargs.get("cu_seq_lens_q")
         if cu_seqlens is None:
-            raise ValueError("cu_seq_lens_q: expected the full row's boundaries in the model kwargs under Ulysses SP, "
-                             "got none (build the inputs with nopad.engines.fsdp.prepare_model_inputs)")
+            raise ValueError(
+                "cu_seq_lens_q: expected the full row's boundaries in the model kwargs under Ulysses SP, "
+                "got none (build the inputs with nopad.engines.fsdp.prepare_model_inputs)"
+            )
         if "flash" not in base:
             additive = None if base == "sdpa" else query.dtype
             attention_mask = block_causal_mask(cu_seqlens, total, additive_dtype=additive)
@@ -226,8 +229,9 @@ def enable_ulysses(model: torch.nn.Module) -> torch.nn.Module:
     # builder, so a forward without a group (or a padded forward) is masked exactly as before.
     if base in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    configs: dict[int, Any] = {id(m.config): m.config for m in model.modules()
-                               if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    configs: dict[int, Any] = {
+        id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")
+    }
     for each in configs.values():
         each._attn_implementation = name
     return model

@@ -15,8 +15,15 @@ VOCAB = 97
 
 def _tiny_kwargs(vocab: int) -> dict:
     return dict(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
     )
 
 
@@ -92,14 +99,23 @@ def make_padded_batch(
     lengths from [1, R] unless given. Padding slots hold token 0 and position 0.
     """
     gen = torch.Generator().manual_seed(seed)
+
     def draw(lengths, high):
         return torch.tensor(lengths) if lengths is not None else torch.randint(1, high + 1, (B,), generator=gen)
 
     p_lens, r_lens = draw(prompt_lens, prompt_len), draw(resp_lens, resp_len)
-    if p_lens.shape != (B,) or r_lens.shape != (B,) or (p_lens < 1).any() or (p_lens > prompt_len).any() \
-            or (r_lens < 0).any() or (r_lens > resp_len).any():
-        raise ValueError(f"prompt_lens/resp_lens: expected {B} lengths in [1, {prompt_len}] / [0, {resp_len}], "
-                         f"got {p_lens.tolist()} / {r_lens.tolist()}")
+    if (
+        p_lens.shape != (B,)
+        or r_lens.shape != (B,)
+        or (p_lens < 1).any()
+        or (p_lens > prompt_len).any()
+        or (r_lens < 0).any()
+        or (r_lens > resp_len).any()
+    ):
+        raise ValueError(
+            f"prompt_lens/resp_lens: expected {B} lengths in [1, {prompt_len}] / [0, {resp_len}], "
+            f"got {p_lens.tolist()} / {r_lens.tolist()}"
+        )
     cols_p, cols_r = torch.arange(prompt_len), torch.arange(resp_len)
     prompt_mask = (cols_p >= prompt_len - p_lens.unsqueeze(1)).long()
     response_mask = (cols_r < r_lens.unsqueeze(1)).long()
@@ -111,8 +127,12 @@ def make_padded_batch(
         position_ids = position_ids.unsqueeze(1).expand(B, 4, -1).contiguous()
     return TensorDict(
         {
-            "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": attention_mask, "response_mask": response_mask, "position_ids": position_ids,
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention_mask,
+            "response_mask": response_mask,
+            "position_ids": position_ids,
         },
         batch_size=[B],
     )

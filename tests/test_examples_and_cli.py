@@ -21,8 +21,17 @@ def _run(*cmd: str, timeout: int = 240) -> str:
 
 
 def test_fsdp_example_under_torchrun():
-    out = _run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "examples/fsdp_logprobs.py", "--batch-size", "4")
+    out = _run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "examples/fsdp_logprobs.py",
+        "--batch-size",
+        "4",
+    )
     assert "Ulysses SP 2" in out and "equal one process: True" in out
     assert out.count("[rank") >= 4
 
@@ -35,8 +44,14 @@ def test_pack_offline_example():
 def test_demo_prints_the_table_and_agrees_per_token(capsys):
     assert main(["demo", "--batch-size", "6", "--prompt-len", "16", "--response-len", "24"]) == 0
     out = capsys.readouterr().out
-    for row in ("tokens computed, padded", "tokens computed, packed", "padding never computed",
-                "max |logp padded - packed|", "leak probe, use_cache default", "packed forward"):
+    for row in (
+        "tokens computed, padded",
+        "tokens computed, packed",
+        "padding never computed",
+        "max |logp padded - packed|",
+        "leak probe, use_cache default",
+        "packed forward",
+    ):
         assert row in out
     assert "(OK: < 1e-05)" in out
     assert "leak probe, use_cache default  LEAK" in out and "leak probe, nopad inputs       isolated" in out
@@ -44,8 +59,28 @@ def test_demo_prints_the_table_and_agrees_per_token(capsys):
 
 def test_bench_json_and_plot(tmp_path, capsys):
     png = tmp_path / "bench.png"
-    assert main(["bench", "--batch-sizes", "4", "16", "--prompt-len", "16", "--response-len", "16",
-                 "--repeats", "2", "--engines", "--steps", "--json", "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--batch-sizes",
+                "4",
+                "16",
+                "--prompt-len",
+                "16",
+                "--response-len",
+                "16",
+                "--repeats",
+                "2",
+                "--engines",
+                "--steps",
+                "--json",
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     results = json.loads(capsys.readouterr().out)
     rows = results["conversions"]
     assert {r["conversion"] for r in rows} == {"padded -> nested", "nested -> padded"}

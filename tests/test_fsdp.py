@@ -60,8 +60,9 @@ def batches(draw, max_b=4, prompt_width=6, resp_width=5):
 @given(case=batches())
 def test_packed_log_probs_equal_padded_for_every_response_token(name, case):
     prompt_lens, resp_lens, temperature, pad_to, seed = case
-    td = make_padded_batch(len(prompt_lens), 6, 5, seed=seed, prompt_lens=prompt_lens, resp_lens=resp_lens,
-                           mrope=name == "qwen2_vl_text")
+    td = make_padded_batch(
+        len(prompt_lens), 6, 5, seed=seed, prompt_lens=prompt_lens, resp_lens=resp_lens, mrope=name == "qwen2_vl_text"
+    )
     with torch.no_grad():
         packed, padded = _packed_vs_padded(model(name), td, temperature, pad_to_multiple=pad_to)
     mask = td["response_mask"].bool()
@@ -72,8 +73,9 @@ def test_packed_log_probs_equal_padded_for_every_response_token(name, case):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_vl_text"])
 def test_parameter_gradients_of_summed_response_log_prob_equal_padded(name):
     m = model(name)
-    td = make_padded_batch(4, 7, 6, seed=11, prompt_lens=[1, 7, 3, 5], resp_lens=[6, 1, 4, 6],
-                           mrope=name == "qwen2_vl_text")
+    td = make_padded_batch(
+        4, 7, 6, seed=11, prompt_lens=[1, 7, 3, 5], resp_lens=[6, 1, 4, 6], mrope=name == "qwen2_vl_text"
+    )
     temperature = torch.tensor([0.7, 1.0, 1.3, 2.0])
     grads = []
     for loss_of in (lambda: _packed_vs_padded(m, td, temperature)[0], lambda: padded_logprobs(m, td, temperature)):
@@ -109,8 +111,15 @@ def test_entropy_equals_the_padded_forward_entropy_for_every_real_token():
     micro = left_right_2_no_padding(td)
     out = packed_logprobs(m, micro, 0.8, calculate_entropy=True)
     with torch.no_grad():
-        logits = m(input_ids=td["input_ids"], attention_mask=td["attention_mask"], position_ids=td["position_ids"],
-                   use_cache=False).logits / 0.8
+        logits = (
+            m(
+                input_ids=td["input_ids"],
+                attention_mask=td["attention_mask"],
+                position_ids=td["position_ids"],
+                use_cache=False,
+            ).logits
+            / 0.8
+        )
     plan = IndexPlan.from_mask(td["attention_mask"])
     reference = torch.distributions.Categorical(logits=plan.pack(logits)).entropy()
     assert torch.equal(out["entropy"].offsets(), micro["input_ids"].offsets())
@@ -238,8 +247,9 @@ def test_adapter_op_count_is_independent_of_batch_size_and_sync_free(attn_implem
         T = micro["input_ids"].values().shape[0]
         logits = torch.randn(1, -(-T // 8) * 8, VOCAB)
         with OpCounter() as counter:
-            inputs, args = prepare_model_inputs(micro, temperature=0.9, pad_to_multiple=8,
-                                                attn_implementation=attn_implementation)
+            inputs, args = prepare_model_inputs(
+                micro, temperature=0.9, pad_to_multiple=8, attn_implementation=attn_implementation
+            )
             prepare_model_outputs(logits, args, calculate_entropy=True)
         return counter
 

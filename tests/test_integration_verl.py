@@ -208,24 +208,38 @@ def test_no_padding_2_padding_and_response_functions_equal_verls(clean):
     out = torch.nested.nested_tensor_from_jagged(torch.randn(int(offsets[-1]), 5), offsets)
     resp_mask = torch.nested.as_nested_tensor([torch.ones(n) for n in (2, 1, 3, 1)], layout=torch.jagged)
     padded = torch.randn(4, 3)
-    theirs = (vpad.no_padding_2_padding(out, data), vpad.no_padding_2_padding(out.values(), data),
-              vpad.response_from_nested(out, resp_mask), vpad.response_to_nested(padded, resp_mask),
-              vpad.build_attention_mask_from_nested(data["input_ids"]),
-              vpad.build_attention_mask_from_nested(data["input_ids"], 9))
+    theirs = (
+        vpad.no_padding_2_padding(out, data),
+        vpad.no_padding_2_padding(out.values(), data),
+        vpad.response_from_nested(out, resp_mask),
+        vpad.response_to_nested(padded, resp_mask),
+        vpad.build_attention_mask_from_nested(data["input_ids"]),
+        vpad.build_attention_mask_from_nested(data["input_ids"], 9),
+    )
     with nv.install():
-        ours = (vpad.no_padding_2_padding(out, data), vpad.no_padding_2_padding(out.values(), data),
-                vpad.response_from_nested(out, resp_mask), vpad.response_to_nested(padded, resp_mask),
-                vpad.build_attention_mask_from_nested(data["input_ids"]),
-                vpad.build_attention_mask_from_nested(data["input_ids"], 9))
+        ours = (
+            vpad.no_padding_2_padding(out, data),
+            vpad.no_padding_2_padding(out.values(), data),
+            vpad.response_from_nested(out, resp_mask),
+            vpad.response_to_nested(padded, resp_mask),
+            vpad.build_attention_mask_from_nested(data["input_ids"]),
+            vpad.build_attention_mask_from_nested(data["input_ids"], 9),
+        )
     for a, b in zip(theirs, ours, strict=True):
         assert _same(a, b)
 
 
 def test_embeds_padding_2_no_padding_equals_verls(clean):
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
-    data = TensorDict({"prompt_embeds": torch.randn(3, 4, 2), "prompt_embeds_mask": mask,
-                       "negative_prompt_embeds": torch.randn(3, 4, 2), "negative_prompt_embeds_mask": mask.flip(-1)},
-                      batch_size=[3])
+    data = TensorDict(
+        {
+            "prompt_embeds": torch.randn(3, 4, 2),
+            "prompt_embeds_mask": mask,
+            "negative_prompt_embeds": torch.randn(3, 4, 2),
+            "negative_prompt_embeds_mask": mask.flip(-1),
+        },
+        batch_size=[3],
+    )
     theirs = vpad.embeds_padding_2_no_padding(data.clone())
     with nv.install():
         target = data.clone()
@@ -239,9 +253,20 @@ def test_embeds_padding_2_no_padding_equals_verls(clean):
 def _actor_config(**overrides):
     from verl.workers.config import FSDPActorConfig
 
-    fields = dict(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
-                  use_dynamic_bsz=False, clip_ratio=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
-                  entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=0.05)
+    fields = dict(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size_per_gpu=2,
+        use_dynamic_bsz=False,
+        clip_ratio=0.2,
+        clip_ratio_c=3.0,
+        loss_agg_mode="token-mean",
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_type="low_var_kl",
+        kl_loss_coef=0.05,
+    )
     fields.update(overrides)
     return FSDPActorConfig(**fields)
 
@@ -261,8 +286,7 @@ def _ppo_micro_batch(seed=0, nested_fields=False):
         mask = data["response_mask"]
         lens = mask.sum(-1)
         for key in ("response_mask", "old_log_probs", "advantages", "rollout_is_weights", "ref_log_prob"):
-            data[key] = torch.nested.as_nested_tensor([data[key][b, : lens[b]] for b in range(4)],
-                                                      layout=torch.jagged)
+            data[key] = torch.nested.as_nested_tensor([data[key][b, : lens[b]] for b in range(4)], layout=torch.jagged)
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(sum(resp_lens)), global_batch_size=None)
     offsets = data["input_ids"].offsets()
     total = int(offsets[-1])
@@ -320,8 +344,10 @@ def test_kl_penalty_takes_verls_keyword_and_matches_verl():
 
     logp, ref = -torch.rand(3, 5), -torch.rand(3, 5)
     for kind in ("k1", "abs", "k2", "k3", "low_var_kl", "k3+"):
-        torch.testing.assert_close(L.kl_penalty(logprob=logp, ref_logprob=ref, kl_penalty=kind),
-                                   verl_kl(logprob=logp, ref_logprob=ref, kl_penalty=kind))
+        torch.testing.assert_close(
+            L.kl_penalty(logprob=logp, ref_logprob=ref, kl_penalty=kind),
+            verl_kl(logprob=logp, ref_logprob=ref, kl_penalty=kind),
+        )
         assert torch.equal(L.kl_penalty(logp, ref, kind=kind), L.kl_penalty(logp, ref, kind))
     with pytest.raises(ValueError, match="both"):
         L.kl_penalty(logp, ref, "k1", kind="k3")
@@ -355,8 +381,15 @@ def _nested(lengths, *trailing, seed=0):
 
 
 def _params_equal(a, b):
-    for field in ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
-                  "max_seqlen_q", "max_seqlen_kv"):
+    for field in (
+        "qkv_format",
+        "cu_seqlens_q",
+        "cu_seqlens_kv",
+        "cu_seqlens_q_padded",
+        "cu_seqlens_kv_padded",
+        "max_seqlen_q",
+        "max_seqlen_kv",
+    ):
         x, y = getattr(a, field), getattr(b, field)
         if isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and torch.equal(x, y), field
@@ -370,8 +403,9 @@ def test_preprocess_thd_engine_equals_verls_on_every_rank(clean, monkeypatch, le
     original = util.preprocess_thd_engine
     for trailing in ((), (3,)):
         input_ids = _nested(lengths, *trailing)
-        for tp, cp, need_roll, fp8, bucket in itertools.product((1, 2), (1, 2, 4), (False, True), (False, True),
-                                                                (None, 8)):
+        for tp, cp, need_roll, fp8, bucket in itertools.product(
+            (1, 2), (1, 2, 4), (False, True), (False, True), (None, 8)
+        ):
             for rank in range(cp):
                 monkeypatch.setattr(util, "mpu", _ParallelState(tp, cp, rank))
                 kwargs = dict(need_roll=need_roll, use_fp8_padding=fp8, pad_to_length_bucket=bucket)

@@ -133,8 +133,9 @@ def test_wrap_jagged_equals_torchs_public_constructor(shape, ragged_dim, seqlens
     values, offsets = torch.arange(torch.Size(shape).numel()).reshape(shape), torch.tensor([0, 1, 5, 7])
     min_len, max_len = seqlens or (None, None)
     ours = nopad.layout.wrap_jagged(values, offsets, ragged_dim, min_seqlen=min_len, max_seqlen=max_len)
-    public = torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged_dim, min_seqlen=min_len,
-                                                    max_seqlen=max_len)
+    public = torch.nested.nested_tensor_from_jagged(
+        values, offsets, jagged_dim=ragged_dim, min_seqlen=min_len, max_seqlen=max_len
+    )
     assert ours.shape == public.shape and ragged_dim == nopad.ragged_dim(ours) == nopad.ragged_dim(public)
     assert ours.offsets() is offsets and ours.values() is not None and torch.equal(ours.values(), public.values())
     assert [torch.equal(a, b) for a, b in zip(ours.unbind(), public.unbind())] == [True] * 3

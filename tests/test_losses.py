@@ -105,18 +105,21 @@ def rollout(prompt_lens, resp_lens, P, R, *, masked_rows=(), seed=0, dtype=torch
     response_mask = (torch.arange(R) < r).long()
     for b in masked_rows:
         response_mask[b] = 0
-    td = TensorDict({
-        "input_ids": torch.randint(1, 100, (B, S), generator=g) * attention,
-        "attention_mask": attention,
-        "response_mask": response_mask,
-        "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
-        "old_log_probs": -torch.rand(B, R, generator=g, dtype=dtype) * 3,
-        "advantages": torch.randn(B, R, generator=g, dtype=dtype) * 2,
-        "ref_log_prob": -torch.rand(B, R, generator=g, dtype=dtype) * 3,
-        "rollout_is_weights": torch.rand(B, R, generator=g, dtype=dtype) + 0.5,
-        "values": torch.randn(B, R, generator=g, dtype=dtype),
-        "returns": torch.randn(B, R, generator=g, dtype=dtype),
-    }, batch_size=[B])
+    td = TensorDict(
+        {
+            "input_ids": torch.randint(1, 100, (B, S), generator=g) * attention,
+            "attention_mask": attention,
+            "response_mask": response_mask,
+            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+            "old_log_probs": -torch.rand(B, R, generator=g, dtype=dtype) * 3,
+            "advantages": torch.randn(B, R, generator=g, dtype=dtype) * 2,
+            "ref_log_prob": -torch.rand(B, R, generator=g, dtype=dtype) * 3,
+            "rollout_is_weights": torch.rand(B, R, generator=g, dtype=dtype) + 0.5,
+            "values": torch.randn(B, R, generator=g, dtype=dtype),
+            "returns": torch.randn(B, R, generator=g, dtype=dtype),
+        },
+        batch_size=[B],
+    )
     data = left_right_2_no_padding(td)
     full = (-torch.rand(B, S, generator=g, dtype=dtype) * 3).requires_grad_()
 
@@ -132,14 +135,14 @@ def response_part(full, data, P):
     """Reference slice: response token k of each row comes from whole-sequence column P + k - 1."""
     R = data["response_mask"].shape[1]
     in_response = data["attention_mask"][:, P:].bool()
-    return torch.where(in_response, full[:, P - 1:P - 1 + R], 0.0)
+    return torch.where(in_response, full[:, P - 1 : P - 1 + R], 0.0)
 
 
 SHAPES = [  # (prompt_lens, resp_lens, P, R, masked_rows)
     ([3, 1, 2, 3], [4, 1, 0, 2], 3, 4, (3,)),  # a length-1 row, an empty response, a masked row
-    ([1], [1], 1, 1, ()),                      # B=1, all length 1
-    ([2, 2, 2], [3, 3, 3], 2, 3, ()),          # all equal, full width
-    ([2, 1], [2, 2], 2, 3, (0, 1)),            # every row masked
+    ([1], [1], 1, 1, ()),  # B=1, all length 1
+    ([2, 2, 2], [3, 3, 3], 2, 3, ()),  # all equal, full width
+    ([2, 1], [2, 2], 2, 3, (0, 1)),  # every row masked
 ]
 
 
@@ -160,10 +163,15 @@ def test_agg_loss_matches_reference_with_fully_masked_and_length_1_rows(mode, fi
     g = torch.Generator().manual_seed(0)
     mat = torch.randn(5, 4, generator=g)
     mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
-    kw = dict(dp_size=figures.get("dp_size", 1), batch_num_tokens=figures.get("n_tokens"),
-              global_batch_size=figures.get("n_seqs"), loss_scale_factor=figures.get("scale"))
-    expected = ref_agg(mat, mask, mode, figures.get("dp_size", 1), figures.get("n_tokens"), figures.get("n_seqs"),
-                       figures.get("scale"))
+    kw = dict(
+        dp_size=figures.get("dp_size", 1),
+        batch_num_tokens=figures.get("n_tokens"),
+        global_batch_size=figures.get("n_seqs"),
+        loss_scale_factor=figures.get("scale"),
+    )
+    expected = ref_agg(
+        mat, mask, mode, figures.get("dp_size", 1), figures.get("n_tokens"), figures.get("n_seqs"), figures.get("scale")
+    )
     torch.testing.assert_close(L.agg_loss(mat, mask, mode, **kw), expected, **TOL)
     torch.testing.assert_close(L.agg_loss(mat, mask.bool(), mode, **kw), expected, **TOL)
 
@@ -228,8 +236,18 @@ def test_compute_policy_loss_matches_reference(mode, clips):
     mask[1] = False
     mask[2] = False
     mask[2, 0] = True
-    loss, metrics = L.compute_policy_loss(old, logp, adv, mask, mode, clip_ratio=clip, clip_ratio_low=low,
-                                          clip_ratio_high=high, clip_ratio_c=c, rollout_is_weights=weights)
+    loss, metrics = L.compute_policy_loss(
+        old,
+        logp,
+        adv,
+        mask,
+        mode,
+        clip_ratio=clip,
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        clip_ratio_c=c,
+        rollout_is_weights=weights,
+    )
     lo, hi = (clip if low is None else low), (clip if high is None else high)
     expected = ref_agg(ref_pg_tokens(logp, old, adv, lo, hi, c, weights), mask, mode)
     torch.testing.assert_close(loss, expected, **TOL)
@@ -261,10 +279,18 @@ def reference_ppo(cfg, full, entropy_full, data, P, figures):
     logp = response_part(full, data, P)
     lo = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     hi = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
-    agg = lambda m: ref_agg(m, mask, cfg.loss_agg_mode, figures.get("dp_size", 1), figures.get("batch_num_tokens"),
-                            figures.get("global_batch_size"), cfg.loss_scale_factor)
-    tokens = ref_pg_tokens(logp, data["old_log_probs"], data["advantages"], lo, hi, cfg.clip_ratio_c,
-                           data["rollout_is_weights"])
+    agg = lambda m: ref_agg(
+        m,
+        mask,
+        cfg.loss_agg_mode,
+        figures.get("dp_size", 1),
+        figures.get("batch_num_tokens"),
+        figures.get("global_batch_size"),
+        cfg.loss_scale_factor,
+    )
+    tokens = ref_pg_tokens(
+        logp, data["old_log_probs"], data["advantages"], lo, hi, cfg.clip_ratio_c, data["rollout_is_weights"]
+    )
     loss = agg(tokens)
     if entropy_full is not None:
         loss = loss - cfg.entropy_coeff * agg(response_part(entropy_full, data, P))
@@ -287,18 +313,28 @@ def test_ppo_loss_matches_padded_reference_for_every_agg_mode(shape, mode, globa
     entropy_full = torch.rand_like(full).requires_grad_()
     figures = dict(dp_size=2, batch_num_tokens=11, global_batch_size=3) if global_figures else {}
     _set_figures(data, figures)
-    cfg = L.LossConfig(loss_agg_mode=mode, clip_ratio_low=0.15, clip_ratio_high=0.3, entropy_coeff=0.01,
-                       use_kl_loss=True, kl_loss_type="k3+", kl_loss_coef=0.05, loss_scale_factor=3.0)
+    cfg = L.LossConfig(
+        loss_agg_mode=mode,
+        clip_ratio_low=0.15,
+        clip_ratio_high=0.3,
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_type="k3+",
+        kl_loss_coef=0.05,
+        loss_scale_factor=3.0,
+    )
     loss, metrics = L.ppo_loss(cfg, {"log_probs": nested_of(full), "entropy": nested_of(entropy_full)}, data)
     expected = reference_ppo(cfg, full, entropy_full, data, P, figures)
     torch.testing.assert_close(loss, expected, **TOL)
     got = torch.autograd.grad(loss, [full, entropy_full], allow_unused=True)
     want = torch.autograd.grad(expected, [full, entropy_full], allow_unused=True)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a if a is not None else torch.zeros_like(full), b if b is not None else
-                                   torch.zeros_like(full), **TOL)
-    lo_hi = ref_pg_metrics(response_part(full, data, P), data["old_log_probs"], data["advantages"],
-                           data["response_mask"], 0.15, 0.3, 3.0)
+        torch.testing.assert_close(
+            a if a is not None else torch.zeros_like(full), b if b is not None else torch.zeros_like(full), **TOL
+        )
+    lo_hi = ref_pg_metrics(
+        response_part(full, data, P), data["old_log_probs"], data["advantages"], data["response_mask"], 0.15, 0.3, 3.0
+    )
     for key, value in lo_hi.items():
         torch.testing.assert_close(metrics[key], value, **TOL)
     assert {"actor/pg_loss", "actor/entropy_loss", "kl_loss", "kl_coef"} <= set(metrics)
@@ -320,8 +356,12 @@ def test_ppo_loss_kl_term_matches_reference_for_every_kl_kind(kind):
 
 
 @settings(max_examples=40)
-@given(shape=rollout_shapes(), mode=st.sampled_from(MODES), kind=st.sampled_from(KINDS + PLUS_KINDS),
-       seed=st.integers(0, 2**16))
+@given(
+    shape=rollout_shapes(),
+    mode=st.sampled_from(MODES),
+    kind=st.sampled_from(KINDS + PLUS_KINDS),
+    seed=st.integers(0, 2**16),
+)
 def test_ppo_loss_property_any_batch_shape(shape, mode, kind, seed):
     prompt_lens, resp_lens, P, R, masked = shape
     data, full, nested_of = rollout(prompt_lens, resp_lens, P, R, masked_rows=masked, seed=seed)
@@ -330,8 +370,9 @@ def test_ppo_loss_property_any_batch_shape(shape, mode, kind, seed):
     loss, _ = L.ppo_loss(cfg, {"log_probs": nested_of(full), "entropy": nested_of(entropy_full)}, data)
     torch.testing.assert_close(loss, reference_ppo(cfg, full, entropy_full, data, P, {}), **TOL)
     # the flat (total,) form of the same output gives the same loss
-    flat, _ = L.ppo_loss(cfg, {"log_probs": nested_of(full).values(), "entropy": nested_of(entropy_full).values()},
-                         data)
+    flat, _ = L.ppo_loss(
+        cfg, {"log_probs": nested_of(full).values(), "entropy": nested_of(entropy_full).values()}, data
+    )
     torch.testing.assert_close(flat, loss, atol=0, rtol=0)
 
 
@@ -392,8 +433,16 @@ def test_sft_loss_nested_layout_never_takes_a_label_across_sequences():
 
 
 def test_loss_config_accepts_dataclass_dict_attribute_and_mapping_objects():
-    fields = dict(loss_agg_mode="seq-mean-token-sum", clip_ratio=0.1, clip_ratio_c=2.0, entropy_coeff=0.2,
-                  use_kl_loss=True, kl_loss_type="k1", kl_loss_coef=0.3, unrelated_verl_field=1)
+    fields = dict(
+        loss_agg_mode="seq-mean-token-sum",
+        clip_ratio=0.1,
+        clip_ratio_c=2.0,
+        entropy_coeff=0.2,
+        use_kl_loss=True,
+        kl_loss_type="k1",
+        kl_loss_coef=0.3,
+        unrelated_verl_field=1,
+    )
 
     class MappingConfig:  # omegaconf's DictConfig answers keys()/get()/[]
         def __init__(self, d):
@@ -408,8 +457,10 @@ def test_loss_config_accepts_dataclass_dict_attribute_and_mapping_objects():
     data, full, nested_of = rollout(*SHAPES[0][:4], masked_rows=SHAPES[0][4])
     out = {"log_probs": nested_of(full), "entropy": nested_of(full.detach().exp())}
     dataclass_fields = {k: v for k, v in fields.items() if k != "unrelated_verl_field"}
-    losses = [L.ppo_loss(c, out, data)[0] for c in (L.LossConfig(**dataclass_fields), fields,
-                                                    SimpleNamespace(**fields), MappingConfig(fields))]
+    losses = [
+        L.ppo_loss(c, out, data)[0]
+        for c in (L.LossConfig(**dataclass_fields), fields, SimpleNamespace(**fields), MappingConfig(fields))
+    ]
     assert all(torch.equal(losses[0], x) for x in losses[1:])
     default = L.ppo_loss(None, out, data)[0]
     assert not torch.equal(default, losses[0])
@@ -420,8 +471,16 @@ def test_loss_config_accepts_dataclass_dict_attribute_and_mapping_objects():
 
 
 # ---- micro-batch and data-parallel invariance -----------------------------------------------
-DENSE = ("attention_mask", "response_mask", "old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights",
-         "values", "returns")
+DENSE = (
+    "attention_mask",
+    "response_mask",
+    "old_log_probs",
+    "advantages",
+    "ref_log_prob",
+    "rollout_is_weights",
+    "values",
+    "returns",
+)
 
 
 def _invariance_batch(B=8, P=4, R=5, seed=0):
@@ -464,11 +523,15 @@ def _micro_batch_losses(loss_fn, cfg, data, features, weight, rows, micro_size, 
 def test_micro_batch_split_gives_the_same_loss_and_gradient(loss_fn, mode):
     data, features = _invariance_batch()
     B, S = features.shape
-    cfg = L.LossConfig(loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="low_var_kl+",
-                       loss_scale_factor=4.0)
+    cfg = L.LossConfig(
+        loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="low_var_kl+", loss_scale_factor=4.0
+    )
     figures = L.global_batch_info(data["response_mask"])
-    assert figures == {"dp_size": 1, "batch_num_tokens": int(data["response_mask"].sum()),
-                       "global_batch_size": int(data["response_mask"].any(-1).sum())}
+    assert figures == {
+        "dp_size": 1,
+        "batch_num_tokens": int(data["response_mask"].sum()),
+        "global_batch_size": int(data["response_mask"].any(-1).sum()),
+    }
     results = []
     for micro_size in (8, 4, 2):  # 1, 2 and 4 micro batches
         weight = torch.linspace(0.5, 1.5, S).requires_grad_()
@@ -500,7 +563,7 @@ def _dp_rank_mode(rank, world_size, mode):
     (single_grad,) = torch.autograd.grad(single, weight)
     # this rank's half of the rows, in two micro batches, normalised by the all-reduced figures
     half = range(rank * B // world_size, (rank + 1) * B // world_size)
-    figures = L.global_batch_info(data["response_mask"][half.start:half.stop])
+    figures = L.global_batch_info(data["response_mask"][half.start : half.stop])
     weight = torch.linspace(0.5, 1.5, S).requires_grad_()
     loss = _micro_batch_losses(L.ppo_loss, cfg, data, features, weight, half, 2, figures)
     (grad,) = torch.autograd.grad(loss, weight)
@@ -555,8 +618,7 @@ def test_unknown_kl_kind_names_the_field_and_the_kinds():
 @pytest.mark.parametrize("c", [1.0, 0.5, -3.0])
 def test_clip_ratio_c_at_most_one_is_rejected(c):
     with pytest.raises(ValueError, match=rf"clip_ratio_c: expected a dual-clip bound > 1, got {c}"):
-        L.compute_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3),
-                              clip_ratio_c=c)
+        L.compute_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), clip_ratio_c=c)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         L.LossConfig(clip_ratio_c=c)
 
@@ -593,8 +655,11 @@ def test_mismatched_shapes_name_the_field_and_the_expected_shape():
     prompt_lens, resp_lens, P, R, _ = SHAPES[0]
     data, full, nested_of = rollout(prompt_lens, resp_lens, P, R)
     B = len(prompt_lens)
-    with pytest.raises(ValueError, match=rf"model_output\['log_probs'\]: expected shape \({B}, {R}\) like "
-                                         rf"response_mask, got shape \({B}, {R + 1}\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"model_output\['log_probs'\]: expected shape \({B}, {R}\) like "
+        rf"response_mask, got shape \({B}, {R + 1}\)",
+    ):
         L.ppo_loss(None, {"log_probs": torch.zeros(B, R + 1)}, data)
     three = torch.nested.nested_tensor_from_jagged(torch.zeros(4), torch.tensor([0, 1, 2, 4]))
     with pytest.raises(ValueError, match=rf"model_output\['log_probs'\]: expected {B} sequences like response_mask"):

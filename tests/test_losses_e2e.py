@@ -38,15 +38,31 @@ def rollout_batch(seed=0):
 
 def padded_reference(model, td, cfg):
     """The padded forward and the PPO loss written out on (B, R) tensors."""
-    logits = model(input_ids=td["input_ids"], attention_mask=td["attention_mask"], position_ids=td["position_ids"],
-                   use_cache=False).logits.float() / TEMPERATURE
-    log_softmax = logits[:, P - 1:P - 1 + R].log_softmax(-1)  # column P + k - 1 predicts response token k
+    logits = (
+        model(
+            input_ids=td["input_ids"],
+            attention_mask=td["attention_mask"],
+            position_ids=td["position_ids"],
+            use_cache=False,
+        ).logits.float()
+        / TEMPERATURE
+    )
+    log_softmax = logits[:, P - 1 : P - 1 + R].log_softmax(-1)  # column P + k - 1 predicts response token k
     logp = log_softmax.gather(-1, td["responses"].unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     mask = td["response_mask"].bool()
     agg = lambda m: ref_agg(m, mask, cfg.loss_agg_mode, scale=cfg.loss_scale_factor)
-    loss = agg(ref_pg_tokens(logp, td["old_log_probs"], td["advantages"], cfg.clip_ratio_low, cfg.clip_ratio_high,
-                             cfg.clip_ratio_c, td["rollout_is_weights"]))
+    loss = agg(
+        ref_pg_tokens(
+            logp,
+            td["old_log_probs"],
+            td["advantages"],
+            cfg.clip_ratio_low,
+            cfg.clip_ratio_high,
+            cfg.clip_ratio_c,
+            td["rollout_is_weights"],
+        )
+    )
     loss = loss - cfg.entropy_coeff * agg(entropy)
     return loss + cfg.kl_loss_coef * agg(ref_kl(logp, td["ref_log_prob"], cfg.kl_loss_type))
 
@@ -62,9 +78,17 @@ def nopad_loss(model, td, cfg):
 def test_packed_ppo_loss_and_gradients_equal_the_padded_forward(mode):
     model = tiny_llama(seed=0)
     td = rollout_batch()
-    cfg = L.LossConfig(loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                       entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=0.1,
-                       loss_scale_factor=R)
+    cfg = L.LossConfig(
+        loss_agg_mode=mode,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_type="low_var_kl",
+        kl_loss_coef=0.1,
+        loss_scale_factor=R,
+    )
     loss, metrics = nopad_loss(model, td, cfg)
     grads = torch.autograd.grad(loss, list(model.parameters()))
     expected = padded_reference(model, td, cfg)
@@ -81,8 +105,15 @@ def test_packed_micro_batches_with_global_figures_equal_one_padded_batch():
     """Two packed micro batches, normalised by the mini batch's figures, give the padded batch's gradient."""
     model = tiny_llama(seed=1)
     td = rollout_batch(seed=1)
-    cfg = L.LossConfig(loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
-                       entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="k1", loss_scale_factor=R)
+    cfg = L.LossConfig(
+        loss_agg_mode="seq-mean-token-mean",
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_type="k1",
+        loss_scale_factor=R,
+    )
     figures = L.global_batch_info(td["response_mask"])
     params = list(model.parameters())
     total, grads = 0.0, [torch.zeros_like(p) for p in params]
@@ -114,8 +145,14 @@ def test_example_ppo_step_prints_loss_metrics_and_skipped_padding(monkeypatch, c
     out1 = _run_example(monkeypatch, capsys, "--batch", "8", "--micro-batches", "1")
     metric_lines = [line for line in out4.splitlines() if line.startswith(("loss", "  actor/", "  kl_"))]
     lines = dict(line.strip().split(" ", 1) for line in metric_lines)
-    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/pg_loss", "actor/entropy_loss",
-                "kl_loss"):
+    for key in (
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac_lower",
+        "actor/pg_loss",
+        "actor/entropy_loss",
+        "kl_loss",
+    ):
         assert key in lines, out4
     assert 0 < float(lines["actor/pg_clipfrac"].split()[0]) < 1
     # the padding line is the batch's real count of pad slots, none of which the model computed

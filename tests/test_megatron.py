@@ -65,9 +65,9 @@ def oracle_shard(lengths, *, tp, cp, rank, layout, need_roll=False, fp8=False, b
     if layout == "contiguous" or cp == 1:
         slots = torch.arange(len(tokens)).chunk(cp)[rank]
     else:
-        slots = torch.cat([
-            torch.arange(s, e).chunk(2 * cp)[k] for s, e in zip(starts, starts[1:]) for k in (rank, 2 * cp - 1 - rank)
-        ])
+        slots = torch.cat(
+            [torch.arange(s, e).chunk(2 * cp)[k] for s, e in zip(starts, starts[1:]) for k in (rank, 2 * cp - 1 - rank)]
+        )
     return tokens[slots], positions[slots], starts
 
 
@@ -81,8 +81,14 @@ def test_preprocess_matches_the_per_sequence_reference_on_every_rank(lengths, sh
     ids = encoded_ids(lengths)
     for rank in range(cp):
         tokens, params, positions = preprocess_thd(
-            ids, tp_size=tp, cp_size=cp, cp_rank=rank, cp_layout=layout, need_roll=need_roll,
-            use_fp8_padding=fp8, pad_to_length_bucket=bucket,
+            ids,
+            tp_size=tp,
+            cp_size=cp,
+            cp_rank=rank,
+            cp_layout=layout,
+            need_roll=need_roll,
+            use_fp8_padding=fp8,
+            pad_to_length_bucket=bucket,
         )
         want_tokens, want_positions, starts = oracle_shard(
             lengths, tp=tp, cp=cp, rank=rank, layout=layout, need_roll=need_roll, fp8=fp8, bucket=bucket
@@ -162,8 +168,9 @@ def test_offline_rows_reach_the_same_batch_through_lengths_and_source_offsets():
     rows = torch.zeros(2, 10, dtype=torch.int64)  # row 0: sequence 0; row 1: sequences 1 and 2; zeros pad
     rows[0, :4], rows[1, :7], rows[1, 7:9] = ids[0], ids[1], ids[2]
     for rank in range(2):
-        plan = build_thd_plan(torch.tensor([4, 7, 2]), cp_size=2, cp_rank=rank,
-                              source_offsets=torch.tensor([0, 10, 17]), source_len=20)
+        plan = build_thd_plan(
+            torch.tensor([4, 7, 2]), cp_size=2, cp_rank=rank, source_offsets=torch.tensor([0, 10, 17]), source_len=20
+        )
         for need_roll in (False, True):
             want, params, positions = preprocess_thd(ids, cp_size=2, cp_rank=rank, need_roll=need_roll)
             assert torch.equal(plan.shard(rows.flatten(), need_roll=need_roll), want)
@@ -235,27 +242,45 @@ def _params(*lengths):
 
 
 BAD_INPUT = [
-    (lambda: preprocess_thd(_bad(2, 5)),
-     r"input_ids: expected a jagged nested tensor .*got a dense tensor of shape \(2, 5\)"),
+    (
+        lambda: preprocess_thd(_bad(2, 5)),
+        r"input_ids: expected a jagged nested tensor .*got a dense tensor of shape \(2, 5\)",
+    ),
     (lambda: preprocess_thd(_ids(2, 3), cp_size=2, cp_rank=2), r"cp_rank: expected an int in \[0, cp_size=2\), got 2"),
     (lambda: preprocess_thd(_ids(2, 3), cp_layout="ring"), "cp_layout: expected one of .*got 'ring'"),
-    (lambda: preprocess_thd(_ids(2, 3), pad_to_length_bucket=0),
-     "pad_to_length_bucket: expected a positive int or None, got 0"),
-    (lambda: preprocess_thd(_ids(2, 3), pad_to_length_bucket=-8),
-     "pad_to_length_bucket: expected a positive int or None, got -8"),
-    (lambda: preprocess_thd(torch.nested.nested_tensor_from_jagged(_bad(4), torch.tensor([0, 2, 2, 4]))),
-     "input_ids row 1: expected a sequence of >= 1 token, got length 0"),
-    (lambda: build_thd_plan(torch.tensor([[1, 2]])),
-     r"lengths: expected a non-empty 1-D integer tensor, got torch.int64 of shape \(1, 2\)"),
+    (
+        lambda: preprocess_thd(_ids(2, 3), pad_to_length_bucket=0),
+        "pad_to_length_bucket: expected a positive int or None, got 0",
+    ),
+    (
+        lambda: preprocess_thd(_ids(2, 3), pad_to_length_bucket=-8),
+        "pad_to_length_bucket: expected a positive int or None, got -8",
+    ),
+    (
+        lambda: preprocess_thd(torch.nested.nested_tensor_from_jagged(_bad(4), torch.tensor([0, 2, 2, 4]))),
+        "input_ids row 1: expected a sequence of >= 1 token, got length 0",
+    ),
+    (
+        lambda: build_thd_plan(torch.tensor([[1, 2]])),
+        r"lengths: expected a non-empty 1-D integer tensor, got torch.int64 of shape \(1, 2\)",
+    ),
     (lambda: thd_plan(_ids(2, 3)).shard(torch.zeros(4)), r"tensor: expected 5 tokens on dim 0, got shape \(4,\)"),
-    (lambda: postprocess_thd(torch.zeros(4), _params(2), _ids(2)),
-     r"output: expected shape \(1, T/cp, ...\), got \(4,\)"),
-    (lambda: postprocess_thd(torch.zeros(1, 2), _params(2), _ids(1, 1)),
-     r"packed_seq_params.cu_seqlens_q_padded: expected shape \(3,\), got \(2,\)"),
-    (lambda: postprocess_thd(torch.zeros(1, 2), _params(2), _ids(2), cp_size=2),
-     "cp_size: expected torch.distributed to be initialised for cp_size=2"),
-    (lambda: postprocess_thd(torch.zeros(1, 2), _params(2), _ids(2), cp_size=2, cp_rank=5),
-     r"cp_rank: expected an int in \[0, cp_size=2\), got 5"),
+    (
+        lambda: postprocess_thd(torch.zeros(4), _params(2), _ids(2)),
+        r"output: expected shape \(1, T/cp, ...\), got \(4,\)",
+    ),
+    (
+        lambda: postprocess_thd(torch.zeros(1, 2), _params(2), _ids(1, 1)),
+        r"packed_seq_params.cu_seqlens_q_padded: expected shape \(3,\), got \(2,\)",
+    ),
+    (
+        lambda: postprocess_thd(torch.zeros(1, 2), _params(2), _ids(2), cp_size=2),
+        "cp_size: expected torch.distributed to be initialised for cp_size=2",
+    ),
+    (
+        lambda: postprocess_thd(torch.zeros(1, 2), _params(2), _ids(2), cp_size=2, cp_rank=5),
+        r"cp_rank: expected an int in \[0, cp_size=2\), got 5",
+    ),
 ]
 
 
@@ -328,8 +353,9 @@ def _check_cp_round_trips(dims, seed):
             plan = thd_plan(ids, **dims.preprocess_kwargs(), **kwargs)
             hidden = torch.randn(total, 2, generator=gen)
             local = plan.shard(hidden).detach().requires_grad_()
-            out = postprocess_thd(local * 3, plan.packed_seq_params(), ids, **dims.postprocess_kwargs(),
-                                  cp_layout=layout)
+            out = postprocess_thd(
+                local * 3, plan.packed_seq_params(), ids, **dims.postprocess_kwargs(), cp_layout=layout
+            )
             assert torch.equal(out.values(), hidden * 3)
             weight = torch.arange(total * 2, dtype=torch.float32).view(total, 2)
             (out.values() * weight).sum().backward()
@@ -391,8 +417,15 @@ def test_cp2_via_megatron_parallel_state_and_cp4_via_plain_groups_round_trip_ids
 
 def test_example_runs_under_torchrun_on_two_cpu_processes():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "megatron_thd.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "examples" / "megatron_thd.py"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[rank 0] tokens" in done.stdout and "[rank 1] tokens" in done.stdout

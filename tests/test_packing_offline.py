@@ -71,10 +71,10 @@ streams = st.tuples(
     st.integers(1, 6),  # pack length in units of the alignment
 ).flatmap(
     lambda al: st.tuples(
-        st.just(al[0]), st.just(al[0] * al[1]),
+        st.just(al[0]),
+        st.just(al[0] * al[1]),
         # many lengths that divide the pack exactly, so exact fills are frequent, plus overflows
-        st.lists(st.one_of(st.sampled_from([al[0] * al[1], al[0], 1]), st.integers(0, 3 * al[0] * al[1])),
-                 max_size=30),
+        st.lists(st.one_of(st.sampled_from([al[0] * al[1], al[0], 1]), st.integers(0, 3 * al[0] * al[1])), max_size=30),
         st.sampled_from(["split", "reject"]),
     )
 )
@@ -103,12 +103,20 @@ def test_random_streams_lose_nothing_repeat_nothing_and_every_row_is_valid(case)
 def test_packed_files_round_trip_every_row_exactly(case, algorithm):
     alignment, pack_length, lengths, overflow = case
     convs = [([t % 256 for t in ids], mask) for ids, mask in _conversations(lengths)]
-    rows, report = pack_conversations(convs, pack_length, alignment=alignment, pad_token_id=BYTES.pad_token_id,
-                                      overflow=overflow, algorithm=algorithm)
+    rows, report = pack_conversations(
+        convs, pack_length, alignment=alignment, pad_token_id=BYTES.pad_token_id, overflow=overflow, algorithm=algorithm
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rows.parquet"
-        write_packed(path, rows, pack_length=pack_length, tokenizer=BYTES.identity, pad_token_id=BYTES.pad_token_id,
-                     alignment=alignment, report=report.summary())
+        write_packed(
+            path,
+            rows,
+            pack_length=pack_length,
+            tokenizer=BYTES.identity,
+            pad_token_id=BYTES.pad_token_id,
+            alignment=alignment,
+            report=report.summary(),
+        )
         packed = read_packed(path, tokenizer=BYTES.identity)
         assert len(packed) == len(rows) and packed.metadata["report"] == report.summary()
         for i, row in enumerate(rows):
@@ -140,8 +148,15 @@ def _write(tmp_path, lengths=(6, 3, 5, 2, 7), pack_length=8, alignment=1):
     convs = [([t % 250 for t in ids], mask) for ids, mask in _conversations(lengths)]
     rows, report = pack_conversations(convs, pack_length, alignment=alignment, pad_token_id=BYTES.pad_token_id)
     path = tmp_path / "packed.parquet"
-    write_packed(path, rows, pack_length=pack_length, tokenizer=BYTES.identity, pad_token_id=BYTES.pad_token_id,
-                 alignment=alignment, report=report.summary())
+    write_packed(
+        path,
+        rows,
+        pack_length=pack_length,
+        tokenizer=BYTES.identity,
+        pad_token_id=BYTES.pad_token_id,
+        alignment=alignment,
+        report=report.summary(),
+    )
     return path, rows
 
 
@@ -241,8 +256,9 @@ def test_records_are_encoded_with_the_documented_masks():
     assert (ids, mask) == ([1, 2, 3], [1, 1, 1])
     ids, mask = encode_record({"text": "ab"}, BYTES)
     assert ids == [97, 98, BYTES.eos_token_id] and mask == [1, 1, 1]
-    ids, mask = encode_record({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
-                              BYTES)
+    ids, mask = encode_record(
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, BYTES
+    )
     assert BYTES.decode(ids) == "<|user|>\nq\n<|assistant|>\na\n"
     assert [BYTES.decode([i]) for i, m in zip(ids, mask) if m] == ["a", "\n", ""]  # the answer, its newline, eos
     with pytest.raises(ValueError, match="record line 3: expected input_ids in"):
@@ -258,9 +274,15 @@ def _jsonl(tmp_path, records):
 
 
 def test_cli_pack_then_inspect(tmp_path, capsys):
-    src = _jsonl(tmp_path, [{"input_ids": [1, 2, 3, 4, 5, 6]}, {"input_ids": [7, 8, 9], "loss_mask": [0, 1, 1]},
-                            {"text": "a longer text than one pack holds"},
-                            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    src = _jsonl(
+        tmp_path,
+        [
+            {"input_ids": [1, 2, 3, 4, 5, 6]},
+            {"input_ids": [7, 8, 9], "loss_mask": [0, 1, 1]},
+            {"text": "a longer text than one pack holds"},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        ],
+    )
     out = tmp_path / "out.parquet"
     assert main(["pack", str(src), "-o", str(out), "--pack-length", "16", "--cp-size", "2", "--no-progress"]) == 0
     printed = capsys.readouterr().out
@@ -270,8 +292,22 @@ def test_cli_pack_then_inspect(tmp_path, capsys):
     assert main(["inspect", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "validation: OK" in printed and f"rows: {len(packed)}" in printed and "histogram" in printed
-    assert main(["pack", str(src), "-o", str(tmp_path / "r.parquet"), "--pack-length", "16", "--overflow", "reject",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "pack",
+                str(src),
+                "-o",
+                str(tmp_path / "r.parquet"),
+                "--pack-length",
+                "16",
+                "--overflow",
+                "reject",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "rejected as too long (conversation numbers, 0-based input order): [2, 3]" in capsys.readouterr().out
 
 
@@ -305,8 +341,10 @@ def test_cli_with_a_local_hf_tokenizer_and_refusing_the_other_one(tmp_path, caps
     _save_local_hf_tokenizer(tok_dir)
     src = _jsonl(tmp_path, [{"text": "hello world"}, {"text": "world hello hello"}])
     out = tmp_path / "hf.parquet"
-    assert main(["pack", str(src), "-o", str(out), "--pack-length", "8", "--tokenizer", str(tok_dir),
-                 "--no-progress"]) == 0
+    assert (
+        main(["pack", str(src), "-o", str(out), "--pack-length", "8", "--tokenizer", str(tok_dir), "--no-progress"])
+        == 0
+    )
     packed = read_packed(out, tokenizer=load_tokenizer(tok_dir).identity)
     assert packed[0]["input_ids"].tolist() == [3, 4, 1, 4, 3, 3, 1]  # "hello world" eos "world hello hello" eos
     capsys.readouterr()

@@ -39,16 +39,32 @@ def _conversations(lengths, seed=0):
 def _both_paths(lengths, budget, *, tp=1, cp=1, algorithm="best_fit_decreasing", seed=0, path=None):
     """The same conversations packed online (nested batch) and offline (rows, optionally via a file)."""
     ids, masks = _conversations(lengths, seed)
-    online, bins = pack_online(_nested(ids), budget, loss_mask=_nested(masks), tp_size=tp, cp_size=cp,
-                               algorithm=algorithm, pad_token_id=BYTES.pad_token_id)
+    online, bins = pack_online(
+        _nested(ids),
+        budget,
+        loss_mask=_nested(masks),
+        tp_size=tp,
+        cp_size=cp,
+        algorithm=algorithm,
+        pad_token_id=BYTES.pad_token_id,
+    )
     align = thd_alignment(tp, cp)
-    rows, report = pack_conversations(zip(ids, masks), budget, alignment=align, pad_token_id=BYTES.pad_token_id,
-                                      algorithm=algorithm)
+    rows, report = pack_conversations(
+        zip(ids, masks), budget, alignment=align, pad_token_id=BYTES.pad_token_id, algorithm=algorithm
+    )
     if path is None:
         offline = collate_packed(rows, pad_token_id=BYTES.pad_token_id, alignment=align)
     else:
-        write_packed(path, rows, pack_length=budget, tokenizer=BYTES.identity, pad_token_id=BYTES.pad_token_id,
-                     alignment=align, tp_size=tp, cp_size=cp)
+        write_packed(
+            path,
+            rows,
+            pack_length=budget,
+            tokenizer=BYTES.identity,
+            pad_token_id=BYTES.pad_token_id,
+            alignment=align,
+            tp_size=tp,
+            cp_size=cp,
+        )
         offline = read_packed(path, tokenizer=BYTES.identity).batch(range(len(rows)))
     return online, offline, bins, ids, masks
 
@@ -154,13 +170,13 @@ def test_offline_file_through_cp2_shards_and_back_recovers_every_row(tmp_path):
     ids, masks = _conversations([5, 17, 3, 9, 30, 1, 12], seed=3)
     rows, _ = pack_conversations(zip(ids, masks), 32, alignment=4, pad_token_id=BYTES.pad_token_id)
     path = tmp_path / "cp2.parquet"
-    write_packed(path, rows, pack_length=32, tokenizer=BYTES.identity, pad_token_id=BYTES.pad_token_id,
-                 alignment=4, cp_size=2)
+    write_packed(
+        path, rows, pack_length=32, tokenizer=BYTES.identity, pad_token_id=BYTES.pad_token_id, alignment=4, cp_size=2
+    )
     results = run_distributed(_cp_round_trip, 2, str(path))
     flat_rows = torch.tensor([t for r in rows for t in r["input_ids"]])
     for recovered, segments in results:
         assert torch.equal(recovered, segments) and torch.equal(segments, flat_rows)
-
 
 
 def test_packed_to_thd_op_count_is_independent_of_the_number_of_rows():

@@ -111,8 +111,12 @@ def test_nested_fields_survive_pickle_and_tensordict_ops():
             assert all(torch.equal(x, y) for x, y in zip(a.unbind(), b.unbind())), (label, key)
     # tensordict 0.8-0.10 (verl's pins) cannot index nested fields (torch cannot slice a jagged
     # tensor on the batch dim); nopad.select_rows does it under every version, the same as 0.15 does
-    for index, picked_rows in ((slice(1, 3), [1, 2]), (torch.tensor([3, 0]), [3, 0]), ([2], [2]),
-                               (torch.tensor([True, False, False, True]), [0, 3])):
+    for index, picked_rows in (
+        (slice(1, 3), [1, 2]),
+        (torch.tensor([3, 0]), [3, 0]),
+        ([2], [2]),
+        (torch.tensor([True, False, False, True]), [0, 3]),
+    ):
         sub = nopad.select_rows(tensors, index)
         assert sub.batch_size == torch.Size([len(picked_rows)])
         for key in tensors.keys():

@@ -48,8 +48,9 @@ def test_rank_slices_partition_the_padded_row_in_rank_order(total, sp):
     row = torch.arange(padded)
     pieces = [slice_for_rank(row, sp, r) for r in range(sp)]
     assert torch.equal(torch.cat(pieces), row)
-    assert [local_range(padded, sp, r) for r in range(sp)] == [(r * padded // sp, (r + 1) * padded // sp)
-                                                               for r in range(sp)]
+    assert [local_range(padded, sp, r) for r in range(sp)] == [
+        (r * padded // sp, (r + 1) * padded // sp) for r in range(sp)
+    ]
 
 
 def test_index_math_rejects_bad_sizes():
@@ -83,8 +84,7 @@ def _rank_tensor(rank, shape, salt=0):
 
 def _simulated_all_to_all(xs, scatter_dim, gather_dim):
     world = len(xs)
-    return [torch.cat([xs[q].chunk(world, scatter_dim)[r] for q in range(world)], dim=gather_dim)
-            for r in range(world)]
+    return [torch.cat([xs[q].chunk(world, scatter_dim)[r] for q in range(world)], dim=gather_dim) for r in range(world)]
 
 
 def _sp_batch():
@@ -96,8 +96,9 @@ def _run_model(builder, td, sp_group=None, **input_kwargs):
     if sp_group is not None:
         enable_ulysses(m)
     micro = left_right_2_no_padding(td)
-    out = packed_logprobs(m, micro, torch.tensor(TEMPERATURE), calculate_entropy=True, sp_group=sp_group,
-                          **input_kwargs)
+    out = packed_logprobs(
+        m, micro, torch.tensor(TEMPERATURE), calculate_entropy=True, sp_group=sp_group, **input_kwargs
+    )
     no_padding_2_padding(out["log_probs"], micro).sum().backward()
     grads = {n: p.grad for n, p in m.named_parameters()}
     return out["log_probs"].values().detach(), out["entropy"].values().detach(), grads
@@ -114,8 +115,11 @@ def _ulysses_worker(rank, world_size):
         y = all_to_all(x, world, scatter, gather)
         weight = _rank_tensor(rank, y.shape, salt + 50)
         (y * weight).sum().backward()
-        results["collectives"][("a2a", scatter, gather)] = (y.detach(), x.grad,
-                                                            all_to_all(y.detach(), world, gather, scatter))
+        results["collectives"][("a2a", scatter, gather)] = (
+            y.detach(),
+            x.grad,
+            all_to_all(y.detach(), world, gather, scatter),
+        )
     x = _rank_tensor(rank, (3, 5), 9).requires_grad_()
     y = gather_seq(x, world, dim=1)
     (y * _rank_tensor(rank, y.shape, 10)).sum().backward()
@@ -166,7 +170,7 @@ def test_gather_seq_concatenates_in_rank_order_and_backward_sums_each_slice(four
     for r, result in enumerate(four_ranks):
         y, grad = result["collectives"]["gather"]
         assert torch.equal(y, gathered)
-        assert torch.allclose(grad, weight_sum[:, 5 * r: 5 * (r + 1)], atol=1e-12)
+        assert torch.allclose(grad, weight_sum[:, 5 * r : 5 * (r + 1)], atol=1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +203,7 @@ def test_sp_refuses_an_attention_that_is_not_wrapped(four_ranks):
         assert result["unwrapped"].startswith("attn_implementation: expected a Ulysses wrapper"), result["unwrapped"]
 
 
-def test_ulysses_with_bucket_padding_pads_to_a_common_multiple_and_still_equals_one_process(four_ranks,
-                                                                                              single_process):
+def test_ulysses_with_bucket_padding_pads_to_a_common_multiple_and_still_equals_one_process(four_ranks, single_process):
     for result in four_ranks:
         assert torch.equal(result["sp_bucket"][0], single_process["llama"][0])
 

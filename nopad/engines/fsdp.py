@@ -53,23 +53,39 @@ def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
     input_ids, position_ids = get_field(micro_batch, "input_ids"), get_field(micro_batch, "position_ids")
     for key, x in (("input_ids", input_ids), ("position_ids", position_ids)):
         if not is_nested(x):
-            raise _fail(key, None, "a jagged nested tensor (the output of left_right_2_no_padding)",
-                        "nothing" if x is None else f"a dense tensor of shape {tuple(x.shape)}")
+            raise _fail(
+                key,
+                None,
+                "a jagged nested tensor (the output of left_right_2_no_padding)",
+                "nothing" if x is None else f"a dense tensor of shape {tuple(x.shape)}",
+            )
     if input_ids.dim() != 2 or ragged_dim(input_ids) != 1:
-        raise _fail("input_ids", None, "nested (batch, j) ragged on dim 1",
-                    f"{input_ids.dim()} dims, ragged dim {ragged_dim(input_ids)}")
+        raise _fail(
+            "input_ids",
+            None,
+            "nested (batch, j) ragged on dim 1",
+            f"{input_ids.dim()} dims, ragged dim {ragged_dim(input_ids)}",
+        )
     total = input_ids.values().shape[0]
     expected_ragged = 1 if position_ids.dim() == 2 else 2
     pos_ragged = ragged_dim(position_ids)
     pos_total = position_ids.values().shape[pos_ragged - 1]
     if pos_ragged != expected_ragged or position_ids.dim() not in (2, 3) or pos_total != total:
-        raise _fail("position_ids", None, f"nested (batch, j) or (batch, C, j) with {total} tokens like input_ids",
-                    f"{position_ids.dim()} dims, ragged dim {pos_ragged}, {pos_total} tokens")
+        raise _fail(
+            "position_ids",
+            None,
+            f"nested (batch, j) or (batch, C, j) with {total} tokens like input_ids",
+            f"{position_ids.dim()} dims, ragged dim {pos_ragged}, {pos_total} tokens",
+        )
     ids_offsets, pos_offsets = nested_offsets(input_ids), nested_offsets(position_ids)
     # left_right_2_no_padding shares one offsets tensor; comparing values (a sync) only when they differ.
     if pos_offsets is not ids_offsets and not torch.equal(pos_offsets, ids_offsets):
-        raise _fail("position_ids", None, "the same sequence boundaries as input_ids",
-                    f"offsets {pos_offsets.tolist()} vs {ids_offsets.tolist()}")
+        raise _fail(
+            "position_ids",
+            None,
+            "the same sequence boundaries as input_ids",
+            f"offsets {pos_offsets.tolist()} vs {ids_offsets.tolist()}",
+        )
     return input_ids, position_ids
 
 
@@ -81,8 +97,12 @@ def _token_temperature(temperature, plan: IndexPlan, device) -> Tensor | float:
         if temperature.dim() == 0:
             temperature = temperature.reshape(1).expand(plan.batch_size)
         if temperature.shape != (plan.batch_size,):
-            raise _fail("temperature", None, f"a float, a 0-d tensor or a ({plan.batch_size},) per-sample tensor",
-                        f"shape {tuple(temperature.shape)}")
+            raise _fail(
+                "temperature",
+                None,
+                f"a float, a 0-d tensor or a ({plan.batch_size},) per-sample tensor",
+                f"shape {tuple(temperature.shape)}",
+            )
         if temperature.device.type == "cpu" and bool((temperature <= 0).any()):
             row = int((temperature <= 0).nonzero()[0])
             raise _fail("temperature", row, "a value > 0", f"{float(temperature[row])}")
@@ -132,8 +152,12 @@ def prepare_model_inputs(
     if pad_to_multiple < 1:
         raise _fail("pad_to_multiple", None, "an int >= 1", f"{pad_to_multiple}")
     if sp_size > 1 and attn_implementation is not None and not attn_implementation.startswith(ULYSSES_PREFIX):
-        raise _fail("attn_implementation", None, f"a Ulysses wrapper ('{ULYSSES_PREFIX}*', see enable_ulysses) "
-                    f"for sp_size {sp_size}", repr(attn_implementation))
+        raise _fail(
+            "attn_implementation",
+            None,
+            f"a Ulysses wrapper ('{ULYSSES_PREFIX}*', see enable_ulysses) for sp_size {sp_size}",
+            repr(attn_implementation),
+        )
     plan = IndexPlan.from_nested(input_ids)
     total = plan.total
     if total == 0:
@@ -172,12 +196,20 @@ def prepare_model_inputs(
         if pad:
             cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), padded_total)])
         max_length = max(plan.max_seqlen, pad)
-        model_inputs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_length,
-                            max_length_k=max_length)
+        model_inputs.update(
+            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_length, max_length_k=max_length
+        )
     if sp_size > 1:
         model_inputs[SP_GROUP_KWARG] = sp_group
-    args = OutputArgs(plan=plan, labels=labels, temperature=temps, label_mask=label_mask, padded_total=padded_total,
-                      sp_group=sp_group, sp_size=sp_size)
+    args = OutputArgs(
+        plan=plan,
+        labels=labels,
+        temperature=temps,
+        label_mask=label_mask,
+        padded_total=padded_total,
+        sp_group=sp_group,
+        sp_size=sp_size,
+    )
     return model_inputs, args
 
 
@@ -241,8 +273,9 @@ class _TokenLogProbs(torch.autograd.Function):
         return buf.to(logits.dtype), None, None, None
 
 
-def token_log_probs(logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0,
-                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def token_log_probs(
+    logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """(L, V) logits, (L,) labels, float or (L,) temperature -> (L,) log-probs and optional (L,) entropy.
 
     Float32 results. One extra (L, V) buffer in the forward (see :class:`_TokenLogProbs`).
@@ -297,24 +330,43 @@ def _attn_implementation(model: torch.nn.Module) -> str | None:
 
 
 @overload
-def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Tensor = ..., *,
-                    calculate_entropy: Literal[False] = ..., **input_kwargs) -> Tensor: ...
+def packed_logprobs(
+    model: torch.nn.Module,
+    micro_batch,
+    temperature: float | Tensor = ...,
+    *,
+    calculate_entropy: Literal[False] = ...,
+    **input_kwargs,
+) -> Tensor: ...
 
 
 @overload
-def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Tensor = ..., *,
-                    calculate_entropy: Literal[True], **input_kwargs) -> dict[str, Tensor]: ...
+def packed_logprobs(
+    model: torch.nn.Module,
+    micro_batch,
+    temperature: float | Tensor = ...,
+    *,
+    calculate_entropy: Literal[True],
+    **input_kwargs,
+) -> dict[str, Tensor]: ...
 
 
-def packed_logprobs(model: torch.nn.Module, micro_batch, temperature: float | Tensor = 1.0, *,
-                    calculate_entropy: bool = False, **input_kwargs) -> Tensor | dict[str, Tensor]:
+def packed_logprobs(
+    model: torch.nn.Module,
+    micro_batch,
+    temperature: float | Tensor = 1.0,
+    *,
+    calculate_entropy: bool = False,
+    **input_kwargs,
+) -> Tensor | dict[str, Tensor]:
     """Nested micro-batch -> nested (B, j) log-probs from ONE packed forward of ``model``.
 
     ``input_kwargs`` go to :func:`prepare_model_inputs` (pad_to_multiple, sp_group, ...). With
     ``calculate_entropy`` returns the dict of :func:`prepare_model_outputs` instead.
     """
-    inputs, args = prepare_model_inputs(micro_batch, temperature=temperature,
-                                        attn_implementation=_attn_implementation(model), **input_kwargs)
+    inputs, args = prepare_model_inputs(
+        micro_batch, temperature=temperature, attn_implementation=_attn_implementation(model), **input_kwargs
+    )
     out = prepare_model_outputs(model(**inputs), args, micro_batch, calculate_entropy=calculate_entropy)
     return out if calculate_entropy else out["log_probs"]
 
@@ -331,9 +383,10 @@ def padded_logprobs(model: torch.nn.Module, padded: TensorDict, temperature: flo
     if position_ids.dim() == 3:
         position_ids = position_ids.transpose(0, 1)  # (C, B, S), as mrope models take it
     R = response_mask.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits
-    scaled = logits[:, -R - 1:-1].float()
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits
+    scaled = logits[:, -R - 1 : -1].float()
     if isinstance(temperature, Tensor):
         scaled = scaled / temperature.to(scaled).view(-1, 1, 1)
     else:
@@ -345,6 +398,13 @@ def padded_logprobs(model: torch.nn.Module, padded: TensorDict, temperature: flo
 from nopad.leak import IsolationReport, check_isolation, probe_batch  # noqa: E402  (the probe is part of the adapter)
 
 __all__ = [
-    "IsolationReport", "OutputArgs", "check_isolation", "packed_logprobs", "padded_logprobs", "prepare_model_inputs",
-    "prepare_model_outputs", "probe_batch", "token_log_probs",
+    "IsolationReport",
+    "OutputArgs",
+    "check_isolation",
+    "packed_logprobs",
+    "padded_logprobs",
+    "prepare_model_inputs",
+    "prepare_model_outputs",
+    "probe_batch",
+    "token_log_probs",
 ]

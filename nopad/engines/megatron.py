@@ -92,8 +92,20 @@ class ThdPlan:
     """
 
     def __init__(
-        self, lengths: Tensor, source_offsets: Tensor, padded_lengths: Tensor, *, total: int, total_padded: int,
-        max_seqlen: int, source_len: int, tp_size: int, cp_size: int, cp_rank: int, cp_layout: CpLayout, align: int,
+        self,
+        lengths: Tensor,
+        source_offsets: Tensor,
+        padded_lengths: Tensor,
+        *,
+        total: int,
+        total_padded: int,
+        max_seqlen: int,
+        source_len: int,
+        tp_size: int,
+        cp_size: int,
+        cp_rank: int,
+        cp_layout: CpLayout,
+        align: int,
     ):
         self.lengths, self.source_offsets = lengths, source_offsets
         self.padded_lengths = padded_lengths
@@ -173,8 +185,13 @@ class ThdPlan:
         """
         cu = self.cu_seqlens_padded
         params = packed_seq_params_class()(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-            max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
         )
         params.cp_partition_mode = self.cp_layout
         if self.cp_layout == "contiguous" and self.cp_size > 1 and not _has_field(params, "cp_partition_mode"):
@@ -196,14 +213,24 @@ class ThdPlan:
         return x
 
     def __repr__(self) -> str:
-        return (f"ThdPlan(batch={self.batch_size}, total={self.total}, padded={self.total_padded}, "
-                f"cp={self.cp_rank}/{self.cp_size} {self.cp_layout}, align={self.align})")
+        return (
+            f"ThdPlan(batch={self.batch_size}, total={self.total}, padded={self.total_padded}, "
+            f"cp={self.cp_rank}/{self.cp_size} {self.cp_layout}, align={self.align})"
+        )
 
 
 def build_thd_plan(
-    lengths: Tensor, *, tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0, cp_layout: CpLayout = "zigzag",
-    use_fp8_padding: bool = False, pad_to_length_bucket: int | None = None, source_offsets: Tensor | None = None,
-    source_len: int | None = None, field: str = "lengths",
+    lengths: Tensor,
+    *,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_layout: CpLayout = "zigzag",
+    use_fp8_padding: bool = False,
+    pad_to_length_bucket: int | None = None,
+    source_offsets: Tensor | None = None,
+    source_len: int | None = None,
+    field: str = "lengths",
 ) -> ThdPlan:
     """Plan this CP rank's THD shard from (B,) sequence lengths. ONE host sync.
 
@@ -244,17 +271,35 @@ def build_thd_plan(
     source_len = total if source_len is None else source_len
     if first < 0 or last_end > source_len:
         row = int(((source_offsets < 0) | (ends > source_len)).nonzero()[0])
-        raise ValueError(f"source_offsets row {row}: expected a sequence inside the {source_len} source tokens, "
-                         f"got start {int(source_offsets[row])} length {int(lengths[row])}")
+        raise ValueError(
+            f"source_offsets row {row}: expected a sequence inside the {source_len} source tokens, "
+            f"got start {int(source_offsets[row])} length {int(lengths[row])}"
+        )
     return ThdPlan(
-        lengths, source_offsets, padded, total=total, total_padded=total_padded, max_seqlen=max_seqlen,
-        source_len=source_len, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout, align=align,
+        lengths,
+        source_offsets,
+        padded,
+        total=total,
+        total_padded=total_padded,
+        max_seqlen=max_seqlen,
+        source_len=source_len,
+        tp_size=tp_size,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_layout=cp_layout,
+        align=align,
     )
 
 
 def thd_plan(
-    input_ids_nested: Tensor, *, tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0, cp_layout: CpLayout = "zigzag",
-    use_fp8_padding: bool = False, pad_to_length_bucket: int | None = None,
+    input_ids_nested: Tensor,
+    *,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_layout: CpLayout = "zigzag",
+    use_fp8_padding: bool = False,
+    pad_to_length_bucket: int | None = None,
 ) -> ThdPlan:
     """:func:`build_thd_plan` from a jagged nested (B, j, *) tensor's offsets. ONE host sync.
 
@@ -262,15 +307,28 @@ def thd_plan(
     """
     _check_nested(input_ids_nested, "input_ids")
     return build_thd_plan(
-        nested_offsets(input_ids_nested).diff(), tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout,
-        use_fp8_padding=use_fp8_padding, pad_to_length_bucket=pad_to_length_bucket, field="input_ids",
+        nested_offsets(input_ids_nested).diff(),
+        tp_size=tp_size,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_layout=cp_layout,
+        use_fp8_padding=use_fp8_padding,
+        pad_to_length_bucket=pad_to_length_bucket,
+        field="input_ids",
     )
 
 
 # ---- the adapter ---------------------------------------------------------------------------------
 def preprocess_thd(
-    input_ids_nested: Tensor, *, tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0, cp_layout: CpLayout = "zigzag",
-    need_roll: bool = False, use_fp8_padding: bool = False, pad_to_length_bucket: int | None = None,
+    input_ids_nested: Tensor,
+    *,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_layout: CpLayout = "zigzag",
+    need_roll: bool = False,
+    use_fp8_padding: bool = False,
+    pad_to_length_bucket: int | None = None,
 ) -> tuple[Tensor, Any, Tensor]:
     """Nested (B, j, *) -> ``(tokens (1, T/cp, *), packed_seq_params, position_ids (1, T/cp))``. ONE host sync.
 
@@ -286,15 +344,26 @@ def preprocess_thd(
     ``position_ids`` are the slot's own positions either way.
     """
     plan = thd_plan(
-        input_ids_nested, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout,
-        use_fp8_padding=use_fp8_padding, pad_to_length_bucket=pad_to_length_bucket,
+        input_ids_nested,
+        tp_size=tp_size,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_layout=cp_layout,
+        use_fp8_padding=use_fp8_padding,
+        pad_to_length_bucket=pad_to_length_bucket,
     )
     return plan.shard(input_ids_nested, need_roll=need_roll), plan.packed_seq_params(), plan.position_ids
 
 
 def postprocess_thd(
-    output: Tensor, packed_seq_params: Any, input_ids_nested: Tensor, *, cp_size: int = 1, cp_rank: int = 0,
-    cp_group=None, cp_layout: CpLayout = "zigzag",
+    output: Tensor,
+    packed_seq_params: Any,
+    input_ids_nested: Tensor,
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_group=None,
+    cp_layout: CpLayout = "zigzag",
 ) -> Tensor:
     """This rank's (1, T/cp, *) output -> nested (B, j, *) over the whole batch. No host sync.
 
@@ -319,7 +388,9 @@ def postprocess_thd(
     index = unshard_index(cu, offsets.diff(), total, local_len, cp_size, cp_layout)
     values = gathered.index_select(0, index)
     return torch.nested.nested_tensor_from_jagged(
-        values, offsets, min_seqlen=getattr(input_ids_nested, "_maybe_min_seqlen", None),
+        values,
+        offsets,
+        min_seqlen=getattr(input_ids_nested, "_maybe_min_seqlen", None),
         max_seqlen=getattr(input_ids_nested, "_maybe_max_seqlen", None),
     )
 
@@ -355,8 +426,10 @@ def from_parallel_state() -> ParallelDims:
     if not mpu.model_parallel_is_initialized():
         raise ValueError("parallel_state: expected megatron-core model parallel groups to be initialised, they are not")
     return ParallelDims(
-        tp_size=mpu.get_tensor_model_parallel_world_size(), cp_size=mpu.get_context_parallel_world_size(),
-        cp_rank=mpu.get_context_parallel_rank(), cp_group=mpu.get_context_parallel_group(),
+        tp_size=mpu.get_tensor_model_parallel_world_size(),
+        cp_size=mpu.get_context_parallel_world_size(),
+        cp_rank=mpu.get_context_parallel_rank(),
+        cp_group=mpu.get_context_parallel_group(),
     )
 
 

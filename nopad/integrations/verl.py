@@ -157,8 +157,13 @@ def preprocess_thd_engine(
             fallback = math.lcm(pad_to_length_bucket, cp_size) % align != 0  # verl's total would break alignment
     if fallback:
         return _original(MCORE_UTIL_MODULE, "preprocess_thd_engine")(
-            input_ids, pre_process=pre_process, need_roll=need_roll, use_fp8_padding=use_fp8_padding,
-            local_cp_size=local_cp_size, min_local_rows=min_local_rows, pad_to_length_bucket=pad_to_length_bucket,
+            input_ids,
+            pre_process=pre_process,
+            need_roll=need_roll,
+            use_fp8_padding=use_fp8_padding,
+            local_cp_size=local_cp_size,
+            min_local_rows=min_local_rows,
+            pad_to_length_bucket=pad_to_length_bucket,
             cp_layout=cp_layout,
         )
     if pad_to_length_bucket is not None and pad_to_length_bucket <= 0:
@@ -171,14 +176,25 @@ def preprocess_thd_engine(
             "Megatron-core version does not provide. Upgrade Megatron-core or use the zigzag layout."
         )
     plan = thd_plan(
-        input_ids, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout,  # type: ignore[arg-type]
-        use_fp8_padding=use_fp8_padding, pad_to_length_bucket=pad_to_length_bucket,
+        input_ids,
+        tp_size=tp_size,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_layout=cp_layout,  # type: ignore[arg-type]
+        use_fp8_padding=use_fp8_padding,
+        pad_to_length_bucket=pad_to_length_bucket,
     )
     cu = plan.cu_seqlens_padded
     extra = {"cp_partition_mode": cp_layout} if has_mode else {}
     params = params_cls(
-        qkv_format="thd", cu_seqlens_q=cu, max_seqlen_q=plan.max_seqlen, cu_seqlens_kv=cu,
-        max_seqlen_kv=plan.max_seqlen, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu, **extra,
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        max_seqlen_q=plan.max_seqlen,
+        cu_seqlens_kv=cu,
+        max_seqlen_kv=plan.max_seqlen,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        **extra,
     )
     if not pre_process:
         return input_ids, params, None
@@ -203,15 +219,25 @@ def postprocess_thd_engine(
     util = sys.modules.get(MCORE_UTIL_MODULE)
     if util is None or local_cp_size is not None:
         return _original(MCORE_UTIL_MODULE, "postprocess_thd_engine")(
-            output, packed_seq_params, input_ids, batch_size, post_process=post_process,
-            local_cp_size=local_cp_size, cp_layout=cp_layout,
+            output,
+            packed_seq_params,
+            input_ids,
+            batch_size,
+            post_process=post_process,
+            local_cp_size=local_cp_size,
+            cp_layout=cp_layout,
         )
     mpu = util.mpu
     cp_size = mpu.get_context_parallel_world_size()
     cp_group = mpu.get_context_parallel_group()
     cp_rank = mpu.get_context_parallel_rank()
     return postprocess_thd(
-        output, packed_seq_params, input_ids, cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group,
+        output,
+        packed_seq_params,
+        input_ids,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_group=cp_group,
         cp_layout=cp_layout,  # type: ignore[arg-type]
     )
 

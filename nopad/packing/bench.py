@@ -34,10 +34,16 @@ def packing_bench(n: int = 100_000, capacity: int = 8192, seed: int = 0) -> list
         if not np.array_equal(np.sort(items), np.arange(n)) or loads.max() > capacity:
             raise AssertionError(f"{name}: invalid packing (items lost, repeated, or a bin over {capacity})")
         m = packing_metrics(bins, lengths, capacity)
-        rows.append({
-            "algorithm": name, "bins": m.bins, "lower_bound": m.lower_bound,
-            "ratio_to_lower_bound": m.ratio_to_lower_bound, "utilisation": m.utilisation, "seconds": seconds,
-        })
+        rows.append(
+            {
+                "algorithm": name,
+                "bins": m.bins,
+                "lower_bound": m.lower_bound,
+                "ratio_to_lower_bound": m.ratio_to_lower_bound,
+                "utilisation": m.utilisation,
+                "seconds": seconds,
+            }
+        )
     return rows
 
 

@@ -14,8 +14,11 @@ from nopad.packing.tokenizer import load_tokenizer
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="a packed Parquet file written by `nopad pack`")
-    parser.add_argument("--tokenizer", default=None,
-                        help="also require this tokenizer: a local HF directory, or 'bytes' for the built-in one")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="also require this tokenizer: a local HF directory, or 'bytes' for the built-in one",
+    )
     parser.add_argument("--bins", type=int, default=10, help="histogram bins")
 
 

@@ -1,10 +1,10 @@
 """Collate packed rows into one TensorDict, and read a collated batch back as nested conversations.
 
-    input_ids, target_ids, token_mask, position_ids   (N, L) int64, L = the longest row; shorter rows
-                                                      are padded (pad id, mask 0, position 0)
-    packed_cu_seqlens                                 (N, K) int64, each row's boundaries padded with -1
-    packed_cu_seqlens_lengths                         (N,) how many of the K entries are real
-    packed_max_seqlen                                 (N,) the longest conversation in each row
+input_ids, target_ids, token_mask, position_ids   (N, L) int64, L = the longest row; shorter rows
+                                                  are padded (pad id, mask 0, position 0)
+packed_cu_seqlens                                 (N, K) int64, each row's boundaries padded with -1
+packed_cu_seqlens_lengths                         (N,) how many of the K entries are real
+packed_max_seqlen                                 (N,) the longest conversation in each row
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ def _padded(values: np.ndarray, offsets: np.ndarray, width: int, fill: int) -> n
     return out
 
 
-def collate_packed(
-    rows: Sequence[Mapping[str, object]], *, pad_token_id: int = 0, alignment: int = 1
-) -> TensorDict:
+def collate_packed(rows: Sequence[Mapping[str, object]], *, pad_token_id: int = 0, alignment: int = 1) -> TensorDict:
     """Packed rows (dicts with the fields of rows.py) -> TensorDict of batch size [N].
 
     Every row is validated (boundaries, positions, labels; segments multiples of ``alignment``).

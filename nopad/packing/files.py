@@ -55,9 +55,7 @@ def write_packed(
         "report": report or {},
     }
     arrays = [
-        pa.ListArray.from_arrays(
-            pa.array(cols.offsets[f].astype(np.int32)), pa.array(cols.values[f].astype(np.int32))
-        )
+        pa.ListArray.from_arrays(pa.array(cols.offsets[f].astype(np.int32)), pa.array(cols.values[f].astype(np.int32)))
         for f in ROW_FIELDS
     ]
     table = pa.Table.from_arrays(arrays, names=list(ROW_FIELDS))

@@ -62,9 +62,7 @@ class PackReport:
 
 def _check_config(pack_length: int, alignment: int, overflow: str, algorithm: str) -> None:
     if alignment < 1 or pack_length < 1 or pack_length % alignment:
-        raise ValueError(
-            f"pack_length: expected a positive multiple of the alignment {alignment}, got {pack_length}"
-        )
+        raise ValueError(f"pack_length: expected a positive multiple of the alignment {alignment}, got {pack_length}")
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow: expected one of {OVERFLOW_POLICIES}, got {overflow!r}")
     if algorithm not in ALGORITHMS:
