@@ -37,6 +37,7 @@ from nopad.padding import (
     response_from_nested,
     response_to_nested,
 )
+from nopad.select import select_rows
 
 compat.install_module_finder()
 
@@ -77,6 +78,7 @@ __all__ = [
     "prepare_row_ids",
     "response_from_nested",
     "response_to_nested",
+    "select_rows",
     "to_host",
     "wrap_jagged",
     "unpad_input",

@@ -231,14 +231,28 @@ def compute_policy_loss(
     return loss, metrics
 
 
-def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
+def kl_penalty(
+    logprob: Tensor, ref_logprob: Tensor, kl_penalty: str | None = None, *, kind: str | None = None
+) -> Tensor:
     """Per-token KL(pi || ref) estimate (Schulman's k1/k2/k3), same shape as the inputs.
 
+    The estimator is the third argument, by position or by verl's keyword ``kl_penalty=``
+    (``kind=`` is nopad's older name for it and still works; giving both is an error).
     k1 / kl: d = logprob - ref_logprob;  abs: |d|;  k2 / mse: d^2 / 2;
     k3 / low_var_kl: exp(-d) + d - 1 with -d clamped to [-20, 20] and the result to [-10, 10].
     A trailing ``+`` (``k3+``, ``k1+``, ...) keeps the named estimator's VALUE with k2's GRADIENT
     (straight-through), the gradient that is unbiased for KL.
     """
+    if kl_penalty is not None and kind is not None:
+        raise input_error(
+            "kl_penalty/kind",
+            None,
+            "one estimator name (kind= is the older name of kl_penalty=)",
+            f"both {kl_penalty!r} and {kind!r}",
+        )
+    kind = kl_penalty if kl_penalty is not None else kind
+    if kind is None:
+        raise input_error("kl_penalty", None, f"one of {list(KL_KINDS)}", "None")
     _check_kl_kind(kind, "kind")
     _check_same_shape(ref_logprob, "ref_logprob", logprob, "logprob")
     value = _kl_value(logprob, ref_logprob, kind.removesuffix("+"))
@@ -303,10 +317,13 @@ def ppo_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
 
     ``model_output``: "log_probs" and optionally "entropy", nested (B, j) over whole sequences
     (position t holds the output for token t + 1), flat (total,), or already (B, R).
-    ``data``: the micro batch as ``left_right_2_no_padding`` returns it, with padded (B, R)
-    response_mask, old_log_probs, advantages, optionally rollout_is_weights and (for the KL loss)
-    ref_log_prob, and the non-tensor figures dp_size, batch_num_tokens, global_batch_size.
-    ``dp_group`` is accepted for verl compatibility and unused. Returns ``(loss, metrics)``.
+    ``data``: the micro batch as ``left_right_2_no_padding`` returns it, with response_mask,
+    old_log_probs, advantages, optionally rollout_is_weights and (for the KL loss) ref_log_prob,
+    each padded (B, R) or nested (B, j_r) as verl keeps them, and the non-tensor figures dp_size,
+    batch_num_tokens, global_batch_size. ``config`` may be a :class:`LossConfig`, a dict or verl's
+    ``ActorConfig``. ``dp_group`` is accepted for verl compatibility and unused. Returns
+    ``(loss, metrics)`` with verl's metric names: actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl,
+    actor/pg_clipfrac_lower, actor/entropy_loss, and kl_loss, kl_coef (no prefix, as verl).
     """
     cfg = LossConfig.from_any(config)
     response_mask = _response_mask(data)
@@ -333,11 +350,11 @@ def ppo_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
         loss = loss - cfg.entropy_coeff * entropy_loss
         metrics["actor/entropy_loss"] = entropy_loss.detach()
     if cfg.use_kl_loss:
-        kld = kl_penalty(log_prob, _field(data, "ref_log_prob", response_mask), cfg.kl_loss_type)
+        kld = kl_penalty(log_prob, _field(data, "ref_log_prob", response_mask), kl_penalty=cfg.kl_loss_type)
         kl_loss = agg_loss(kld, response_mask, cfg.loss_agg_mode, **figures)
         loss = loss + cfg.kl_loss_coef * kl_loss
-        metrics["actor/kl_loss"] = kl_loss.detach()
-        metrics["actor/kl_coef"] = kl_loss.new_tensor(cfg.kl_loss_coef)
+        metrics["kl_loss"] = kl_loss.detach()  # verl's ppo_loss names these two without the actor/ prefix
+        metrics["kl_coef"] = kl_loss.new_tensor(cfg.kl_loss_coef)
     return loss, metrics
 
 
@@ -422,6 +439,9 @@ def _figures(data: TensorDict, cfg: LossConfig) -> dict[str, Any]:
 
 def _response_mask(data: TensorDict) -> Tensor:
     mask = data.get("response_mask", None)
+    if _is_nested(mask):  # verl also keeps rollout fields nested (B, j_r); they are padded to R here
+        width = get_field(data, "max_response_len")
+        mask = IndexPlan.from_nested(mask, width=width).unnest(mask, width)
     if not isinstance(mask, Tensor) or _is_nested(mask) or mask.dim() != 2:
         actual = "missing" if mask is None else f"{type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}"
         raise input_error("data['response_mask']", None, "a padded (batch, response_len) tensor", actual)
@@ -439,6 +459,12 @@ def _optional_field(data: TensorDict, key: str, response_mask: Tensor) -> Tensor
     x = data.get(key, None)
     if x is None:
         return None
+    if _is_nested(x):  # a nested (B, j_r) rollout field: padded to the (B, R) frame with one gather
+        if x.size(0) != response_mask.shape[0]:
+            raise input_error(
+                f"data[{key!r}]", None, f"{response_mask.shape[0]} rows like response_mask", f"{x.size(0)}"
+            )
+        x = IndexPlan.from_nested(x, width=response_mask.shape[1]).unnest(x, response_mask.shape[1])
     _check_same_shape(x, f"data[{key!r}]", response_mask, "response_mask")
     # whatever the rollout left in its padding (NaN included) must reach neither loss nor gradient
     return torch.where(response_mask, x, 0.0)

@@ -2,11 +2,14 @@
 
 A block runs on its own (its own namespace, in a scratch directory). A block whose first line is
 ``# doc-test: processes=N ...`` runs on N gloo processes (it must not assume a process group
-exists: it calls ``init_process_group`` only when none is initialised, as under torchrun).
+exists: it calls ``init_process_group`` only when none is initialised, as under torchrun). A block
+that uses ``nopad.integrations.verl`` needs verl: it is skipped where verl is absent and runs in
+CI's verl leg.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -17,6 +20,8 @@ from tests.dist_utils import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 PROCESSES = re.compile(r"#\s*doc-test:\s*processes=(\d+)")
+NEEDS_VERL = re.compile(r"nopad\.integrations(\.verl| import verl)")
+HAS_VERL = importlib.util.find_spec("verl") is not None
 
 
 def _blocks():
@@ -28,6 +33,8 @@ def _blocks():
             code = match.group(1)
             processes = PROCESSES.match(code)
             marks = [pytest.mark.slow] if processes else []
+            if NEEDS_VERL.search(code):
+                marks.append(pytest.mark.skipif(not HAS_VERL, reason="needs verl (CI's verl leg runs it)"))
             yield pytest.param(name, code, int(processes.group(1)) if processes else 1, id=name, marks=marks)
 
 

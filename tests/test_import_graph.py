@@ -32,6 +32,7 @@ CORE = {
     "nopad.layout",
     "nopad.padding",
     "nopad._batch",
+    "nopad.select",
     "nopad.diagnostics",
     "nopad.synthetic",
 }

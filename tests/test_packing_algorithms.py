@@ -1,6 +1,7 @@
 """Bin packing: every item exactly once, no bin over capacity, FFD/BFD match their definitions."""
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from nopad.packing import (
     best_fit_decreasing,
     concatenative,
     first_fit_decreasing,
+    first_fit_shuffle,
     modified_first_fit_decreasing,
     pack_lengths,
     packing_metrics,
@@ -79,6 +81,35 @@ def test_concatenative_keeps_order_and_closes_a_bin_only_when_the_next_item_does
     assert [i for b in bins for i in b] == list(range(len(lengths)))
     for b, nxt in zip(bins, bins[1:]):
         assert sum(lengths[i] for i in b) + lengths[nxt[0]] > capacity
+
+
+def _naive_first_fit(order, lengths, capacity):
+    bins, room = [], []
+    for i in order:
+        b = next((b for b in range(len(bins)) if room[b] >= lengths[i]), None)
+        if b is None:
+            bins.append([]), room.append(capacity)
+            b = len(bins) - 1
+        bins[b].append(i)
+        room[b] -= lengths[i]
+    return bins
+
+
+@given(lengths_and_capacity, st.integers(0, 2**32))
+def test_first_fit_shuffle_is_first_fit_over_a_seeded_shuffle(case, seed):
+    lengths, capacity = case
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    bins = first_fit_shuffle(lengths, capacity, seed=seed)
+    assert bins == _naive_first_fit(order, lengths, capacity)
+    assert first_fit_shuffle(lengths, capacity, seed=seed) == bins  # same seed, same bins
+
+
+def test_first_fit_shuffle_seed_changes_the_order_and_default_is_deterministic():
+    lengths = list(range(1, 41))
+    assert first_fit_shuffle(lengths, 64) == first_fit_shuffle(lengths, 64, seed=0)
+    assert first_fit_shuffle(lengths, 64, seed=1) != first_fit_shuffle(lengths, 64, seed=2)
+    assert pack_lengths(lengths, 64, algorithm="first_fit_shuffle") == first_fit_shuffle(lengths, 64)
 
 
 def test_mffd_fills_large_bins_with_medium_then_small_items():

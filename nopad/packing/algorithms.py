@@ -8,12 +8,14 @@ a packer calls them once per batch on lengths it already fetched, never per toke
     best_fit_decreasing            O(n log C): a sorted set of distinct remaining capacities, bisected
     modified_first_fit_decreasing  Johnson & Garey's MFFD (71/60 OPT + 1), large/medium/small phases
     concatenative                  next fit in the given order (keeps order; what a streaming packer does)
+    first_fit_shuffle              NeMo-RL's: a seeded shuffle of the items, then first fit, O(n log n)
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import random
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -177,6 +179,19 @@ def modified_first_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
     return _first_fit_into(all_items[::-1], ls, capacity, bins)
 
 
+def first_fit_shuffle(lengths: Lengths, capacity: int, seed: int = 0) -> Bins:
+    """Items in a seeded random order, each to the first (oldest) bin with room. O(n log n).
+
+    NeMo-RL's ``first_fit_shuffle``: the order is ``random.Random(seed).shuffle`` of the item
+    indices, so the same lengths and seed always give the same bins. The shuffle mixes long and
+    short sequences in every bin (no bin of only the longest items, as decreasing orders make).
+    """
+    ls = _as_lengths(lengths, capacity)
+    order = list(range(len(ls)))
+    random.Random(seed).shuffle(order)
+    return _first_fit_into(order, ls, capacity, [])
+
+
 def concatenative(lengths: Lengths, capacity: int) -> Bins:
     """Next fit in the given order: a bin closes as soon as the next item does not fit. O(n)."""
     ls = _as_lengths(lengths, capacity)
@@ -196,6 +211,7 @@ ALGORITHMS: dict[str, Callable[[Lengths, int], Bins]] = {
     "best_fit_decreasing": best_fit_decreasing,
     "modified_first_fit_decreasing": modified_first_fit_decreasing,
     "concatenative": concatenative,
+    "first_fit_shuffle": first_fit_shuffle,
 }
 
 

@@ -1,0 +1,1 @@
+"""Adapters that put nopad under existing trainers (``nopad.integrations.verl``)."""
