@@ -5,9 +5,13 @@ Registered with transformers as ``"nopad_varlen"`` (``AttentionInterface`` for t
 tries them::
 
     flash_attn    flash-attn's flash_attn_varlen_func          (the optional ``flash`` extra)
-    varlen_attn   torch.nn.attention.varlen.varlen_attn          (CUDA torch >= 2.10, no extra install)
-    aten_flash    torch.ops.aten._flash_attention_forward        (CUDA torch, older releases too)
+    aten_flash    torch.ops.aten._flash_attention_forward        (every CUDA torch, no extra install)
+    varlen_attn   torch.nn.attention.varlen.varlen_attn          (CUDA torch >= 2.10)
     sdpa          sdpa over the block-diagonal causal mask       (any device and dtype; exact, slow: T x T)
+
+``aten_flash`` comes before ``varlen_attn``: both run torch's flash kernel, and the op called
+directly was faster at every shape measured on an H200 (fwd+bwd 83 against 98 ms at B=32, 31
+against 37 ms at B=4), the public function adding a custom op's Python around the same kernel.
 
 The first three take fp16/bf16 on CUDA only; fp32 and the CPU get ``sdpa``. A kernel is chosen once
 per kind of call (device, dtype and the features the layer needs), and a feature a kernel cannot
@@ -42,7 +46,7 @@ from nopad.layout import IndexPlan, block_causal_mask
 from nopad.parallel.ulysses import ULYSSES_PREFIX, enable_ulysses, set_attn_implementation
 
 IMPLEMENTATION = "nopad_varlen"
-KERNELS = ("flash_attn", "varlen_attn", "aten_flash", "sdpa")
+KERNELS = ("flash_attn", "aten_flash", "varlen_attn", "sdpa")
 _HALF = (torch.float16, torch.bfloat16)
 # transformers treats any implementation whose name contains "flash" as flash-attn, so the forced
 # kernels' implementation names avoid that word.
@@ -187,8 +191,10 @@ def select_kernel(requested: str, device_type: str, dtype: torch.dtype, needs: N
             )
         return requested
     candidates = [k for k in KERNELS if _unavailable(k, device_type, dtype) is None and _refusal(k, needs) is None]
-    # sdpa always qualifies, so candidates is never empty
-    return next((k for k in candidates if not _copies_kv(k, needs)), candidates[0])
+    # a flash kernel that needs no K/V copy, else one that copies (far cheaper than the dense
+    # fallback's T x T mask), else the fallback, which always qualifies
+    flash = [k for k in candidates if k != "sdpa"]
+    return next((k for k in flash if not _copies_kv(k, needs)), flash[0] if flash else "sdpa")
 
 
 def _window(needs: Needs) -> tuple[int, int]:

@@ -102,25 +102,26 @@ def test_auto_on_this_cpu_is_the_exact_fallback_and_the_padded_forward_through_i
 
 
 def test_torch_2_11_varlen_attn_repeats_kv_for_gqa_and_auto_prefers_a_kernel_that_does_not(monkeypatch):
-    use_standins(monkeypatch, flash_attn=None, varlen_attn=varlen_attn_2_11)
+    use_standins(monkeypatch, flash_attn=None, aten_flash=None, varlen_attn=varlen_attn_2_11)
     gqa = attention.Needs(gqa=True)
+    assert attention.select_kernel("auto", "cpu", torch.bfloat16, gqa) == "varlen_attn"  # nothing better left
+    use_standins(monkeypatch, flash_attn=None, varlen_attn=varlen_attn_2_11)
     assert attention.select_kernel("auto", "cpu", torch.bfloat16, gqa) == "aten_flash"
-    assert attention.select_kernel("auto", "cpu", torch.bfloat16, attention.Needs()) == "varlen_attn"
     td = _batch("llama")
     reference = _log_probs_entropy_grads(tiny_llama(), td, packed=False)
     _assert_same(_log_probs_entropy_grads(use_packed_attention(tiny_llama(), "varlen_attn"), td, True), reference)
     assert {c["kv_heads"] for c in CALLS} == {4}  # the copy torch 2.11 needs
 
 
-def test_auto_order_is_flash_attn_then_varlen_attn_then_aten_flash_then_sdpa(monkeypatch):
+def test_auto_order_is_flash_attn_then_aten_flash_then_varlen_attn_then_sdpa(monkeypatch):
     use_standins(monkeypatch)
     needs = attention.Needs(gqa=True)
     assert attention.available_kernels("cpu") == list(attention.KERNELS)
     assert attention.select_kernel("auto", "cpu", torch.float16, needs) == "flash_attn"
     use_standins(monkeypatch, flash_attn=None)
-    assert attention.select_kernel("auto", "cpu", torch.float16, needs) == "varlen_attn"
-    use_standins(monkeypatch, flash_attn=None, varlen_attn=None)
     assert attention.select_kernel("auto", "cpu", torch.float16, needs) == "aten_flash"
+    use_standins(monkeypatch, flash_attn=None, aten_flash=None)
+    assert attention.select_kernel("auto", "cpu", torch.float16, needs) == "varlen_attn"
     use_standins(monkeypatch, flash_attn=None, varlen_attn=None, aten_flash=None)
     assert attention.select_kernel("auto", "cpu", torch.float16, needs) == "sdpa"
 
@@ -165,7 +166,7 @@ def test_a_kernel_that_cannot_slide_is_refused_when_forced_and_skipped_by_auto(m
     use_standins(monkeypatch, varlen_attn=varlen_attn_2_10, aten_flash=aten_flash_without_window, flash_attn=None)
     window = attention.Needs(window=3)
     assert attention.select_kernel("auto", "cpu", torch.bfloat16, window) == "sdpa"
-    assert attention.select_kernel("auto", "cpu", torch.bfloat16, attention.Needs()) == "varlen_attn"
+    assert attention.select_kernel("auto", "cpu", torch.bfloat16, attention.Needs()) == "aten_flash"
     model = use_packed_attention(_sliding_qwen2(), "varlen_attn")
     with pytest.raises(
         ValueError,
@@ -187,8 +188,8 @@ def test_a_kernel_that_cannot_run_here_is_a_clear_error_naming_what_can():
         use_packed_attention(tiny_llama(), "aten_flash")
     with pytest.raises(
         ValueError,
-        match=r"kernel: expected 'auto' or one of \['flash_attn', 'varlen_attn', "
-        r"'aten_flash', 'sdpa'\], got 'flash'",
+        match=r"kernel: expected 'auto' or one of \['flash_attn', 'aten_flash', "
+        r"'varlen_attn', 'sdpa'\], got 'flash'",
     ):
         use_packed_attention(tiny_llama(), "flash")
 
