@@ -17,6 +17,7 @@ the padded batch itself does not).
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,6 +125,11 @@ def _measure(
         return float("inf"), _peak_gib(device), None
 
 
+def _finite(ms: float) -> float | None:
+    """None for a run that ran out of memory (inf), so tables print "-" and JSON stays JSON."""
+    return ms if math.isfinite(ms) else None
+
+
 def bench_model_shape(shape: ModelShape, device: str = "cpu", repeats: int = 3, seed: int = 0) -> list[dict]:
     """Rows of {shape, contender, fwd_ms, fwd_bwd_ms, peak_gib, max_abs_logprob_diff, real/padded}."""
     dev = torch.device(device)
@@ -159,9 +165,9 @@ def bench_model_shape(shape: ModelShape, device: str = "cpu", repeats: int = 3, 
             "shape": shape.label,
             "real/padded": f"{real}/{data['attention_mask'].numel()}",
             "contender": name,
-            "fwd_ms": fwd[name],
-            "fwd_bwd_ms": fwd_bwd[name],
-            "x_padded_fwd_bwd": fwd_bwd["padded sdpa"] / fwd_bwd[name],
+            "fwd_ms": _finite(fwd[name]),
+            "fwd_bwd_ms": _finite(fwd_bwd[name]),
+            "x_padded_fwd_bwd": _finite(fwd_bwd["padded sdpa"] / fwd_bwd[name]),
             "peak_gib": peak[name],
             "max_abs_logprob_diff": diff[name],
         }
@@ -205,7 +211,7 @@ def plot_model(rows: list[dict], path: str) -> None:
         ]
         ax.bar(
             [x + i * width for x in range(len(shapes))],
-            [v if v != float("inf") else 0 for v in values],
+            [v or 0 for v in values],
             width,
             label=name,
         )

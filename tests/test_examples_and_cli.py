@@ -123,3 +123,23 @@ def test_cli_help(argv):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 0
+
+
+def test_bench_model_reports_an_out_of_memory_run_as_missing_not_infinite(monkeypatch):
+    import nopad.bench_model as bm
+
+    measure = bm._measure
+    calls = {"n": 0}
+
+    def padded_backward_runs_out(run, device, backward):
+        calls["n"] += 1
+        if backward and calls["n"] % 6 == 2:  # the padded contender's fwd+bwd, each round
+            return float("inf"), None, None
+        return measure(run, device, backward)
+
+    monkeypatch.setattr(bm, "_measure", padded_backward_runs_out)
+    rows = bm.bench_model_shape(bm.CPU_SHAPES[0], "cpu", repeats=1)
+    padded = rows[0]
+    assert padded["contender"] == "padded sdpa" and padded["fwd_bwd_ms"] is None
+    assert all(r["x_padded_fwd_bwd"] is None for r in rows) and all(r["fwd_ms"] > 0 for r in rows)
+    json.dumps(rows, allow_nan=False)  # valid JSON: no Infinity, no NaN
