@@ -279,25 +279,20 @@ def _verl_thd_shard(plan: Any, values: Tensor, need_roll: bool) -> tuple[Tensor,
     Position ids: a slot's own position, 0 on padding, except that verl fills the whole first
     zigzag chunk of each rank with positions and keeps them through its roll. No sync.
     """
-    cu = plan.cu_seqlens_padded.to(torch.int64)
-    g = plan.global_index
-    seg = torch.searchsorted(cu, g, right=True) - 1
-    off = g - cu[seg]
-    lengths = plan.lengths.to(g.device)
-    seg_len, seg_padded = lengths[seg], cu.diff()[seg]
+    seg, off = plan.segment, plan.offset_in_segment  # the plan's one derivation of slot -> sequence
+    lengths = plan.lengths.to(seg.device)
+    seg_len, seg_padded = lengths[seg], plan.padded_lengths.to(seg.device)[seg]
     zigzag_cp = plan.cp_layout == "zigzag" and plan.cp_size > 1
     if need_roll and plan.cp_layout != "zigzag":
         t_seg, t_off = seg, torch.where(off < seg_len, (off + 1) % seg_len.clamp(min=1), off)
-    elif need_roll and not zigzag_cp:
-        nxt = (g + 1) % plan.padded_total
-        t_seg = torch.searchsorted(cu, nxt, right=True) - 1
-        t_off = nxt - cu[t_seg]
+    elif need_roll and not zigzag_cp:  # one rank holds the whole buffer in order: the next slot's
+        t_seg, t_off = seg.roll(-1), off.roll(-1)
     elif need_roll:
         t_seg, t_off = seg, (off + 1) % seg_padded
     else:
         t_seg, t_off = seg, off
     real = t_off < lengths[t_seg]
-    src = torch.where(real, plan.source_starts.to(g.device)[t_seg] + t_off, 0)
+    src = torch.where(real, plan.source_starts.to(seg.device)[t_seg] + t_off, 0)
     out = values.index_select(0, src)
     out = torch.where(real.view(-1, *([1] * (out.dim() - 1))), out, torch.zeros((), dtype=out.dtype))
     if not zigzag_cp:

@@ -82,6 +82,8 @@ class ThdPlan:
         plan: the :class:`~nopad.layout.IndexPlan` of the real tokens (row ids, positions, labels).
         local_len: int, T / cp_size, the slots this rank holds.
         global_index: (local_len,) int64 global padded slot of each local slot.
+        segment: (local_len,) int64 the sequence each local slot belongs to.
+        offset_in_segment: (local_len,) int64 each local slot's position inside its padded segment.
     """
 
     def __init__(
@@ -112,10 +114,10 @@ class ThdPlan:
         self.global_index = shard_index(self.cu_seqlens_padded, self.local_len, cp_size, cp_rank, cp_layout)
         cu = self.cu_seqlens_padded.to(torch.int64)
         # the segment of every local slot: layout's one token -> sequence derivation, over the padded buffer
-        self._segment = prepare_row_ids(padded_lengths, padded_total).index_select(0, self.global_index)
-        self._offset = self.global_index - cu[self._segment]  # slot's position inside its padded segment
-        self._real = self._offset < lengths[self._segment]
-        self._last = self._offset == lengths[self._segment] - 1  # the last real token of its sequence
+        self.segment = prepare_row_ids(padded_lengths, padded_total).index_select(0, self.global_index)
+        self.offset_in_segment = self.global_index - cu[self.segment]  # slot's position inside its padded segment
+        self._real = self.offset_in_segment < lengths[self.segment]
+        self._last = self.offset_in_segment == lengths[self.segment] - 1  # the last real token of its sequence
         self._unshard_index: Tensor | None = None
 
     @property
@@ -125,7 +127,7 @@ class ThdPlan:
     @property
     def position_ids(self) -> Tensor:
         """(1, local_len) int64: position of each slot's token in its own sequence; 0 on padding slots."""
-        return torch.where(self._real, self._offset, 0).unsqueeze(0)
+        return torch.where(self._real, self.offset_in_segment, 0).unsqueeze(0)
 
     @property
     def padding_mask(self) -> Tensor:
@@ -139,7 +141,7 @@ class ThdPlan:
         has none and, like padding, reads 0 (:meth:`shard` puts ``pad_value`` there: nopad's one
         convention for the label slot no loss trains on).
         """
-        src = self.source_starts[self._segment] + self._offset + int(need_roll)
+        src = self.source_starts[self.segment] + self.offset_in_segment + int(need_roll)
         return torch.where(self._reads(need_roll), src, 0)
 
     def _reads(self, need_roll: bool) -> Tensor:
