@@ -43,7 +43,7 @@ from torch import Tensor
 
 from nopad.errors import input_error
 from nopad.layout import IndexPlan, block_causal_mask
-from nopad.parallel.ulysses import ULYSSES_PREFIX, enable_ulysses, set_attn_implementation
+from nopad.parallel.ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
 
 IMPLEMENTATION = "nopad_varlen"
 KERNELS = ("flash_attn", "aten_flash", "varlen_attn", "sdpa")
@@ -203,10 +203,6 @@ def _window(needs: Needs) -> tuple[int, int]:
     return left, (0 if needs.causal else left)
 
 
-def _repeat_kv(x: Tensor, times: int) -> Tensor:
-    return x if times == 1 else x.repeat_interleave(times, dim=1)
-
-
 def run_kernel(
     kernel: str,
     q: Tensor,
@@ -249,7 +245,7 @@ def run_kernel(
             extra["enable_gqa"] = True
         elif needs.gqa:  # torch 2.11: its varlen_attn wants as many K/V heads as query heads
             times = q.shape[1] // k.shape[1]
-            k, v = _repeat_kv(k, times), _repeat_kv(v, times)
+            k, v = repeat_heads(k, times), repeat_heads(v, times)
         return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **extra)
     if kernel == "aten_flash":
         window = {} if needs.window is None else {"window_size_left": left, "window_size_right": right}
@@ -284,7 +280,7 @@ def _dense_attention(
         return out[0].transpose(0, 1)
     # soft-capping and sinks act on the scores, which sdpa does not expose: the eager formula
     times = q.shape[1] // k.shape[1]
-    scores = q @ _repeat_kv(k, times).transpose(-1, -2) * scale
+    scores = q @ repeat_heads(k, times).transpose(-1, -2) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
@@ -294,7 +290,7 @@ def _dense_attention(
     else:
         probs = scores.softmax(-1)
     probs = F.dropout(probs, p=dropout, training=dropout > 0)
-    return (probs.to(v.dtype) @ _repeat_kv(v, times))[0].transpose(0, 1)
+    return (probs.to(v.dtype) @ repeat_heads(v, times))[0].transpose(0, 1)
 
 
 # ---- boundaries of one forward ------------------------------------------------------------------------

@@ -163,8 +163,10 @@ def _heads_view(module: torch.nn.Module, num_key_value_groups: int, base: str) -
     return _AttributeView(module, num_key_value_groups=num_key_value_groups, config=config)
 
 
-def _repeat_heads(x: Tensor, times: int) -> Tensor:
-    return x if times == 1 else x.repeat_interleave(times, dim=1)
+def repeat_heads(x: Tensor, times: int, dim: int = 1) -> Tensor:
+    """Each key/value head ``times`` times along ``dim``, as grouped-query attention pairs them with
+    query heads (a copy; ``times == 1`` returns ``x``)."""
+    return x if times == 1 else x.repeat_interleave(times, dim=dim)
 
 
 def ulysses_attention(base: str):
@@ -190,7 +192,7 @@ def ulysses_attention(base: str):
             raise input_error("attention heads", None, f"a multiple of the SP size {world}", f"{heads}")
         groups = heads // kv_heads
         if kv_heads % world:  # too few kv heads to split: give every query head its own copy
-            key, value, groups = _repeat_heads(key, groups), _repeat_heads(value, groups), 1
+            key, value, groups = repeat_heads(key, groups), repeat_heads(value, groups), 1
         query, key, value = (all_to_all(t, group, scatter_dim=1, gather_dim=2) for t in (query, key, value))
         total = query.shape[2]
         cu_seqlens = kwargs.get("cu_seq_lens_q")
