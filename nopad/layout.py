@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from nopad.errors import input_error
 from nopad.ops import index_put_first_axis
@@ -125,6 +126,45 @@ def prepare_position_ids(offsets: Tensor, total: int) -> Tensor:
     return spread_over_tokens(-offsets[:-1], offsets, total, plus_position=True)
 
 
+def range_steps(firsts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Host half of :func:`expand_ranges`: where each non-empty range [first, first + length) begins in
+    their concatenation, and the step the running sum takes there. Numpy, no device."""
+    keep = lengths > 0
+    firsts, lengths = firsts[keep], lengths[keep]
+    ends = np.cumsum(lengths)
+    positions = ends - lengths
+    steps = firsts.copy()
+    steps[1:] -= firsts[:-1] + lengths[:-1] - 1  # from the previous range's last value
+    return positions, steps
+
+
+def expand_ranges(positions: Tensor, steps: Tensor, n: int) -> Tensor:
+    """(n,) concatenated ranges from :func:`range_steps`: ones, each range's step at its start, summed.
+
+    ``torch.cat([torch.arange(f, f + l) for f, l in ...])`` in three ops whatever the number of
+    ranges. No sync (``n`` is the total length, known on the host).
+    """
+    ones = torch.ones(n, dtype=torch.int64, device=positions.device)
+    return ones.index_copy_(0, positions, steps).cumsum_(0)
+
+
+def host_to_device(array: np.ndarray, device: torch.device) -> Tensor:
+    """Host int64 array -> the same on ``device`` in ONE non-blocking copy from pinned memory. No sync.
+
+    Four ops on every device (a CPU gets a copy it does not need), so op counts measured on a
+    CPU are the counts on a GPU.
+    """
+    staged = torch.empty(array.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
+    staged.copy_(torch.from_numpy(array))
+    return torch.empty(array.shape, dtype=torch.int64, device=device).copy_(staged, non_blocking=True)
+
+
+def device_to_host(x: Tensor) -> np.ndarray:
+    """Device tensor -> numpy in ONE copy: THE host sync of a call. Two ops on every device."""
+    staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.device.type == "cuda")
+    return staged.copy_(x).numpy()
+
+
 def block_causal_mask(
     cu_seqlens: Tensor,
     total: int,
@@ -161,8 +201,11 @@ def wrap_jagged(
     *,
     min_seqlen: int | None = None,
     max_seqlen: int | None = None,
+    records: dict[str, Tensor] | None = None,
 ) -> Tensor:
     """(total, *) values (or (C, total) with ragged_dim=2) + (B+1,) offsets -> jagged nested tensor.
+
+    ``records``: :func:`seqlen_records` of these min / max lengths, shared between fields.
 
     Equal to ``torch.nested.nested_tensor_from_jagged``. That one routes through the nested
     tensor's Python dispatch (about 30 us) to record that the result is a view of ``values``,
@@ -172,12 +215,20 @@ def wrap_jagged(
         return torch.nested.nested_tensor_from_jagged(
             values, offsets, jagged_dim=ragged_dim, min_seqlen=min_seqlen, max_seqlen=max_seqlen
         )
-    cache = {}
-    if min_seqlen is not None:
-        cache["min_seqlen"] = _njt._store_val_in_tensor(min_seqlen)
-    if max_seqlen is not None:
-        cache["max_seqlen"] = _njt._store_val_in_tensor(max_seqlen)
-    return _njt.NestedTensor(values, offsets, _ragged_idx=ragged_dim, _metadata_cache=cache)
+    if records is None:
+        records = {}
+        if min_seqlen is not None:
+            records["min_seqlen"] = _njt._store_val_in_tensor(min_seqlen)
+        if max_seqlen is not None:
+            records["max_seqlen"] = _njt._store_val_in_tensor(max_seqlen)
+    return _njt.NestedTensor(values, offsets, _ragged_idx=ragged_dim, _metadata_cache=dict(records))
+
+
+def seqlen_records(min_seqlen: int, max_seqlen: int) -> dict[str, Tensor]:
+    """The min / max length records a jagged tensor keeps (torch holds each as a (n, 0) tensor), made
+    once and shared by every nested field with the same offsets."""
+    store = _njt._store_val_in_tensor if _njt is not None else lambda n: torch.zeros(n, 0)
+    return {"min_seqlen": store(min_seqlen), "max_seqlen": store(max_seqlen)}
 
 
 def gather_rows(values: Tensor, src_start: Tensor, lo: Tensor | None, hi: Tensor, width: int) -> Tensor:
@@ -235,6 +286,9 @@ class IndexPlan:
         self._min_seqlen = min_seqlen
         self._row_ids: Tensor | None = None
         self._cu_seqlens: Tensor | None = None
+        self._host: tuple[np.ndarray, np.ndarray, int | None] | None = None  # from_runs' own input
+        self._seqlen_cache: dict[str, Tensor] | None = None
+        self.responses: ResponseGather | None = None
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
@@ -245,6 +299,60 @@ class IndexPlan:
         indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
         lengths = mask.bool().sum(-1)
         return cls(lengths, prepare_offsets(lengths), total=indices.shape[0], width=mask.shape[1], indices=indices)
+
+    @classmethod
+    def from_runs(
+        cls,
+        lengths: np.ndarray,
+        starts: np.ndarray,
+        *,
+        width: int,
+        device: torch.device | str,
+        response_width: int | None = None,
+    ) -> IndexPlan:
+        """Rows whose real tokens are one run at ``starts`` (host int64 arrays, already validated).
+
+        Everything on the device comes from one non-blocking copy of a few (B,) arrays, and the
+        gather indices from one pass (:func:`expand_ranges`). No sync. With ``response_width`` R,
+        the last R columns are each row's response, and the plan also carries where
+        :meth:`unpad_responses` reads each response log-prob (token t's comes from position t - 1)
+        and where it writes it in the (B, R) output.
+        """
+        device = torch.device(device)
+        rows = np.arange(len(lengths), dtype=np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        total = int(offsets[-1])
+        firsts, spans = [rows * width + starts], [lengths]
+        response_total = 0
+        if response_width is not None:
+            response_lens = np.maximum(starts + lengths - (width - response_width), 0)
+            prompt_lens = lengths - response_lens
+            firsts += [offsets[:-1] + prompt_lens - 1, rows * response_width]
+            spans += [response_lens, response_lens]
+            response_total = int(response_lens.sum())
+        positions, steps = range_steps(np.concatenate(firsts), np.concatenate(spans))
+        parts = (lengths, offsets, starts, positions, steps)
+        lengths_d, offsets_d, starts_d, positions_d, steps_d = host_to_device(np.concatenate(parts), device).split(
+            [len(p) for p in parts]
+        )
+        index = expand_ranges(positions_d, steps_d, total + 2 * response_total)
+        indices, *response = index.split([total, response_total, response_total]) if response_width else (index,)
+        plan = cls(
+            lengths_d,
+            offsets_d,
+            total=total,
+            width=width,
+            starts=starts_d,
+            indices=indices,
+            max_seqlen=int(lengths.max()),
+            min_seqlen=int(lengths.min()),
+        )
+        plan._host = (lengths, starts, response_width)
+        if response_width is not None:
+            plan.responses = ResponseGather(len(lengths), response_width, total, *response)
+            _RESPONSES[offsets_d] = plan.responses
+        return plan
 
     @classmethod
     def from_lengths(
@@ -440,6 +548,12 @@ class IndexPlan:
         device = torch.device(device)
         if self.device == device:
             return self
+        if self._host is not None:  # rebuilt from its host arrays: a few (B,) values cross, not the indices
+            host_lengths, host_starts, response_width = self._host
+            assert self.width is not None  # from_runs always records it
+            return IndexPlan.from_runs(
+                host_lengths, host_starts, width=self.width, device=device, response_width=response_width
+            )
         parts = [self.lengths, self.offsets]
         if self.starts is not None:
             parts.append(self.starts)
@@ -486,8 +600,26 @@ class IndexPlan:
         return gather_rows(values, self.offsets[:-1] - self.starts, self.starts, self.starts + self.lengths, width)
 
     def to_nested(self, values: Tensor, ragged_dim: int = 1) -> Tensor:
-        """Wrap (total, *) values (or (C, total) for ragged_dim=2) in a jagged nested tensor."""
-        return wrap_jagged(values, self.offsets, ragged_dim, min_seqlen=self._min_seqlen, max_seqlen=self._max_seqlen)
+        """Wrap (total, *) values (or (C, total) for ragged_dim=2) in a jagged nested tensor.
+
+        Every field of the plan shares one offsets tensor and one pair of min / max length records.
+        """
+        if self._seqlen_cache is None and self._max_seqlen is not None and self._min_seqlen is not None:
+            self._seqlen_cache = seqlen_records(self._min_seqlen, self._max_seqlen)
+        return wrap_jagged(
+            values,
+            self.offsets,
+            ragged_dim,
+            min_seqlen=self._min_seqlen,
+            max_seqlen=self._max_seqlen,
+            records=self._seqlen_cache,
+        )
+
+    def unpad_responses(self, values: Tensor) -> Tensor:
+        """(total, *) outputs of the whole sequences -> (B, R, *) response outputs: see :class:`ResponseGather`."""
+        if self.responses is None:
+            raise input_error("plan", None, "a plan made with response_width (plan_left_right)", f"{self!r}")
+        return self.responses.unpad(values)
 
     def nest(self, x: Tensor, seq_dim: int = 1) -> Tensor:
         """Padded (B, S, *) -> nested (B, j, *); (B, C, S) with seq_dim=2 -> nested (B, C, j).
@@ -557,6 +689,39 @@ class IndexPlan:
 
     def __repr__(self) -> str:
         return f"IndexPlan(batch={self.batch_size}, total={self.total}, width={self.width})"
+
+
+class ResponseGather:
+    """Where each response log-prob of a left/right padded batch is read and written: the way back.
+
+    ``source`` (n,) positions in the (total,) outputs of the whole sequences (token t's log-prob is
+    produced at position t - 1); ``slot`` (n,) positions in the flattened (B, R) padded output.
+    Built once by :meth:`IndexPlan.from_runs`, so the way back is four ops.
+    """
+
+    def __init__(self, batch: int, width: int, total: int, source: Tensor, slot: Tensor) -> None:
+        self.batch, self.width, self.total = batch, width, total
+        self.source, self.slot = source, slot
+
+    def unpad(self, values: Tensor) -> Tensor:
+        """(total, *) -> (B, R, *), zero where a row has no response token. Four ops, no sync; autograd
+        flows to ``values``."""
+        if values.shape[0] != self.total:
+            raise input_error("values", None, f"{self.total} tokens on dim 0", f"shape {tuple(values.shape)}")
+        rest = values.shape[1:]
+        padded = values.new_zeros((self.batch * self.width, *rest))
+        padded = padded.index_copy(0, self.slot, values.index_select(0, self.source))
+        return padded.view(self.batch, self.width, *rest)
+
+
+# The way back of every batch that plan_left_right planned, found from the offsets its nested fields
+# share: weak keys, so it lives exactly as long as those offsets (the values never refer to them).
+_RESPONSES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def response_gather(offsets: Tensor) -> ResponseGather | None:
+    """The :class:`ResponseGather` planned with these very offsets (identity, not value), or None."""
+    return _RESPONSES.get(offsets)
 
 
 def _cached_seqlen(nested: Tensor, attr: str) -> int | None:

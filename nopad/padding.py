@@ -8,34 +8,97 @@ the last ``R`` columns, right-padded, so each row's real tokens are one run that
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Iterable
+from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import get_field
 from nopad.errors import input_error
-from nopad.layout import IndexPlan, gather_rows, jagged_values, nested_offsets, prepare_offsets, ragged_dim, to_host
+from nopad.layout import (
+    IndexPlan,
+    device_to_host,
+    gather_rows,
+    jagged_values,
+    nested_offsets,
+    ragged_dim,
+    response_gather,
+    to_host,
+)
 from nopad.layout import is_nested as _is_nested
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "position_ids")
 PER_TOKEN_KEYS = ("routed_experts", "teacher_logprobs", "teacher_ids")
 
 
-def _first_row(bad: Tensor) -> int:
-    return int(bad.nonzero()[0])
+@functools.lru_cache(maxsize=64)
+def _row_fact_weights(width: int, prompt_width: int, device: torch.device) -> Tensor:
+    """(S, 3) float64 columns whose product with a 0/1 mask gives, per row: its ones, its prompt's
+    ones, and its signed moment (sum of -c over the prompt's ones, c - P over the response's)."""
+    cols = torch.arange(width, dtype=torch.float64)
+    in_prompt = cols < prompt_width
+    moment = torch.where(in_prompt, -cols, cols - prompt_width)
+    # stored column-major: MKL multiplies a (B, S) mask by it several times faster than by row-major
+    return torch.stack([torch.ones_like(cols), in_prompt.double(), moment]).to(device).T
 
 
-def plan_left_right(attention_mask: Tensor, response_mask: Tensor, *, check_response_mask: bool = False) -> IndexPlan:
+def _row_facts(attention_mask: Tensor, response_mask: Tensor, prompt_width: int, check_response_mask: bool) -> Any:
+    """(B, 3 or 4) int64 numpy: ones, prompt ones, signed moment [, response tokens on padding]. The sync."""
+    ones = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+    weights = _row_fact_weights(ones.shape[1], prompt_width, ones.device)
+    facts = ones.to(torch.float64) @ weights  # exact: float64 holds these integer sums
+    if check_response_mask:
+        marked_padding = (response_mask != 0) & ~ones[:, prompt_width:]
+        facts = torch.cat([facts, marked_padding.sum(-1, keepdim=True, dtype=torch.float64)], 1)
+    return device_to_host(facts).astype(np.int64)
+
+
+def _first_bad_row(facts: Any, prompt_width: int) -> tuple[str, int, str] | None:
+    """The first failed check of :func:`_row_facts`' facts: (field, row, expected), or None. Host math.
+
+    A row is one run straddling column P exactly when its prompt's p ones are the last p prompt
+    columns (their sum of c is then as large as p ones can make it) and its response's r ones the
+    first r (as small as r ones can make it). Both gaps are >= 0, so their sum, which the signed
+    moment gives, is 0 exactly when both are.
+    """
+    ones, prompt, moment = facts[:, 0], facts[:, 1], facts[:, 2]
+    response = ones - prompt
+    gap = prompt * (2 * prompt_width - prompt - 1) // 2 - response * (response - 1) // 2 + moment
+    checks = [
+        ("attention_mask", gap != 0, "ones forming one run: prompt left-padded, response right-padded"),
+        ("prompt", (prompt == 0) & (ones > 0), "a non-empty prompt (the first response log-prob comes from it)"),
+    ]
+    if facts.shape[1] > 3:
+        checks.append(("response_mask", facts[:, 3] > 0, "ones only where attention_mask is 1"))
+    failed = [(int(np.flatnonzero(bad)[0]), field, expected) for field, bad, expected in checks if bad.any()]
+    if not failed:
+        return None
+    row, field, expected = min(failed)
+    return field, row, expected
+
+
+def plan_left_right(
+    attention_mask: Tensor,
+    response_mask: Tensor,
+    *,
+    check_response_mask: bool = False,
+    device: torch.device | str | None = None,
+) -> IndexPlan:
     """Plan of a left-padded-prompt / right-padded-response batch, validated. ONE host sync.
 
-    attention_mask (B, S), response_mask (B, R) with R < S. Raises ValueError naming the row when
-    a row is not one contiguous run across column S - R or has an empty prompt but a response.
-    Only the shape of ``response_mask`` is read unless ``check_response_mask``: then a row that
-    marks response tokens attention_mask calls padding fails too, at the cost of one more pass
-    over (B, R) inside the same sync.
+    attention_mask (B, S), response_mask (B, R) with R < S; any nonzero counts as a one. Raises
+    ValueError naming the row when a row is not one contiguous run across column S - R or has an
+    empty prompt but a response. Only the shape of ``response_mask`` is read unless
+    ``check_response_mask``: then a row that marks response tokens attention_mask calls padding
+    fails too (one more pass over (B, R), in the same sync).
+
+    The device computes three facts per row in one product; they come to the host in one copy,
+    where every row is checked and the plan is laid out; a few (B,) arrays go back in one copy.
+    A mask on the CPU (the rollout's) costs no device sync at all: pass ``device`` to build the
+    plan for a batch that lives there.
     """
     if attention_mask.dim() != 2:
         raise input_error("attention_mask", None, "shape (batch, seqlen)", f"{tuple(attention_mask.shape)}")
@@ -44,42 +107,16 @@ def plan_left_right(attention_mask: Tensor, response_mask: Tensor, *, check_resp
         raise input_error("response_mask", None, f"shape ({B}, R) with R < seqlen {S}", f"{tuple(response_mask.shape)}")
     if B == 0:
         raise input_error("attention_mask", None, "at least one row", "an empty batch")
-    prompt_width = S - R
-    # One cumsum pass answers everything. A row's run must be [start, end) with start = P - prompt
-    # length; it is exactly that when no one comes before start and all ones have come by end.
-    # Any nonzero counts as a one (as nonzero() and unpad_input see it); the narrow count writes a
-    # quarter of what an int64 cumsum of an int64 mask would, which the gathers after it feel.
-    ones_upto = attention_mask.bool().cumsum(-1, dtype=torch.int16 if S < 2**15 else torch.int32)
-    lengths, prompt_lens = ones_upto[:, -1].long(), ones_upto[:, prompt_width - 1].long()
-    starts = prompt_width - prompt_lens
-    last_cols = torch.stack([starts - 1, starts + lengths - 1], 1)
-    # a full prompt starts at 0: its "column before" is clamped onto column 0, which holds a one
-    before_start, by_end = ones_upto.gather(1, last_cols.clamp(min=0)).unbind(1)
-    checks = {
-        "attention_mask": (
-            by_end - before_start + (starts == 0) != lengths,
-            "ones forming one run: prompt left-padded, response right-padded",
-        ),
-        "prompt": (
-            (prompt_lens == 0) & (lengths > 0),
-            "a non-empty prompt (the first response log-prob comes from it)",
-        ),
-    }
-    if check_response_mask:
-        checks["response_mask"] = (
-            (response_mask > attention_mask[:, prompt_width:]).any(-1),
-            "ones only where attention_mask is 1",
-        )
-    bad_rows = functools.reduce(operator.or_, (bad for bad, _ in checks.values()))
-    shortest, longest = torch.aminmax(lengths)
-    offsets = prepare_offsets(lengths)
-    total, max_len, min_len, failed = to_host(offsets[-1], longest, shortest, bad_rows.sum())
-    if failed:  # the failure path may take its time: find which check and which row
-        for field, (bad, expected) in checks.items():
-            if bad.any():
-                row = _first_row(bad)
-                raise input_error(field, row, expected, f"attention_mask {attention_mask[row].tolist()}")
-    return IndexPlan(lengths, offsets, total=total, width=S, starts=starts, max_seqlen=max_len, min_seqlen=min_len)
+    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+        raise input_error("attention_mask", None, "an integer or bool mask", f"dtype {attention_mask.dtype}")
+    facts = _row_facts(attention_mask, response_mask, S - R, check_response_mask)
+    failure = _first_bad_row(facts, S - R)
+    if failure is not None:
+        field, row, expected = failure
+        raise input_error(field, row, expected, f"attention_mask {attention_mask[row].tolist()}")
+    lengths, starts = facts[:, 0], (S - R) - facts[:, 1]
+    target = attention_mask.device if device is None else torch.device(device)
+    return IndexPlan.from_runs(lengths, starts, width=S, device=target, response_width=R)
 
 
 def _check_per_token(data: TensorDict, key: str, B: int, S: int) -> Tensor:
@@ -151,16 +188,29 @@ def left_right_2_no_padding(
     else:
         plan = plan.to(input_ids.device)
     out = data.copy()  # shallow: new keys and metadata never reach the caller's TensorDict
-    out["input_ids"] = plan.nest(input_ids)
-    out["position_ids"] = plan.nest(position_ids, seq_dim=2 if mrope else 1)
-    out["loss_mask"] = response_mask
+    put = functools.partial(_put_checked, out)
+    put("input_ids", plan.nest(input_ids))
+    put("position_ids", plan.nest(position_ids, seq_dim=2 if mrope else 1))
+    put("loss_mask", response_mask)
     for key in (*PER_TOKEN_KEYS, *fields):
         if key in data.keys() and not _is_nested(data[key]):
-            out[key] = plan.nest(_check_per_token(data, key, B, S))
+            put(key, plan.nest(_check_per_token(data, key, B, S)))
     out.set_non_tensor("max_seq_len", S)
     out.set_non_tensor("max_response_len", response_mask.shape[1])
     out.set_non_tensor("indices", plan.indices)
     return out
+
+
+def _put_checked(out: TensorDict, key: str, value: Tensor) -> None:
+    """``out[key] = value`` for a value whose batch size and device this module has checked already.
+
+    tensordict would check them again, which on a nested value costs more than the gather that
+    made it (about 40 us a field on a CPU). A TensorDict of any other batch rank takes the checked way.
+    """
+    if out.batch_dims == 1 and hasattr(out, "_set_str"):
+        out._set_str(key, value, inplace=False, validated=True)
+    else:
+        out[key] = value
 
 
 def _response_lengths(data: TensorDict) -> tuple[Tensor, int | None]:
@@ -203,23 +253,60 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
     Row b holds the outputs at positions [end_b - r_b - 1, end_b - 1) of its sequence: the
     log-prob of response token t is produced at position t - 1. Zero-padded on the right.
     No host sync when the width R is known (from ``max_response_len``, ``responses`` or
-    ``response_mask``); gradients flow back to the values.
+    ``response_mask``); gradients flow back to the values. A batch that
+    :func:`left_right_2_no_padding` converted comes back in four ops, through the way back its
+    plan laid out.
+
+    The output must belong to ``data``: a nested output must share the offsets of ``data``'s nested
+    ``input_ids`` (the same tensor, as every nested field nopad makes does; offsets of another tensor
+    are compared by value, which costs one host sync), a flat one must have its total of tokens.
     """
-    values = jagged_values(tensor) if _is_nested(tensor) else tensor
-    if _is_nested(tensor) and ragged_dim(tensor) != 1:
+    nested = _is_nested(tensor)
+    values = jagged_values(tensor) if nested else tensor
+    if nested and ragged_dim(tensor) != 1:
         raise input_error("tensor", None, "a nested tensor ragged on dim 1", f"ragged dim {ragged_dim(tensor)}")
+    offsets = _check_belongs_to_batch(tensor, values, data)
+    way_back = response_gather(offsets) if offsets is not None else None
+    if way_back is not None and max_response_len in (None, way_back.width):
+        if get_field(data, "max_response_len", way_back.width) == way_back.width:
+            return way_back.unpad(values)
     resp_lens, width = _response_lengths(data)
     width = max_response_len if max_response_len is not None else width
     if width is None:
         width = to_host(resp_lens.max())[0]
-    indices = get_field(data, "indices")
-    if isinstance(indices, Tensor) and not _is_nested(tensor) and indices.shape[0] != values.shape[0]:
-        raise input_error(
-            "tensor", None, f"{indices.shape[0]} tokens (the batch's total)", f"shape {tuple(values.shape)}"
-        )
     ends = _sequence_ends(tensor, data).to(values.device)
     resp_lens = resp_lens.to(values.device)
     return gather_rows(values, ends - resp_lens - 1, None, resp_lens, width)
+
+
+def _check_belongs_to_batch(tensor: Tensor, values: Tensor, data: TensorDict) -> Tensor | None:
+    """The offsets ``tensor``'s rows follow, after checking they are ``data``'s; None if unknown.
+
+    Identity first (free); then the host facts (batch, total); the values only when a different
+    offsets tensor got this far (one host sync, on a path nopad's own tensors never take).
+    """
+    ids: Tensor | None = data.get("input_ids", None) if "input_ids" in data.keys() else None
+    batch_offsets, batch_total = None, None
+    if ids is not None and _is_nested(ids):
+        batch_offsets, batch_total = nested_offsets(ids), jagged_values(ids).shape[0]
+    if not _is_nested(tensor):
+        total = batch_total
+        if total is None:
+            indices = get_field(data, "indices")
+            total = indices.shape[0] if isinstance(indices, Tensor) else None
+        if total is not None and values.shape[0] != total:
+            raise input_error("tensor", None, f"{total} tokens (the batch's total)", f"shape {tuple(values.shape)}")
+        return batch_offsets
+    offsets = nested_offsets(tensor)
+    if batch_offsets is None or offsets is batch_offsets:
+        return offsets
+    expected = f"the rows of data's input_ids: {batch_offsets.shape[0] - 1} rows, {batch_total} tokens"
+    got = f"{offsets.shape[0] - 1} rows, {values.shape[0]} tokens"
+    if offsets.shape != batch_offsets.shape or values.shape[0] != batch_total:
+        raise input_error("tensor", None, expected, got)
+    if not torch.equal(offsets, batch_offsets.to(offsets.device)):
+        raise input_error("tensor", None, expected + " and their boundaries", "other boundaries (another micro-batch?)")
+    return offsets
 
 
 def response_from_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:

@@ -123,10 +123,9 @@ def rollout(prompt_lens, resp_lens, P, R, *, masked_rows=(), seed=0, dtype=torch
     data = left_right_2_no_padding(td)
     full = (-torch.rand(B, S, generator=g, dtype=dtype) * 3).requires_grad_()
 
-    def nested_of(x):
+    def nested_of(x):  # on the batch's own offsets, as an engine's output is
         rows = [x[b][attention[b].bool()] for b in range(B)]
-        offsets = torch.tensor([0] + [len(t) for t in rows]).cumsum(0)
-        return torch.nested.nested_tensor_from_jagged(torch.cat(rows), offsets)
+        return torch.nested.nested_tensor_from_jagged(torch.cat(rows), data["input_ids"].offsets())
 
     return data, full, nested_of
 
