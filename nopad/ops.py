@@ -9,6 +9,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from nopad.errors import check_int, check_integer_tensor, input_error
+
+
+def _check_indices(indices: Tensor, rows: int | None, field: str = "indices") -> None:
+    check_integer_tensor(indices, field)
+    if indices.dim() != 1 or (rows is not None and indices.shape[0] != rows):
+        expected = f"shape ({rows},)" if rows is not None else "a 1-D tensor"
+        raise input_error(field, None, expected, f"shape {tuple(indices.shape)}")
+
 
 class _IndexFirstAxis(torch.autograd.Function):
     @staticmethod
@@ -39,11 +48,14 @@ class _IndexPutFirstAxis(torch.autograd.Function):
 
 def index_first_axis(x: Tensor, indices: Tensor) -> Tensor:
     """Rows ``indices`` of an already flat first axis: (N, ...) -> (len(indices), ...). Autograd-aware."""
+    _check_indices(indices, None)
     return _IndexFirstAxis.apply(x, indices)
 
 
 def index_put_first_axis(values: Tensor, indices: Tensor, first_axis_dim: int) -> Tensor:
     """Inverse of :func:`index_first_axis`: (nnz, ...) -> (first_axis_dim, ...), zeros elsewhere."""
+    _check_indices(indices, values.shape[0])
+    first_axis_dim = check_int(first_axis_dim, "first_axis_dim", minimum=0)
     return _IndexPutFirstAxis.apply(values, indices, first_axis_dim)
 
 
@@ -57,6 +69,15 @@ def unpad_input(
     unpadded tensor but not counted in ``seqused``. Costs two host syncs (``nonzero`` and the max),
     as flash-attn's does; :class:`nopad.IndexPlan` has cheaper constructors.
     """
+    if hidden.dim() < 2 or tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
+        raise input_error(
+            "attention_mask",
+            None,
+            f"shape {tuple(hidden.shape[:2])} like hidden's first two dims",
+            f"{tuple(attention_mask.shape)}",
+        )
+    if unused_mask is not None and unused_mask.shape != attention_mask.shape:
+        raise input_error("unused_mask", None, f"shape {tuple(attention_mask.shape)}", f"{tuple(unused_mask.shape)}")
     all_masks = attention_mask if unused_mask is None else attention_mask.bool() | unused_mask.bool()
     seqlens = all_masks.sum(dim=-1, dtype=torch.int32)
     seqused = attention_mask.sum(dim=-1, dtype=torch.int32)
@@ -68,4 +89,5 @@ def unpad_input(
 
 def pad_input(hidden: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
     """Inverse of :func:`unpad_input`: (total_nnz, ...) -> (batch, seqlen, ...), zeros at padding."""
+    batch, seqlen = check_int(batch, "batch", minimum=0), check_int(seqlen, "seqlen", minimum=0)
     return index_put_first_axis(hidden, indices, batch * seqlen).view(batch, seqlen, *hidden.shape[1:])

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import get_field
-from nopad.errors import input_error
+from nopad.errors import check_int, check_integer_tensor, input_error
 from nopad.layout import (
     IndexPlan,
     device_to_host,
@@ -154,6 +154,10 @@ def left_right_2_no_padding(
     non-blocking copy (:meth:`IndexPlan.to`). It must be this batch's plan: only its batch size and
     width are checked here, since comparing it with the device mask would cost the sync it saves.
     """
+    if not isinstance(data, TensorDict):
+        raise input_error("data", None, "a TensorDict", type(data).__name__)
+    if isinstance(fields, str):
+        raise input_error("fields", None, "a list of field names", f"the string {fields!r} (write [{fields!r}])")
     missing = [k for k in REQUIRED_KEYS if k not in data.keys()]
     if missing:
         raise input_error("data", None, f"keys {list(REQUIRED_KEYS)}", f"missing {missing}")
@@ -165,6 +169,8 @@ def left_right_2_no_padding(
         )
     if input_ids.dim() != 2:
         raise input_error("input_ids", None, "shape (batch, seqlen)", f"{tuple(input_ids.shape)}")
+    check_integer_tensor(input_ids, "input_ids")
+    check_integer_tensor(position_ids, "position_ids")
     B, S = input_ids.shape
     if tuple(attention_mask.shape) != (B, S):
         raise input_error("attention_mask", None, f"shape {(B, S)} like input_ids", f"{tuple(attention_mask.shape)}")
@@ -261,6 +267,10 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
     ``input_ids`` (the same tensor, as every nested field nopad makes does; offsets of another tensor
     are compared by value, which costs one host sync), a flat one must have its total of tokens.
     """
+    if max_response_len is not None:
+        max_response_len = check_int(max_response_len, "max_response_len", minimum=0)
+    if not isinstance(tensor, Tensor):
+        raise input_error("tensor", None, "a nested (B, j, *) or flat (total, *) tensor", type(tensor).__name__)
     nested = _is_nested(tensor)
     values = jagged_values(tensor) if nested else tensor
     if nested and ragged_dim(tensor) != 1:
@@ -312,26 +322,51 @@ def _check_belongs_to_batch(tensor: Tensor, values: Tensor, data: TensorDict) ->
 def response_from_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
     """Nested full-sequence output (B, j) -> nested response output (B, j_r), shifted by one.
 
-    ``response_mask`` is nested (B, j_r); no sync (its values give the total).
+    ``response_mask`` is nested (B, j_r) with the same B; no sync (its values give the total).
     """
     if not (_is_nested(tensor) and _is_nested(response_mask)):
         raise input_error("tensor/response_mask", None, "two nested tensors", "a dense tensor")
     resp = IndexPlan.from_nested(response_mask)
     ends = nested_offsets(tensor)[1:].to(resp.offsets.device)
+    if ends.shape[0] != resp.batch_size:
+        raise input_error("response_mask", None, f"{ends.shape[0]} rows like tensor", f"{resp.batch_size} rows")
     src = resp.token_index(ends - resp.lengths - 1)  # token t's log-prob comes from position t - 1
     return resp.to_nested(jagged_values(tensor).index_select(0, src))
 
 
 def response_to_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
-    """Padded response (B, R, *) -> nested (B, j_r, *) with the lengths of nested ``response_mask``."""
+    """Padded response (B, R, *) -> nested (B, j_r, *) with the lengths of nested ``response_mask``.
+
+    Every row of ``response_mask`` must fit in R. That is checked on the host from the longest row
+    the nested mask records (nopad's nested tensors all do), or else with one host sync.
+    """
     if not _is_nested(response_mask):
         raise input_error("response_mask", None, "a nested tensor", "a dense tensor")
-    return IndexPlan.from_nested(response_mask, width=tensor.shape[1]).nest(tensor)
+    plan = IndexPlan.from_nested(response_mask)
+    if not isinstance(tensor, Tensor) or _is_nested(tensor) or tensor.dim() < 2 or tensor.shape[0] != plan.batch_size:
+        shape = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+        raise input_error("tensor", None, f"a padded ({plan.batch_size}, R, ...) tensor", f"{shape}")
+    _check_fits(plan, tensor.shape[1], "tensor", "response_mask")
+    plan.width = tensor.shape[1]
+    return plan.nest(tensor)
+
+
+def _check_fits(plan: IndexPlan, width: int, field: str, rows_of: str) -> None:
+    """Refuse a padded width narrower than the longest row: its gather would read the next row."""
+    if plan.max_seqlen > width:
+        raise input_error(field, None, f"width >= {plan.max_seqlen}, the longest row of {rows_of}", f"width {width}")
 
 
 def build_attention_mask_from_nested(input_ids: Tensor, max_seq_len: int | None = None) -> Tensor:
-    """Nested (B, j) -> right-padded int32 attention mask (B, max_seq_len). Sync only if width unknown."""
-    plan = IndexPlan.from_nested(input_ids, width=max_seq_len)
+    """Nested (B, j) -> right-padded int32 attention mask (B, max_seq_len).
+
+    ``max_seq_len`` must hold the longest row (checked on the host when ``input_ids`` records it, as
+    nopad's nested tensors do; else with one host sync); without it, one sync finds the longest.
+    """
+    plan = IndexPlan.from_nested(input_ids)
+    if max_seq_len is not None:
+        max_seq_len = check_int(max_seq_len, "max_seq_len", minimum=0)
+        _check_fits(plan, max_seq_len, "max_seq_len", "input_ids")
     width = max_seq_len if max_seq_len is not None else plan.max_seqlen
     positions = torch.arange(width, device=plan.lengths.device)
     return (positions < plan.lengths.unsqueeze(1)).to(torch.int32)
@@ -358,5 +393,8 @@ def embeds_padding_2_no_padding(data: TensorDict) -> TensorDict:
     for prefix in ("prompt", "negative_prompt"):
         key = f"{prefix}_embeds"
         if isinstance(data.get(key, None), Tensor) and not _is_nested(data[key]):
-            out[key], out[f"{key}_mask"] = _embeds_to_nested(data[key], data[f"{key}_mask"], key)
+            mask = data.get(f"{key}_mask", None)
+            if not isinstance(mask, Tensor):
+                raise input_error(f"{key}_mask", None, f"a (batch, seqlen) mask beside {key}", "none")
+            out[key], out[f"{key}_mask"] = _embeds_to_nested(data[key], mask, key)
     return out
