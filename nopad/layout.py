@@ -333,11 +333,12 @@ class IndexPlan:
             response_total = int(response_lens.sum())
         positions, steps = range_steps(np.concatenate(firsts), np.concatenate(spans))
         parts = (lengths, offsets, starts, positions, steps)
-        lengths_d, offsets_d, starts_d, positions_d, steps_d = host_to_device(np.concatenate(parts), device).split(
-            [len(p) for p in parts]
-        )
+        blob = host_to_device(np.concatenate(parts), device)
+        lengths_d, offsets_d, starts_d, positions_d, steps_d = blob.split_with_sizes([len(p) for p in parts])
         index = expand_ranges(positions_d, steps_d, total + 2 * response_total)
-        indices, *response = index.split([total, response_total, response_total]) if response_width else (index,)
+        indices, source, slot = index, None, None
+        if response_width is not None:
+            indices, source, slot = index.split_with_sizes([total, response_total, response_total])
         plan = cls(
             lengths_d,
             offsets_d,
@@ -349,8 +350,8 @@ class IndexPlan:
             min_seqlen=int(lengths.min()),
         )
         plan._host = (lengths, starts, response_width)
-        if response_width is not None:
-            plan.responses = ResponseGather(len(lengths), response_width, total, *response)
+        if response_width is not None and source is not None and slot is not None:
+            plan.responses = ResponseGather(len(lengths), response_width, total, source, slot)
             _RESPONSES[offsets_d] = plan.responses
         return plan
 

@@ -36,24 +36,49 @@ PER_TOKEN_KEYS = ("routed_experts", "teacher_logprobs", "teacher_ids")
 
 @functools.lru_cache(maxsize=64)
 def _row_fact_weights(width: int, prompt_width: int, device: torch.device) -> Tensor:
-    """(S, 3) float64 columns whose product with a 0/1 mask gives, per row: its ones, its prompt's
-    ones, and its signed moment (sum of -c over the prompt's ones, c - P over the response's)."""
-    cols = torch.arange(width, dtype=torch.float64)
-    in_prompt = cols < prompt_width
-    moment = torch.where(in_prompt, -cols, cols - prompt_width)
-    # stored column-major: MKL multiplies a (B, S) mask by it several times faster than by row-major
-    return torch.stack([torch.ones_like(cols), in_prompt.double(), moment]).to(device).T
+    """(S,) int64 weights whose sum over a row's ones packs three facts in one integer: the row's
+    ones, its prompt's ones, and its signed moment (the sum of -c over the prompt's ones and of
+    c - P over the response's), in base S + 1 (see :func:`_unpack_row_facts`)."""
+    cols = torch.arange(width, dtype=torch.int64)
+    base = width + 1
+    moment = torch.where(cols < prompt_width, -cols, cols - prompt_width)
+    return (1 + (cols < prompt_width).long() * base + moment * base**2).to(device)
+
+
+def _fits_one_int64(width: int) -> bool:
+    """Whether the packed sum of :func:`_row_fact_weights` cannot overflow: S up to about 65,000."""
+    base = width + 1
+    return width + base * width + base**2 * (width * width // 2 + 1) < 2**63
 
 
 def _row_facts(attention_mask: Tensor, response_mask: Tensor, prompt_width: int, check_response_mask: bool) -> Any:
-    """(B, 3 or 4) int64 numpy: ones, prompt ones, signed moment [, response tokens on padding]. The sync."""
+    """(B, 3 or 4) int64 numpy: ones, prompt ones, signed moment [, response tokens on padding]. The sync.
+
+    One weighted sum per row (integer, so exact; no BLAS, whose thread pool stalls on a busy host).
+    """
     ones = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
-    weights = _row_fact_weights(ones.shape[1], prompt_width, ones.device)
-    facts = ones.to(torch.float64) @ weights  # exact: float64 holds these integer sums
+    width = ones.shape[1]
+    packed = _fits_one_int64(width)
+    if packed:
+        facts = (ones * _row_fact_weights(width, prompt_width, ones.device)).sum(-1, keepdim=True)
+    else:  # rows longer than ~65,000 tokens: the three sums apart
+        cols = torch.arange(width, device=ones.device)
+        moment = torch.where(cols < prompt_width, -cols, cols - prompt_width)
+        facts = torch.stack([ones.sum(-1), ones[:, :prompt_width].sum(-1), (ones * moment).sum(-1)], 1)
     if check_response_mask:
         marked_padding = (response_mask != 0) & ~ones[:, prompt_width:]
-        facts = torch.cat([facts, marked_padding.sum(-1, keepdim=True, dtype=torch.float64)], 1)
-    return device_to_host(facts).astype(np.int64)
+        facts = torch.cat([facts, marked_padding.sum(-1, keepdim=True)], 1)
+    host = device_to_host(facts)
+    return _unpack_row_facts(host, width) if packed else host
+
+
+def _unpack_row_facts(host: Any, width: int) -> Any:
+    """The packed first column of :func:`_row_facts` -> (ones, prompt ones, moment) columns. Host math."""
+    base = width + 1
+    ones = host[:, 0] % base  # numpy's % floors, so the negative moment above does not disturb it
+    rest = (host[:, 0] - ones) // base
+    prompt = rest % base
+    return np.column_stack([ones, prompt, (rest - prompt) // base, host[:, 1:]])
 
 
 def _first_bad_row(facts: Any, prompt_width: int) -> tuple[str, int, str] | None:
@@ -67,6 +92,8 @@ def _first_bad_row(facts: Any, prompt_width: int) -> tuple[str, int, str] | None
     ones, prompt, moment = facts[:, 0], facts[:, 1], facts[:, 2]
     response = ones - prompt
     gap = prompt * (2 * prompt_width - prompt - 1) // 2 - response * (response - 1) // 2 + moment
+    if not (gap.any() or (prompt < np.minimum(ones, 1)).any() or (facts.shape[1] > 3 and facts[:, 3].any())):
+        return None  # every row passes: the common case, decided in three array ops
     checks = [
         ("attention_mask", gap != 0, "ones forming one run: prompt left-padded, response right-padded"),
         ("prompt", (prompt == 0) & (ones > 0), "a non-empty prompt (the first response log-prob comes from it)"),

@@ -280,7 +280,7 @@ def test_plan_left_right_accepts_exactly_the_rows_a_naive_check_accepts(rows, re
         assert torch.equal(plan.indices, attention_mask.flatten().nonzero().flatten())
 
 
-@pytest.mark.parametrize("width", [2**15 - 1, 2**15 + 5])
+@pytest.mark.parametrize("width", [2**15 - 1, 2**15 + 5, 70_000])  # the last: past one packed int64
 def test_plan_left_right_counts_rows_longer_than_int16(width):
     mask = torch.zeros(2, width, dtype=torch.long)  # prompt width 8, the rest response
     mask[0, 3:] = 1  # a row of width - 3 ones: more than int16 holds on the wider batch
