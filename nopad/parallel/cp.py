@@ -208,6 +208,14 @@ def gather_cp_shards(local: Tensor, cp_size: int, cp_rank: int, group=None) -> T
     return torch.stack(shards)
 
 
+def gather_cp_flat(local: Tensor, cp_size: int, cp_rank: int, group=None) -> Tensor:
+    """(local_len, *) on each rank -> (cp_size * local_len, *) rank-major on every rank; ``local``
+    itself when cp_size == 1 (no op at all). See :func:`gather_cp_shards`."""
+    if cp_size == 1:
+        return local
+    return gather_cp_shards(local, cp_size, cp_rank, group).flatten(0, 1)
+
+
 # ---- argument checks ----------------------------------------------------------------------------
 def check_cp_args(tp_size: int, cp_size: int, cp_rank: int, cp_layout: str) -> None:
     """ValueError naming the argument when a size, rank or layout is out of range."""
