@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from nopad.diagnostics import OpCounter
 from nopad.engines.megatron import build_thd_plan, postprocess_thd, preprocess_thd, thd_plan
 from nopad.layout import prepare_offsets
-from nopad.parallel.cp import rank_chunks, real_token_pieces, shard_index, unshard_index
+from nopad.parallel import thd as thd_module
+from nopad.parallel.cp import rank_chunks, real_token_pieces, run_of_each, run_sizes, shard_index, unshard_index
 
 
 def nested_ids(lengths, device="cpu"):
@@ -124,6 +125,25 @@ def test_every_index_of_the_plan_equals_the_per_sequence_loop(lengths, shard, da
     assert plan.unshard_index().tolist() == reference_unshard(lengths, padded, cp, layout)
 
 
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=6), sharding, st.data())
+def test_the_device_branch_one_copy_and_a_binary_search_gives_the_same_plan(lengths, shard, data):
+    """What a GPU runs (one buffer copy, searchsorted), taken on the CPU and compared with the CPU branch."""
+    cp, tp, layout, fp8, bucket = shard
+    rank = data.draw(st.integers(0, cp - 1))
+    kwargs = dict(tp_size=tp, cp_size=cp, cp_rank=rank, cp_layout=layout, pad_to_length_bucket=bucket)
+    plans = []
+    for on_host in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(thd_module, "_is_host", lambda device, on_host=on_host: on_host)
+            plan = build_thd_plan(torch.tensor(lengths), use_fp8_padding=fp8, **kwargs)
+            ids = nested_ids(lengths)
+            plans.append(
+                [plan.shard(ids, need_roll=True), plan.position_ids, plan.global_index, plan.segment]
+                + [plan.unshard_index(), plan.cu_seqlens_padded, plan.lengths, plan.padded_lengths, plan.source_starts]
+            )
+    assert all(torch.equal(a, b) for a, b in zip(*plans))
+
+
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=7), sharding)
 def test_cp_indices_equal_the_loop_with_empty_sequences_too(lengths, shard):
     """The CP helpers on the device and on the host, with 0-length rows (the plan refuses those)."""
@@ -143,6 +163,11 @@ def test_cp_indices_equal_the_loop_with_empty_sequences_too(lengths, shard):
         host = rank_chunks(cu.numpy(), local_len, cp, rank, layout)
         device = rank_chunks(cu, local_len, cp, rank, layout)
         assert all(np.array_equal(h, d.numpy()) for h, d in zip(host, device))
+        # a slot's chunk: by repeating chunk ids (CPU) or by binary search (GPU), the same
+        slots = torch.arange(local_len)
+        by_search = run_of_each(slots, ends=torch.as_tensor(host[0]))
+        by_repeat = run_of_each(slots, sizes=torch.as_tensor(run_sizes(host[0], local_len)))
+        assert torch.equal(by_search, by_repeat)
 
 
 @given(st.lists(st.integers(1, 30), min_size=1, max_size=6), sharding, st.booleans())

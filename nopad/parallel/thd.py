@@ -3,8 +3,9 @@
 One plan = one host sync: the batch's offsets (or lengths) come to the host in ONE copy, and all the
 per-sequence index math (padded boundaries, this rank's chunks, validation) runs there in numpy;
 its results go back to the device in one (non-blocking, pinned) copy. The device then builds every
-per-slot index from a fixed handful of ops whatever the batch size: one ``searchsorted`` finds each
-slot's chunk and one gather reads the chunk's shift, length and source start. The Megatron adapter
+per-slot index from a fixed handful of ops whatever the batch size: one op finds each slot's chunk
+(:func:`~nopad.parallel.cp.run_of_each`) and one gather reads the chunk's shift, length and source
+start. The Megatron adapter
 (:mod:`nopad.engines.megatron`) and the packers (:mod:`nopad.packing.thd`) both shard through it,
 so the CP layout has one derivation (:func:`~nopad.parallel.cp.rank_chunks`). ``PackedSeqParams``
 is megatron-core's when it is installed, else a stand-in with the same fields.
@@ -30,10 +31,11 @@ from nopad.parallel.cp import (
     check_cp_args,
     cp_alignment,
     fp8_alignment,
-    pieces_to_index,
     prepare_padded_lengths,
     rank_chunks,
     real_token_pieces,
+    run_of_each,
+    run_sizes,
 )
 
 
@@ -71,6 +73,13 @@ def packed_seq_params_class() -> type:
     return PackedSeqParams
 
 
+def _is_host(device: torch.device) -> bool:
+    """Whether tensors on ``device`` share the host's memory: the plan then wraps its numpy arrays
+    without a copy and repeats run ids instead of searching. (One switch, so a test can take the
+    device branch on a CPU.)"""
+    return device.type == "cpu"
+
+
 # ---- host arrays on the device --------------------------------------------------------------------
 class _DeviceArrays:
     """Named host int64 arrays, put on ``device`` in ONE copy and handed out as tensors on demand.
@@ -83,7 +92,7 @@ class _DeviceArrays:
     def __init__(self, arrays: dict[str, np.ndarray], device: torch.device):
         self._arrays, self._tensors = arrays, {}
         self._buffer: Tensor | None = None
-        if device.type != "cpu":
+        if not _is_host(device):
             host = torch.from_numpy(np.concatenate(list(arrays.values())))
             if device.type == "cuda":
                 host = host.pin_memory()
@@ -101,6 +110,14 @@ class _DeviceArrays:
                     start += array.shape[0]
                 self._tensors[name] = self._buffer[start : start + self._arrays[name].shape[0]]
         return self._tensors[name]
+
+
+def _run_of_each(items: Tensor, arrays: _DeviceArrays, name: str) -> Tensor:
+    """:func:`~nopad.parallel.cp.run_of_each` with the op that suits the device: a linear repeat of
+    run ids on a CPU, one binary-search kernel elsewhere."""
+    if _is_host(items.device):
+        return run_of_each(items, sizes=arrays[f"{name}_sizes"])
+    return run_of_each(items, ends=arrays[f"{name}_ends"])
 
 
 def _host_int64(x: Tensor) -> np.ndarray:
@@ -145,26 +162,30 @@ class ThdPlan:
         self.tp_size, self.cp_size, self.cp_rank = sizes.tp_size, sizes.cp_size, sizes.cp_rank
         self.cp_layout, self.alignment = sizes.cp_layout, sizes.alignment
         padded = prepare_padded_lengths(lengths, sizes.alignment, sizes.total_multiple)
-        cu = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
+        cu = np.zeros(padded.shape[0] + 1, dtype=np.int64)
+        np.cumsum(padded, out=cu[1:])
         self.total, self.source_len = int(lengths.sum()), source_len
         self.padded_total, self.padded_max_seqlen = int(cu[-1]), int(padded.max())
         self.local_len = self.padded_total // self.cp_size
         self._host_lengths, self._host_cu = lengths, cu
         ends, shift = rank_chunks(cu, self.local_len, self.cp_size, self.cp_rank, self.cp_layout)
-        self._chunks_per_segment = ends.shape[0] // lengths.shape[0]
-        per_chunk = functools.partial(np.repeat, repeats=self._chunks_per_segment)
+        per = self._chunks_per_segment = ends.shape[0] // lengths.shape[0]
         # one row per chunk: the slot's shift to its position, its sequence's length and source start
-        chunk_rows = np.stack([shift, per_chunk(lengths), per_chunk(source_starts)], 1).reshape(-1)
-        arrays = {"chunk_ends": ends, "chunk_rows": chunk_rows, "cu": cu}
+        rows = np.empty((lengths.shape[0], per, 3), dtype=np.int64)
+        rows[:, :, 0] = shift.reshape(-1, per)
+        rows[:, :, 1] = lengths[:, None]
+        rows[:, :, 2] = source_starts[:, None]
+        arrays = {"chunk_ends": ends, "chunk_sizes": run_sizes(ends, self.local_len), "chunk_rows": rows.reshape(-1)}
+        arrays.update(cu=cu)
         arrays.update(lengths=lengths, source_starts=source_starts, padded_lengths=padded)
         self._device = _DeviceArrays(arrays, device)
         # every slot, in a fixed number of ops: its chunk, then one gather of that chunk's row
         slot = torch.arange(self.local_len, device=device)
-        self._chunk = torch.searchsorted(self._device["chunk_ends"], slot, right=True)
-        rows = self._device["chunk_rows"].view(-1, 3).index_select(0, self._chunk)
-        shift_t, self._slot_length, self._slot_start = rows.unbind(1)
+        self._chunk = _run_of_each(slot, self._device, "chunk")
+        rows_t = self._device["chunk_rows"].view(-1, 3).index_select(0, self._chunk)
+        shift_t, self._slot_length, self._slot_start = rows_t.unbind(1)
         self.offset_in_segment = slot + shift_t
-        self._real = self.offset_in_segment < self._slot_length
+        self._padding = self.offset_in_segment >= self._slot_length
         self._sources: dict[bool, tuple[Tensor, Tensor]] = {}
         self._unshard_index: Tensor | None = None
 
@@ -208,12 +229,12 @@ class ThdPlan:
     @property
     def position_ids(self) -> Tensor:
         """(1, local_len) int64: position of each slot's token in its own sequence; 0 on padding slots."""
-        return (self.offset_in_segment * self._real).unsqueeze(0)
+        return self.offset_in_segment.masked_fill(self._padding, 0).unsqueeze(0)
 
     @property
     def padding_mask(self) -> Tensor:
         """(1, local_len) bool: True on alignment padding slots."""
-        return (~self._real).unsqueeze(0)
+        return self._padding.unsqueeze(0)
 
     def source_index(self, need_roll: bool = False) -> Tensor:
         """(local_len,) row of the (source_len, *) values each local slot reads (0 on padding slots).
@@ -228,8 +249,11 @@ class ThdPlan:
         """(source index, skip) for every local slot, computed once per ``need_roll``: skip is True
         where the slot reads no real value (padding; with need_roll, also a sequence's last token)."""
         if need_roll not in self._sources:
-            position = self.offset_in_segment + 1 if need_roll else self.offset_in_segment
-            skip = position >= self._slot_length
+            if need_roll:
+                position = self.offset_in_segment + 1
+                skip = position >= self._slot_length
+            else:
+                position, skip = self.offset_in_segment, self._padding
             self._sources[need_roll] = ((position + self._slot_start).masked_fill(skip, 0), skip)
         return self._sources[need_roll]
 
@@ -253,8 +277,11 @@ class ThdPlan:
         host arrays (one copy to the device, then 4 ops). No sync."""
         if self._unshard_index is None:
             host = real_token_pieces(self._host_cu, self._host_lengths, self.local_len, self.cp_size, self.cp_layout)
-            pieces = _DeviceArrays(dict(zip(("ends", "shift"), host)), self.offset_in_segment.device)
-            self._unshard_index = pieces_to_index(pieces["ends"], pieces["shift"], self.total)
+            ends, shift = host
+            arrays = {"piece_ends": ends, "piece_sizes": run_sizes(ends, self.total), "shift": shift}
+            pieces = _DeviceArrays(arrays, self.offset_in_segment.device)
+            token = torch.arange(self.total, device=self.offset_in_segment.device)
+            self._unshard_index = token + pieces["shift"].index_select(0, _run_of_each(token, pieces, "piece"))
         return self._unshard_index
 
     def shard_routed_experts(self, routed_experts: Tensor, num_experts: int) -> Tensor:
@@ -272,8 +299,8 @@ class ThdPlan:
         out = flat.index_select(0, self.source_index())
         pick = torch.arange(topk, device=out.device)
         spread = (self.global_index.view(-1, *([1] * (out.dim() - 1))) * topk + pick) % num_experts
-        real = self._real.view(-1, *([1] * (out.dim() - 1)))
-        return torch.where(real, out, spread.to(out.dtype)).unsqueeze(0)
+        padding = self._padding.view(-1, *([1] * (out.dim() - 1)))
+        return torch.where(padding, spread.to(out.dtype), out).unsqueeze(0)
 
     def packed_seq_params(self) -> Any:
         """``PackedSeqParams(qkv_format="thd")`` with the GLOBAL padded cu_seqlens for q and kv.
@@ -357,27 +384,33 @@ def _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_
 
 def _checked_plan(
     lengths: np.ndarray,
-    source_starts: np.ndarray,
+    source_starts: np.ndarray | None,
     source_len: int | None,
     sizes: _Sizes,
     device: torch.device,
     field: str,
 ) -> ThdPlan:
-    """Validate host lengths and source starts (ValueError naming the field and row), then plan."""
-    short = lengths < 1
-    if short.any():
-        row = int(short.argmax())
+    """Validate host lengths and source starts (ValueError naming the field and row), then plan.
+
+    ``source_starts`` None: sequences back to back from 0 (always inside the source).
+    """
+    if lengths.min() < 1:
+        row = int((lengths < 1).argmax())
         raise input_error(f"{field}", row, "a sequence of >= 1 token", f"length {int(lengths[row])}")
     source_len = int(lengths.sum()) if source_len is None else source_len
-    outside = (source_starts < 0) | (source_starts + lengths > source_len)
-    if outside.any():
-        row = int(outside.argmax())
-        raise input_error(
-            "source_starts",
-            row,
-            f"a sequence inside the {source_len} source tokens",
-            f"start {int(source_starts[row])} length {int(lengths[row])}",
-        )
+    if source_starts is None:
+        source_starts = np.zeros_like(lengths)
+        np.cumsum(lengths[:-1], out=source_starts[1:])
+    else:
+        outside = (source_starts < 0) | (source_starts + lengths > source_len)
+        if outside.any():
+            row = int(outside.argmax())
+            raise input_error(
+                "source_starts",
+                row,
+                f"a sequence inside the {source_len} source tokens",
+                f"start {int(source_starts[row])} length {int(lengths[row])}",
+            )
     return ThdPlan(lengths, source_starts, source_len, sizes, device)
 
 
@@ -416,9 +449,9 @@ def build_thd_plan(
     sizes = _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
     source_offsets = renamed_keyword("build_thd_plan", "source_offsets", "source_starts", source_offsets, source_starts)
     lengths = lengths.to(torch.int64)
+    host_starts = None
     if source_offsets is None:
         host_lengths = _host_int64(lengths)
-        host_starts = np.concatenate([[0], np.cumsum(host_lengths[:-1])]).astype(np.int64)
     else:
         starts = torch.as_tensor(source_offsets, device=lengths.device).to(torch.int64)
         if starts.shape != lengths.shape:
@@ -445,12 +478,11 @@ def thd_plan(
     """
     check_nested(input_ids_nested, "input_ids")
     offsets = nested_offsets(input_ids_nested)
-    check_cp_args(tp_size, cp_size, cp_rank, cp_layout)
+    check_cp_args(tp_size, cp_size, cp_rank, cp_layout)  # before the batch's shape: as build_thd_plan does
     if offsets.dim() != 1 or offsets.shape[0] < 2:
         got = f"{offsets.dtype} of shape {(max(offsets.shape[0] - 1, 0),)}"
         raise input_error("input_ids", None, "a non-empty 1-D integer tensor", got)
     sizes = _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
     host = _host_int64(offsets)
-    lengths, starts = np.diff(host), host[:-1] - host[0]  # read back to back from the first token
-    device = jagged_values(input_ids_nested).device
-    return _checked_plan(lengths, starts, None, sizes, device, "input_ids")
+    device = jagged_values(input_ids_nested).device  # sequences are read back to back from the first token
+    return _checked_plan(host[1:] - host[:-1], None, None, sizes, device, "input_ids")
