@@ -24,7 +24,7 @@ sequences or ranks, and no host sync (callers pass the sizes they already know o
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -52,7 +52,11 @@ def fp8_alignment(alignment: int) -> tuple[int, int]:
     return math.lcm(16, alignment), alignment * 128
 
 
-def prepare_padded_lengths(lengths: Tensor, alignment: int, total_multiple: int = 1) -> Tensor:
+@overload
+def prepare_padded_lengths(lengths: Tensor, alignment: int, total_multiple: int = 1) -> Tensor: ...
+@overload
+def prepare_padded_lengths(lengths: np.ndarray, alignment: int, total_multiple: int = 1) -> np.ndarray: ...
+def prepare_padded_lengths(lengths: Any, alignment: int, total_multiple: int = 1) -> Any:
     """(B,) lengths -> (B,) int64 lengths rounded up to ``alignment``; the last one also absorbs the
     padding that rounds the TOTAL up to ``total_multiple`` (which must be a multiple of ``alignment``).
 
@@ -78,6 +82,7 @@ def prepare_padded_lengths(lengths: Tensor, alignment: int, total_multiple: int 
 # ---- chunks: the one derivation of a rank's share --------------------------------------------------
 def _stack_flat(parts: list[Any]) -> Any:
     """Interleave equally shaped (..., n) arrays or tensors -> (..., n * len(parts)): part j of item i at i*len+j."""
+    stacked: Any
     if isinstance(parts[0], Tensor):
         stacked = torch.stack(parts, -1)
     else:  # filled in place: np.stack's checks cost more than the copy on small arrays
@@ -118,6 +123,7 @@ def real_token_pieces(cu_seqlens_padded: Any, lengths: Any, local_len: int, cp_s
     one sequence's real tokens inside one chunk: 2*cp_size per sequence under zigzag (some empty),
     else one. No sync.
     """
+    token_starts: Any
     if isinstance(lengths, Tensor):
         token_starts = prepare_offsets(lengths)
     else:
@@ -126,6 +132,7 @@ def real_token_pieces(cu_seqlens_padded: Any, lengths: Any, local_len: int, cp_s
     if cp_layout != "zigzag" or cp_size == 1:  # the gathered buffer is the padded buffer itself
         return token_starts[1:], cu[:-1] - token_starts[:-1]
     width = 2 * cp_size
+    k: Any
     if isinstance(lengths, Tensor):
         k = torch.arange(width, device=lengths.device)
     else:
@@ -194,6 +201,8 @@ def run_of_each(items: Tensor, *, ends: Tensor | None = None, sizes: Tensor | No
     """
     if sizes is not None:
         return torch.repeat_interleave(sizes, output_size=items.shape[0])
+    if ends is None:
+        raise input_error("ends", None, "the runs' ends or sizes", "neither")
     return torch.searchsorted(ends, items, right=True)
 
 

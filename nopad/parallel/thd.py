@@ -90,7 +90,8 @@ class _DeviceArrays:
     """
 
     def __init__(self, arrays: dict[str, np.ndarray], device: torch.device):
-        self._arrays, self._tensors = arrays, {}
+        self._arrays = arrays
+        self._tensors: dict[str, Tensor] = {}
         self._buffer: Tensor | None = None
         if not _is_host(device):
             host = torch.from_numpy(np.concatenate(list(arrays.values())))
@@ -229,7 +230,7 @@ class ThdPlan:
     @property
     def position_ids(self) -> Tensor:
         """(1, local_len) int64: position of each slot's token in its own sequence; 0 on padding slots."""
-        return self.offset_in_segment.masked_fill(self._padding, 0).unsqueeze(0)
+        return torch.where(self._padding, 0, self.offset_in_segment).unsqueeze(0)  # one kernel
 
     @property
     def padding_mask(self) -> Tensor:
@@ -254,7 +255,8 @@ class ThdPlan:
                 skip = position >= self._slot_length
             else:
                 position, skip = self.offset_in_segment, self._padding
-            self._sources[need_roll] = ((position + self._slot_start).masked_fill(skip, 0), skip)
+            # in place on the fresh sum: one kernel (an out-of-place masked_fill copies first)
+            self._sources[need_roll] = ((position + self._slot_start).masked_fill_(skip, 0), skip)
         return self._sources[need_roll]
 
     def shard(self, values: Tensor, *, need_roll: bool = False, pad_value: float | int = 0) -> Tensor:
@@ -269,7 +271,7 @@ class ThdPlan:
         out = flat.index_select(0, index)
         if flat.dim() > 1:
             skip = skip.view(-1, *([1] * (flat.dim() - 1)))
-        return out.masked_fill(skip, _pad_of(pad_value, out.dtype)).unsqueeze(0)
+        return out.masked_fill_(skip, _pad_of(pad_value, out.dtype)).unsqueeze(0)  # out is fresh: in place
 
     def unshard_index(self) -> Tensor:
         """(total,) where each real token sits in the rank-major gathered buffer (cp_size * local_len):
