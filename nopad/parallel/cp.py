@@ -14,8 +14,8 @@ A rank's share is a run of CHUNKS (zigzag: two per segment; otherwise one per se
 chunk, consecutive local slots are consecutive padded slots of one segment. :func:`rank_chunks`
 derives them once, with the same arithmetic on a numpy array (the THD plan, on the host) or a tensor
 (:func:`zigzag_shard_index`, on the device); :func:`real_token_pieces` does the same for the way back.
-A slot (or token) finds its chunk (or piece) with one ``searchsorted`` and is one addition away from
-its index, so every (T,)-sized index costs a fixed handful of ops.
+A slot (or token) finds its chunk (or piece) with one op (:func:`run_of_each`) and is one addition
+away from its index, so every (T,)-sized index costs a fixed handful of ops.
 
 Everything here is arithmetic on (B,)-sized arrays plus one search: no Python loop over
 sequences or ranks, and no host sync (callers pass the sizes they already know on the host).
@@ -147,6 +147,35 @@ def real_token_pieces(cu_seqlens_padded: Any, lengths: Any, local_len: int, cp_s
     return ends.reshape(-1), shift.reshape(-1)
 
 
+# ---- runs: which chunk or piece each slot or token falls in -------------------------------------
+def run_of_each(items: Tensor, *, ends: Tensor | None = None, sizes: Tensor | None = None) -> Tensor:
+    """(n,) the run (chunk or piece) each of ``items = arange(n)`` falls in: ``#(ends <= item)``.
+
+    Runs are consecutive, given by ``ends`` (R,) non-decreasing exclusive ends (empty runs allowed),
+    or by ``sizes`` (R,) counts clipped to [0, n) and summing to n (:func:`run_sizes`). One op, no
+    sync: with sizes a repeat of run ids (linear in n: on a CPU 30x cheaper than a search), with ends
+    one binary search per item (one GPU kernel however long a run is; a repeat spends a warp per run).
+    """
+    if sizes is not None:
+        return torch.repeat_interleave(sizes, output_size=items.shape[0])
+    if ends is None:
+        raise input_error("ends", None, "the runs' ends or sizes", "neither")
+    return torch.searchsorted(ends, items, right=True)
+
+
+def pieces_to_index(shift: Tensor, n: int, *, ends: Tensor | None = None, sizes: Tensor | None = None) -> Tensor:
+    """(n,) ``i + shift[run of i]`` (runs as in :func:`run_of_each`): every slot or token of a run of
+    chunks or pieces, each one addition away from its index, in 4 ops. No sync."""
+    i = torch.arange(n, device=shift.device)
+    return i + shift.index_select(0, run_of_each(i, ends=ends, sizes=sizes))
+
+
+def run_sizes(ends: np.ndarray, n: int) -> np.ndarray:
+    """Host (R,) run ends -> (R,) run sizes inside [0, n), the ``sizes`` of :func:`run_of_each`."""
+    clipped = np.clip(ends, 0, n)
+    return np.diff(clipped, prepend=0)
+
+
 # ---- shard indices ------------------------------------------------------------------------------
 def zigzag_shard_index(cu_seqlens_padded: Tensor, local_len: int, cp_size: int, cp_rank: int | None = None) -> Tensor:
     """Global padded slots held by ``cp_rank``: (local_len,); or by every rank: (cp_size, local_len).
@@ -158,7 +187,7 @@ def zigzag_shard_index(cu_seqlens_padded: Tensor, local_len: int, cp_size: int, 
     rank = torch.arange(cp_size, device=cu.device).unsqueeze(1) if cp_rank is None else cp_rank
     ends, shift = rank_chunks(cu, local_len, cp_size, rank, "zigzag")
     q = torch.arange(local_len, device=cu.device)
-    chunk = torch.searchsorted(ends, q, right=True)
+    chunk = run_of_each(q, ends=ends)
     return q + shift[..., chunk] + cu[chunk // 2]
 
 
@@ -188,34 +217,7 @@ def unshard_index(
     """
     cu = cu_seqlens_padded.to(torch.int64)
     ends, shift = real_token_pieces(cu, lengths.to(torch.int64), local_len, cp_size, cp_layout)
-    return pieces_to_index(ends, shift, total)
-
-
-def run_of_each(items: Tensor, *, ends: Tensor | None = None, sizes: Tensor | None = None) -> Tensor:
-    """(n,) the run (chunk or piece) each of ``items = arange(n)`` falls in: ``#(ends <= item)``.
-
-    Runs are consecutive, given by ``ends`` (R,) non-decreasing exclusive ends (empty runs allowed),
-    or by ``sizes`` (R,) counts clipped to [0, n) and summing to n (:func:`run_sizes`). One op, no
-    sync: with sizes a repeat of run ids (linear in n: on a CPU 30x cheaper than a search), with ends
-    one binary search per item (one GPU kernel however long a run is; a repeat spends a warp per run).
-    """
-    if sizes is not None:
-        return torch.repeat_interleave(sizes, output_size=items.shape[0])
-    if ends is None:
-        raise input_error("ends", None, "the runs' ends or sizes", "neither")
-    return torch.searchsorted(ends, items, right=True)
-
-
-def pieces_to_index(ends: Tensor, shift: Tensor, n: int) -> Tensor:
-    """(n,) ``i + shift[#(ends <= i)]``: every slot or token of a run of chunks or pieces, in 4 ops. No sync."""
-    i = torch.arange(n, device=ends.device)
-    return i + shift.index_select(0, run_of_each(i, ends=ends))
-
-
-def run_sizes(ends: np.ndarray, n: int) -> np.ndarray:
-    """Host (R,) run ends -> (R,) run sizes inside [0, n), the ``sizes`` of :func:`run_of_each`."""
-    clipped = np.clip(ends, 0, n)
-    return np.diff(clipped, prepend=0)
+    return pieces_to_index(shift, total, ends=ends)
 
 
 # ---- collectives --------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from nopad.parallel.cp import (
     check_cp_args,
     cp_alignment,
     fp8_alignment,
+    pieces_to_index,
     prepare_padded_lengths,
     rank_chunks,
     real_token_pieces,
@@ -90,7 +91,7 @@ class _DeviceArrays:
     """
 
     def __init__(self, arrays: dict[str, np.ndarray], device: torch.device):
-        self._arrays = arrays
+        self.device, self._arrays = device, arrays
         self._tensors: dict[str, Tensor] = {}
         self._buffer: Tensor | None = None
         if not _is_host(device):
@@ -113,12 +114,12 @@ class _DeviceArrays:
         return self._tensors[name]
 
 
-def _run_of_each(items: Tensor, arrays: _DeviceArrays, name: str) -> Tensor:
-    """:func:`~nopad.parallel.cp.run_of_each` with the op that suits the device: a linear repeat of
-    run ids on a CPU, one binary-search kernel elsewhere."""
-    if _is_host(items.device):
-        return run_of_each(items, sizes=arrays[f"{name}_sizes"])
-    return run_of_each(items, ends=arrays[f"{name}_ends"])
+def _runs(arrays: _DeviceArrays, name: str) -> dict[str, Tensor]:
+    """The runs ``name`` as :func:`~nopad.parallel.cp.run_of_each` suits the device best: their
+    sizes on a CPU (a linear repeat of run ids), their ends elsewhere (one binary-search kernel)."""
+    if _is_host(arrays.device):
+        return {"sizes": arrays[f"{name}_sizes"]}
+    return {"ends": arrays[f"{name}_ends"]}
 
 
 def _host_int64(x: Tensor) -> np.ndarray:
@@ -169,26 +170,33 @@ class ThdPlan:
         self.padded_total, self.padded_max_seqlen = int(cu[-1]), int(padded.max())
         self.local_len = self.padded_total // self.cp_size
         self._host_lengths, self._host_cu = lengths, cu
-        ends, shift = rank_chunks(cu, self.local_len, self.cp_size, self.cp_rank, self.cp_layout)
+        arrays = self._chunk_table(lengths, source_starts)
+        arrays.update(cu=cu, lengths=lengths, source_starts=source_starts, padded_lengths=padded)
+        self._device = _DeviceArrays(arrays, device)
+        self._locate_slots(device)
+        self._sources: dict[bool, tuple[Tensor, Tensor]] = {}
+        self._unshard_index: Tensor | None = None
+
+    def _chunk_table(self, lengths: np.ndarray, source_starts: np.ndarray) -> dict[str, np.ndarray]:
+        """Host arrays of this rank's chunks: their ends and sizes (the runs a slot is found in) and
+        one row each: (shift to the slot's position in its segment, the sequence's length, its source start)."""
+        ends, shift = rank_chunks(self._host_cu, self.local_len, self.cp_size, self.cp_rank, self.cp_layout)
         per = self._chunks_per_segment = ends.shape[0] // lengths.shape[0]
-        # one row per chunk: the slot's shift to its position, its sequence's length and source start
-        rows = np.empty((lengths.shape[0], per, 3), dtype=np.int64)
+        rows = np.empty((lengths.shape[0], per, 3), dtype=np.int64)  # (sequence, its chunk, field)
         rows[:, :, 0] = shift.reshape(-1, per)
         rows[:, :, 1] = lengths[:, None]
         rows[:, :, 2] = source_starts[:, None]
-        arrays = {"chunk_ends": ends, "chunk_sizes": run_sizes(ends, self.local_len), "chunk_rows": rows.reshape(-1)}
-        arrays.update(cu=cu)
-        arrays.update(lengths=lengths, source_starts=source_starts, padded_lengths=padded)
-        self._device = _DeviceArrays(arrays, device)
-        # every slot, in a fixed number of ops: its chunk, then one gather of that chunk's row
+        return {"chunk_ends": ends, "chunk_sizes": run_sizes(ends, self.local_len), "chunk_rows": rows.reshape(-1)}
+
+    def _locate_slots(self, device: torch.device) -> None:
+        """Every local slot's chunk, position in its segment, length and source start, and whether it
+        is padding: a fixed number of ops whatever B (one op finds the chunk, one gather reads its row)."""
         slot = torch.arange(self.local_len, device=device)
-        self._chunk = _run_of_each(slot, self._device, "chunk")
-        rows_t = self._device["chunk_rows"].view(-1, 3).index_select(0, self._chunk)
-        shift_t, self._slot_length, self._slot_start = rows_t.unbind(1)
-        self.offset_in_segment = slot + shift_t
+        self._chunk = run_of_each(slot, **_runs(self._device, "chunk"))
+        rows = self._device["chunk_rows"].view(-1, 3).index_select(0, self._chunk)
+        shift, self._slot_length, self._slot_start = rows.unbind(1)
+        self.offset_in_segment = slot + shift
         self._padding = self.offset_in_segment >= self._slot_length
-        self._sources: dict[bool, tuple[Tensor, Tensor]] = {}
-        self._unshard_index: Tensor | None = None
 
     # ---- per-sequence tensors, put on the device with the plan ------------------------------
     @property
@@ -282,8 +290,7 @@ class ThdPlan:
             ends, shift = host
             arrays = {"piece_ends": ends, "piece_sizes": run_sizes(ends, self.total), "shift": shift}
             pieces = _DeviceArrays(arrays, self.offset_in_segment.device)
-            token = torch.arange(self.total, device=self.offset_in_segment.device)
-            self._unshard_index = token + pieces["shift"].index_select(0, _run_of_each(token, pieces, "piece"))
+            self._unshard_index = pieces_to_index(pieces["shift"], self.total, **_runs(pieces, "piece"))
         return self._unshard_index
 
     def shard_routed_experts(self, routed_experts: Tensor, num_experts: int) -> Tensor:
