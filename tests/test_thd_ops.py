@@ -311,3 +311,28 @@ def test_on_cuda_a_host_plan_needs_no_sync_and_preprocess_reads_once():
     run = lambda ids: preprocess_thd(ids, cp_size=2, need_roll=True)  # noqa: E731
     small, large = _counted(run, 8, "cuda"), _counted(run, 1024, "cuda")
     assert small.by_op == large.by_op and small.ops <= 40 and small.syncs == 1
+
+
+@pytest.mark.parametrize(
+    ("dtype", "pad_value"),
+    [
+        (torch.int64, -100),
+        (torch.int64, 0.7),
+        (torch.float16, -1.5),
+        (torch.bool, 0),
+        (torch.bool, 3),
+        (torch.int32, 5),
+    ],
+)
+def test_shard_puts_the_pad_value_as_the_dtype_holds_it(dtype, pad_value):
+    lengths = [4, 1, 6]
+    plan = build_thd_plan(torch.tensor(lengths), cp_size=2, cp_rank=1, tp_size=2)
+    values = (torch.arange(11) % 3).to(dtype)
+    for need_roll in (False, True):
+        out = plan.shard(values, need_roll=need_roll, pad_value=pad_value)
+        index = plan.source_index(need_roll)
+        want, _, _ = reference_plan(lengths, [0, 4, 5], tp=2, cp=2, rank=1, layout="zigzag")
+        step = int(need_roll)
+        reads = torch.tensor([o + step < lengths[s] for s, o in zip(want["segment"], want["offset"])])
+        expected = torch.where(reads, values[index], torch.as_tensor(pad_value, dtype=dtype))
+        assert out.dtype == dtype and torch.equal(out, expected.unsqueeze(0))
