@@ -172,8 +172,10 @@ def pieces_to_index(shift: Tensor, n: int, *, ends: Tensor | None = None, sizes:
 
 def run_sizes(ends: np.ndarray, n: int) -> np.ndarray:
     """Host (R,) run ends -> (R,) run sizes inside [0, n), the ``sizes`` of :func:`run_of_each`."""
-    clipped = np.clip(ends, 0, n)
-    return np.diff(clipped, prepend=0)
+    clipped = np.minimum(np.maximum(ends, 0), n)  # (np.clip and np.diff(prepend=) cost 10x more on small arrays)
+    sizes = clipped.copy()
+    sizes[1:] -= clipped[:-1]
+    return sizes
 
 
 # ---- shard indices ------------------------------------------------------------------------------
