@@ -22,12 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from nopad.errors import input_error
-from nopad.layout import check_nested, nested_offsets
-from nopad.parallel.cp import CpLayout, check_cp_args, gather_cp_shards, unshard_index
+from nopad.layout import check_nested, jagged_values, nested_offsets, wrap_jagged
+from nopad.parallel.cp import CpLayout, check_cp_args, gather_cp_flat, unshard_index
 from nopad.parallel.thd import (
     FallbackPackedSeqParams,
     ThdPlan,
@@ -121,14 +120,14 @@ def postprocess_thd(
     if output.dim() < 2 or output.shape[0] != 1:
         raise input_error("output", None, "shape (1, T/cp, ...)", f"{tuple(output.shape)}")
     local_len = output.shape[1]
-    gathered = gather_cp_shards(output[0], cp_size, cp_rank, cp_group).flatten(0, 1)
-    total = input_ids_nested.values().shape[0]
+    gathered = gather_cp_flat(output[0], cp_size, cp_rank, cp_group)
+    total = jagged_values(input_ids_nested).shape[0]
     if plan is not None and plan.local_len == local_len and plan.total == total:
         index = plan.unshard_index()  # the plan's own inverse, computed once
     else:
         index = unshard_index(cu, offsets.diff(), total, local_len, cp_size, layout)
     values = gathered.index_select(0, index)
-    return torch.nested.nested_tensor_from_jagged(
+    return wrap_jagged(
         values,
         offsets,
         min_seqlen=getattr(input_ids_nested, "_maybe_min_seqlen", None),

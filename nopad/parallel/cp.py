@@ -10,21 +10,29 @@ Each of the ``W = cp_size`` ranks holds ``T / W`` of those slots:
   [0, 1, 6, 7, 8, 9, 14, 15] and rank 1 [2, 3, 4, 5, 10, 11, 12, 13].
 - contiguous: rank r keeps slots ``[r*T/W, (r+1)*T/W)`` of the whole buffer.
 
-Everything here is arithmetic on (B,)-sized tensors plus one gather: no Python loop over
+A rank's share is a run of CHUNKS (zigzag: two per segment; otherwise one per segment): within a
+chunk, consecutive local slots are consecutive padded slots of one segment. :func:`rank_chunks`
+derives them once, with the same arithmetic on a numpy array (the THD plan, on the host) or a tensor
+(:func:`zigzag_shard_index`, on the device); :func:`real_token_pieces` does the same for the way back.
+A slot (or token) finds its chunk (or piece) with one op (:func:`run_of_each`) and is one addition
+away from its index, so every (T,)-sized index costs a fixed handful of ops.
+
+Everything here is arithmetic on (B,)-sized arrays plus one search: no Python loop over
 sequences or ranks, and no host sync (callers pass the sizes they already know on the host).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal, overload
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from nopad.errors import input_error
-from nopad.layout import prepare_offsets, prepare_position_ids, prepare_row_ids, round_up
+from nopad.layout import prepare_offsets, round_up
 
 CpLayout = Literal["zigzag", "contiguous"]
 CP_LAYOUTS = ("zigzag", "contiguous")
@@ -44,21 +52,130 @@ def fp8_alignment(alignment: int) -> tuple[int, int]:
     return math.lcm(16, alignment), alignment * 128
 
 
-def prepare_padded_lengths(lengths: Tensor, alignment: int, total_multiple: int = 1) -> Tensor:
+@overload
+def prepare_padded_lengths(lengths: Tensor, alignment: int, total_multiple: int = 1) -> Tensor: ...
+@overload
+def prepare_padded_lengths(lengths: np.ndarray, alignment: int, total_multiple: int = 1) -> np.ndarray: ...
+def prepare_padded_lengths(lengths: Any, alignment: int, total_multiple: int = 1) -> Any:
     """(B,) lengths -> (B,) int64 lengths rounded up to ``alignment``; the last one also absorbs the
     padding that rounds the TOTAL up to ``total_multiple`` (which must be a multiple of ``alignment``).
 
     Tail padding is folded into the last segment because a cu_seqlens that ends short of the
     buffer makes TransformerEngine's partitioning return duplicate and missing tokens. No sync.
+    A numpy array in gives a numpy array out (the THD plan's host path): one derivation for both.
     """
     if total_multiple % alignment:
         raise input_error(
             "total_multiple", None, f"a multiple of the segment alignment {alignment}", f"{total_multiple}"
         )
+    if isinstance(lengths, np.ndarray):
+        padded = round_up(lengths, alignment) if alignment > 1 else lengths.astype(np.int64)  # a new array
+        padded_total = int(padded.sum())
+        padded[-1:] += round_up(padded_total, total_multiple) - padded_total
+        return padded
     lengths = lengths.to(torch.int64)
     padded = round_up(lengths, alignment)
     tail = round_up(padded.sum(), total_multiple) - padded.sum()
     return torch.cat([padded[:-1], padded[-1:] + tail])
+
+
+# ---- chunks: the one derivation of a rank's share --------------------------------------------------
+def _stack_flat(parts: list[Any]) -> Any:
+    """Interleave equally shaped (..., n) arrays or tensors -> (..., n * len(parts)): part j of item i at i*len+j."""
+    stacked: Any
+    if isinstance(parts[0], Tensor):
+        stacked = torch.stack(parts, -1)
+    else:  # filled in place: np.stack's checks cost more than the copy on small arrays
+        stacked = np.empty((*parts[0].shape, len(parts)), dtype=parts[0].dtype)
+        for j, part in enumerate(parts):
+            stacked[..., j] = part
+    return stacked.reshape(*stacked.shape[:-2], -1)
+
+
+def rank_chunks(cu_seqlens_padded: Any, local_len: int, cp_size: int, cp_rank: Any, cp_layout: CpLayout) -> tuple:
+    """This rank's share of the padded buffer as chunks: ``(ends (C,), shift (..., C))``.
+
+    ``cu_seqlens_padded`` (B+1,) int64, a numpy array or a tensor (the same arithmetic on either);
+    ``cp_rank`` an int, or (zigzag only) a (W, 1) tensor of ranks for every rank at once. C = 2B under
+    zigzag with cp > 1 (chunks ``r`` and ``2W-1-r`` of each segment), else B (the segments, cut to
+    this rank's window). Local slot ``q`` lies in chunk ``k = #(ends <= q)`` (``searchsorted(...,
+    right=True)``; empty chunks are skipped), of segment ``k // (C // B)``, at position
+    ``q + shift[k]`` inside that padded segment. No sync.
+    """
+    if cp_layout == "zigzag" and cp_size > 1:
+        local = cu_seqlens_padded // cp_size  # segment boundaries in the local buffer (segment order kept)
+        start = local[:-1]
+        chunk = (local[1:] - start) // 2  # L_i / 2W
+        ends = _stack_flat([start + chunk, local[1:]])
+        # first chunk: position r*c + (q - start); second: (2W-1-r)*c + (q - start - c)
+        first = cp_rank * chunk - start
+        second = (2 * cp_size - 2 - cp_rank) * chunk - start
+        return ends, _stack_flat([first, second])
+    base = cp_rank * local_len  # this rank's window [base, base + local_len) of the global buffer
+    return cu_seqlens_padded[1:] - base, base - cu_seqlens_padded[:-1]
+
+
+def real_token_pieces(cu_seqlens_padded: Any, lengths: Any, local_len: int, cp_size: int, cp_layout: CpLayout) -> tuple:
+    """The way back as pieces of the packed batch: ``(ends (P,), shift (P,))``, numpy or torch.
+
+    Packed token ``t`` (sequences back to back from 0) lies in piece ``p = #(ends <= t)`` and sits at
+    ``t + shift[p]`` of the rank-major gathered buffer (cp_size * local_len). A piece is the part of
+    one sequence's real tokens inside one chunk: 2*cp_size per sequence under zigzag (some empty),
+    else one. No sync.
+    """
+    token_starts: Any
+    if isinstance(lengths, Tensor):
+        token_starts = prepare_offsets(lengths)
+    else:
+        token_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    cu = cu_seqlens_padded
+    if cp_layout != "zigzag" or cp_size == 1:  # the gathered buffer is the padded buffer itself
+        return token_starts[1:], cu[:-1] - token_starts[:-1]
+    width = 2 * cp_size
+    k: Any
+    if isinstance(lengths, Tensor):
+        k = torch.arange(width, device=lengths.device)
+    else:
+        k = np.arange(width)
+    minimum = torch.minimum if isinstance(lengths, Tensor) else np.minimum
+    chunk = ((cu[1:] - cu[:-1]) // width)[:, None]  # (B, 1)
+    first = token_starts[:-1, None]
+    ends = first + minimum((k + 1) * chunk, lengths[:, None])  # chunk k holds positions [k*c, (k+1)*c)
+    rank = minimum(k, width - 1 - k)  # chunk k sits on rank k (k < W) or 2W-1-k
+    local = cu[:-1, None] // cp_size + (k // cp_size) * chunk  # where chunk k starts on its rank
+    shift = rank * local_len + local - k * chunk - first
+    return ends.reshape(-1), shift.reshape(-1)
+
+
+# ---- runs: which chunk or piece each slot or token falls in -------------------------------------
+def run_of_each(items: Tensor, *, ends: Tensor | None = None, sizes: Tensor | None = None) -> Tensor:
+    """(n,) the run (chunk or piece) each of ``items = arange(n)`` falls in: ``#(ends <= item)``.
+
+    Runs are consecutive, given by ``ends`` (R,) non-decreasing exclusive ends (empty runs allowed),
+    or by ``sizes`` (R,) counts clipped to [0, n) and summing to n (:func:`run_sizes`). One op, no
+    sync: with sizes a repeat of run ids (linear in n: on a CPU 30x cheaper than a search), with ends
+    one binary search per item (one GPU kernel however long a run is; a repeat spends a warp per run).
+    """
+    if sizes is not None:
+        return torch.repeat_interleave(sizes, output_size=items.shape[0])
+    if ends is None:
+        raise input_error("ends", None, "the runs' ends or sizes", "neither")
+    return torch.searchsorted(ends, items, right=True)
+
+
+def pieces_to_index(shift: Tensor, n: int, *, ends: Tensor | None = None, sizes: Tensor | None = None) -> Tensor:
+    """(n,) ``i + shift[run of i]`` (runs as in :func:`run_of_each`): every slot or token of a run of
+    chunks or pieces, each one addition away from its index, in 4 ops. No sync."""
+    i = torch.arange(n, device=shift.device)
+    return i + shift.index_select(0, run_of_each(i, ends=ends, sizes=sizes))
+
+
+def run_sizes(ends: np.ndarray, n: int) -> np.ndarray:
+    """Host (R,) run ends -> (R,) run sizes inside [0, n), the ``sizes`` of :func:`run_of_each`."""
+    clipped = np.minimum(np.maximum(ends, 0), n)  # (np.clip and np.diff(prepend=) cost 10x more on small arrays)
+    sizes = clipped.copy()
+    sizes[1:] -= clipped[:-1]
+    return sizes
 
 
 # ---- shard indices ------------------------------------------------------------------------------
@@ -69,14 +186,11 @@ def zigzag_shard_index(cu_seqlens_padded: Tensor, local_len: int, cp_size: int, 
     ``local_len`` = T / cp_size. No sync.
     """
     cu = cu_seqlens_padded.to(torch.int64)
-    seg_len = cu.diff()
-    seg = prepare_row_ids(seg_len // cp_size, local_len)  # the local buffer keeps segment order
-    chunk = seg_len[seg] // (2 * cp_size)
-    q = torch.arange(local_len, device=cu.device) - cu[seg] // cp_size
     rank = torch.arange(cp_size, device=cu.device).unsqueeze(1) if cp_rank is None else cp_rank
-    first_half = q < chunk
-    within = torch.where(first_half, rank * chunk + q, (2 * cp_size - 1 - rank) * chunk + q - chunk)
-    return cu[seg] + within
+    ends, shift = rank_chunks(cu, local_len, cp_size, rank, "zigzag")
+    q = torch.arange(local_len, device=cu.device)
+    chunk = run_of_each(q, ends=ends)
+    return q + shift[..., chunk] + cu[chunk // 2]
 
 
 def contiguous_shard_index(local_len: int, cp_size: int, cp_rank: int | None = None, device=None) -> Tensor:
@@ -104,17 +218,8 @@ def unshard_index(
     ``gathered.flatten(0, 1)[unshard_index(...)]`` is the packed (total, *) batch. No sync.
     """
     cu = cu_seqlens_padded.to(torch.int64)
-    lengths = lengths.to(torch.int64)
-    row = prepare_row_ids(lengths, total)
-    pos = prepare_position_ids(prepare_offsets(lengths), total)
-    if cp_layout != "zigzag" or cp_size == 1:
-        return cu[row] + pos
-    chunk = cu.diff()[row] // (2 * cp_size)
-    k = pos // chunk
-    first_half = k < cp_size
-    rank = torch.where(first_half, k, 2 * cp_size - 1 - k)
-    local = cu[row] // cp_size + pos - k * chunk + torch.where(first_half, 0, chunk)
-    return rank * local_len + local
+    ends, shift = real_token_pieces(cu, lengths.to(torch.int64), local_len, cp_size, cp_layout)
+    return pieces_to_index(shift, total, ends=ends)
 
 
 # ---- collectives --------------------------------------------------------------------------------
@@ -136,6 +241,14 @@ def gather_cp_shards(local: Tensor, cp_size: int, cp_rank: int, group=None) -> T
     dist.all_gather(shards, local.detach().contiguous(), group=group)
     shards[cp_rank] = local
     return torch.stack(shards)
+
+
+def gather_cp_flat(local: Tensor, cp_size: int, cp_rank: int, group=None) -> Tensor:
+    """(local_len, *) on each rank -> (cp_size * local_len, *) rank-major on every rank; ``local``
+    itself when cp_size == 1 (no op at all). See :func:`gather_cp_shards`."""
+    if cp_size == 1:
+        return local
+    return gather_cp_shards(local, cp_size, cp_rank, group).flatten(0, 1)
 
 
 # ---- argument checks ----------------------------------------------------------------------------

@@ -1,10 +1,14 @@
 """The THD plan: where every real token of a packed batch sits in one CP rank's share of the padded buffer.
 
-One plan = one host sync (the padded total and the longest padded segment, fetched together);
-every shard is a fixed number of tensor ops whatever the batch size. The Megatron adapter
+One plan = one host sync: the batch's offsets (or lengths) come to the host in ONE copy, and all the
+per-sequence index math (padded boundaries, this rank's chunks, validation) runs there in numpy;
+its results go back to the device in one (non-blocking, pinned) copy. The device then builds every
+per-slot index from a fixed handful of ops whatever the batch size: one op finds each slot's chunk
+(:func:`~nopad.parallel.cp.run_of_each`) and one gather reads the chunk's shift, length and source
+start. The Megatron adapter
 (:mod:`nopad.engines.megatron`) and the packers (:mod:`nopad.packing.thd`) both shard through it,
-so the CP layout has one derivation. ``PackedSeqParams`` is megatron-core's when it is installed,
-else a stand-in with the same fields.
+so the CP layout has one derivation (:func:`~nopad.parallel.cp.rank_chunks`). ``PackedSeqParams``
+is megatron-core's when it is installed, else a stand-in with the same fields.
 """
 
 from __future__ import annotations
@@ -15,20 +19,24 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from nopad.compat import renamed_attribute, renamed_keyword
 from nopad.errors import input_error
-from nopad.layout import IndexPlan, check_nested, is_nested, nested_offsets, prepare_offsets, prepare_row_ids, to_host
+from nopad.layout import IndexPlan, check_nested, is_nested, jagged_values, nested_offsets
 from nopad.parallel.cp import (
     CpLayout,
     check_cp_args,
     cp_alignment,
     fp8_alignment,
+    pieces_to_index,
     prepare_padded_lengths,
-    shard_index,
-    unshard_index,
+    rank_chunks,
+    real_token_pieces,
+    run_of_each,
+    run_sizes,
 )
 
 
@@ -66,11 +74,74 @@ def packed_seq_params_class() -> type:
     return PackedSeqParams
 
 
+def _is_host(device: torch.device) -> bool:
+    """Whether tensors on ``device`` share the host's memory: the plan then wraps its numpy arrays
+    without a copy and repeats run ids instead of searching. (One switch, so a test can take the
+    device branch on a CPU.)"""
+    return device.type == "cpu"
+
+
+# ---- host arrays on the device --------------------------------------------------------------------
+class _DeviceArrays:
+    """Named host int64 arrays, put on ``device`` in ONE copy and handed out as tensors on demand.
+
+    On a CPU each array is wrapped as it is (no copy); elsewhere they travel together, from pinned
+    memory, with one non-blocking copy (the GPU does not wait for the host, the host does not wait
+    for the GPU), and each name is a slice of that one buffer. No sync.
+    """
+
+    def __init__(self, arrays: dict[str, np.ndarray], device: torch.device):
+        self.device, self._arrays = device, arrays
+        self._tensors: dict[str, Tensor] = {}
+        self._buffer: Tensor | None = None
+        if not _is_host(device):
+            host = torch.from_numpy(np.concatenate(list(arrays.values())))
+            if device.type == "cuda":
+                host = host.pin_memory()
+            self._buffer = host.to(device, non_blocking=True)
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._tensors:
+            if self._buffer is None:
+                self._tensors[name] = torch.from_numpy(self._arrays[name])
+            else:
+                start = 0
+                for key, array in self._arrays.items():
+                    if key == name:
+                        break
+                    start += array.shape[0]
+                self._tensors[name] = self._buffer[start : start + self._arrays[name].shape[0]]
+        return self._tensors[name]
+
+
+def _runs(arrays: _DeviceArrays, name: str) -> dict[str, Tensor]:
+    """The runs ``name`` as :func:`~nopad.parallel.cp.run_of_each` suits the device best: their
+    sizes on a CPU (a linear repeat of run ids), their ends elsewhere (one binary-search kernel)."""
+    if _is_host(arrays.device):
+        return {"sizes": arrays[f"{name}_sizes"]}
+    return {"ends": arrays[f"{name}_ends"]}
+
+
+def _host_int64(x: Tensor) -> np.ndarray:
+    """THE host read of a plan: ``x`` as a fresh int64 numpy array, in one device->host copy."""
+    return x.numpy(force=True).astype(np.int64)  # astype copies: the plan never aliases the caller's tensor
+
+
 # ---- the plan ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Sizes:
+    tp_size: int
+    cp_size: int
+    cp_rank: int
+    cp_layout: CpLayout
+    alignment: int
+    total_multiple: int
+
+
 class ThdPlan:
     """Where every real token of a batch sits in this CP rank's share of the padded THD buffer.
 
-    Attributes:
+    Attributes (tensors on the plan's device; the (B,)-sized ones are derived on the host):
         lengths: (B,) int64 real tokens per sequence.
         source_starts: (B,) int64 where each sequence starts in the (source_len, *) values it is read from.
         total: int, real tokens; ``padded_total``: int, T, the global padded buffer length.
@@ -87,52 +158,92 @@ class ThdPlan:
     """
 
     def __init__(
-        self,
-        lengths: Tensor,
-        source_starts: Tensor,
-        padded_lengths: Tensor,
-        *,
-        total: int,
-        padded_total: int,
-        padded_max_seqlen: int,
-        source_len: int,
-        tp_size: int,
-        cp_size: int,
-        cp_rank: int,
-        cp_layout: CpLayout,
-        alignment: int,
+        self, lengths: np.ndarray, source_starts: np.ndarray, source_len: int, sizes: _Sizes, device: torch.device
     ):
-        self.lengths, self.source_starts = lengths, source_starts
-        self.padded_lengths = padded_lengths
-        self.total, self.padded_total, self.padded_max_seqlen = total, padded_total, padded_max_seqlen
-        self.plan = IndexPlan.from_lengths(lengths, width=padded_max_seqlen, total=total)
-        self.source_len = source_len
-        self.tp_size, self.cp_size, self.cp_rank, self.cp_layout = tp_size, cp_size, cp_rank, cp_layout
-        self.alignment = alignment
-        self.cu_seqlens_padded = prepare_offsets(padded_lengths).to(torch.int32)
-        self.local_len = padded_total // cp_size
-        self.global_index = shard_index(self.cu_seqlens_padded, self.local_len, cp_size, cp_rank, cp_layout)
-        cu = self.cu_seqlens_padded.to(torch.int64)
-        # the segment of every local slot: layout's one token -> sequence derivation, over the padded buffer
-        self.segment = prepare_row_ids(padded_lengths, padded_total).index_select(0, self.global_index)
-        self.offset_in_segment = self.global_index - cu[self.segment]  # slot's position inside its padded segment
-        self._real = self.offset_in_segment < lengths[self.segment]
-        self._last = self.offset_in_segment == lengths[self.segment] - 1  # the last real token of its sequence
+        """From host (B,) int64 lengths (each >= 1) and source starts, already validated. No sync."""
+        self.tp_size, self.cp_size, self.cp_rank = sizes.tp_size, sizes.cp_size, sizes.cp_rank
+        self.cp_layout, self.alignment = sizes.cp_layout, sizes.alignment
+        padded = prepare_padded_lengths(lengths, sizes.alignment, sizes.total_multiple)
+        cu = np.zeros(padded.shape[0] + 1, dtype=np.int64)
+        np.cumsum(padded, out=cu[1:])
+        self.total, self.source_len = int(lengths.sum()), source_len
+        self.padded_total, self.padded_max_seqlen = int(cu[-1]), int(padded.max())
+        self.local_len = self.padded_total // self.cp_size
+        self._host_lengths, self._host_cu = lengths, cu
+        arrays = self._chunk_table(lengths, source_starts)
+        arrays.update(cu=cu, lengths=lengths, source_starts=source_starts, padded_lengths=padded)
+        self._device = _DeviceArrays(arrays, device)
+        self._locate_slots(device)
+        self._sources: dict[bool, tuple[Tensor, Tensor]] = {}
         self._unshard_index: Tensor | None = None
+
+    def _chunk_table(self, lengths: np.ndarray, source_starts: np.ndarray) -> dict[str, np.ndarray]:
+        """Host arrays of this rank's chunks: their ends and sizes (the runs a slot is found in) and
+        one row each: (shift to the slot's position in its segment, the sequence's length, its source start)."""
+        ends, shift = rank_chunks(self._host_cu, self.local_len, self.cp_size, self.cp_rank, self.cp_layout)
+        per = self._chunks_per_segment = ends.shape[0] // lengths.shape[0]
+        rows = np.empty((lengths.shape[0], per, 3), dtype=np.int64)  # (sequence, its chunk, field)
+        rows[:, :, 0] = shift.reshape(-1, per)
+        rows[:, :, 1] = lengths[:, None]
+        rows[:, :, 2] = source_starts[:, None]
+        return {"chunk_ends": ends, "chunk_sizes": run_sizes(ends, self.local_len), "chunk_rows": rows.reshape(-1)}
+
+    def _locate_slots(self, device: torch.device) -> None:
+        """Every local slot's chunk, position in its segment, length and source start, and whether it
+        is padding: a fixed number of ops whatever B (one op finds the chunk, one gather reads its row)."""
+        slot = torch.arange(self.local_len, device=device)
+        self._chunk = run_of_each(slot, **_runs(self._device, "chunk"))
+        rows = self._device["chunk_rows"].view(-1, 3).index_select(0, self._chunk)
+        shift, self._slot_length, self._slot_start = rows.unbind(1)
+        self.offset_in_segment = slot + shift
+        self._padding = self.offset_in_segment >= self._slot_length
+
+    # ---- per-sequence tensors, put on the device with the plan ------------------------------
+    @property
+    def lengths(self) -> Tensor:
+        return self._device["lengths"]
+
+    @property
+    def source_starts(self) -> Tensor:
+        return self._device["source_starts"]
+
+    @property
+    def padded_lengths(self) -> Tensor:
+        return self._device["padded_lengths"]
+
+    @functools.cached_property
+    def cu_seqlens_padded(self) -> Tensor:
+        return self._device["cu"].to(torch.int32)
+
+    @functools.cached_property
+    def plan(self) -> IndexPlan:
+        return IndexPlan.from_lengths(self.lengths, width=self.padded_max_seqlen, total=self.total)
 
     @property
     def batch_size(self) -> int:
-        return self.lengths.shape[0]
+        return self._host_lengths.shape[0]
+
+    # ---- per-slot tensors ----------------------------------------------------------------------
+    @functools.cached_property
+    def segment(self) -> Tensor:
+        """(local_len,) int64 the sequence each local slot belongs to."""
+        per = self._chunks_per_segment
+        return self._chunk if per == 1 else self._chunk // per
+
+    @functools.cached_property
+    def global_index(self) -> Tensor:
+        """(local_len,) int64 global padded slot of each local slot."""
+        return self.offset_in_segment + self._device["cu"].index_select(0, self.segment)
 
     @property
     def position_ids(self) -> Tensor:
         """(1, local_len) int64: position of each slot's token in its own sequence; 0 on padding slots."""
-        return torch.where(self._real, self.offset_in_segment, 0).unsqueeze(0)
+        return torch.where(self._padding, 0, self.offset_in_segment).unsqueeze(0)  # one kernel
 
     @property
     def padding_mask(self) -> Tensor:
         """(1, local_len) bool: True on alignment padding slots."""
-        return (~self._real).unsqueeze(0)
+        return self._padding.unsqueeze(0)
 
     def source_index(self, need_roll: bool = False) -> Tensor:
         """(local_len,) row of the (source_len, *) values each local slot reads (0 on padding slots).
@@ -141,12 +252,20 @@ class ThdPlan:
         has none and, like padding, reads 0 (:meth:`shard` puts ``pad_value`` there: nopad's one
         convention for the label slot no loss trains on).
         """
-        src = self.source_starts[self.segment] + self.offset_in_segment + int(need_roll)
-        return torch.where(self._reads(need_roll), src, 0)
+        return self._source(need_roll)[0]
 
-    def _reads(self, need_roll: bool) -> Tensor:
-        """(local_len,) True where a slot reads a real value: a real token (and, with need_roll, not a last one)."""
-        return self._real & ~self._last if need_roll else self._real
+    def _source(self, need_roll: bool) -> tuple[Tensor, Tensor]:
+        """(source index, skip) for every local slot, computed once per ``need_roll``: skip is True
+        where the slot reads no real value (padding; with need_roll, also a sequence's last token)."""
+        if need_roll not in self._sources:
+            if need_roll:
+                position = self.offset_in_segment + 1
+                skip = position >= self._slot_length
+            else:
+                position, skip = self.offset_in_segment, self._padding
+            # in place on the fresh sum: one kernel (an out-of-place masked_fill copies first)
+            self._sources[need_roll] = ((position + self._slot_start).masked_fill_(skip, 0), skip)
+        return self._sources[need_roll]
 
     def shard(self, values: Tensor, *, need_roll: bool = False, pad_value: float | int = 0) -> Tensor:
         """Per-token (total, *) values or nested (B, j, *) -> this rank's (1, local_len, *) THD shard.
@@ -156,17 +275,22 @@ class ThdPlan:
         Autograd flows back to ``values``. No sync.
         """
         flat = self._values(values)
-        out = flat.index_select(0, self.source_index(need_roll))
-        real = self._reads(need_roll).view(-1, *([1] * (flat.dim() - 1)))
-        return torch.where(real, out, torch.as_tensor(pad_value, dtype=out.dtype, device=out.device)).unsqueeze(0)
+        index, skip = self._source(need_roll)
+        out = flat.index_select(0, index)
+        if flat.dim() > 1:
+            skip = skip.view(-1, *([1] * (flat.dim() - 1)))
+        return out.masked_fill_(skip, _pad_of(pad_value, out.dtype)).unsqueeze(0)  # out is fresh: in place
 
     def unshard_index(self) -> Tensor:
         """(total,) where each real token sits in the rank-major gathered buffer (cp_size * local_len):
-        the way back for :func:`~nopad.engines.megatron.postprocess_thd`. Computed once. No sync."""
+        the way back for :func:`~nopad.engines.megatron.postprocess_thd`. Computed once, from the
+        host arrays (one copy to the device, then 4 ops). No sync."""
         if self._unshard_index is None:
-            self._unshard_index = unshard_index(
-                self.cu_seqlens_padded, self.lengths, self.total, self.local_len, self.cp_size, self.cp_layout
-            )
+            host = real_token_pieces(self._host_cu, self._host_lengths, self.local_len, self.cp_size, self.cp_layout)
+            ends, shift = host
+            arrays = {"piece_ends": ends, "piece_sizes": run_sizes(ends, self.total), "shift": shift}
+            pieces = _DeviceArrays(arrays, self.offset_in_segment.device)
+            self._unshard_index = pieces_to_index(pieces["shift"], self.total, **_runs(pieces, "piece"))
         return self._unshard_index
 
     def shard_routed_experts(self, routed_experts: Tensor, num_experts: int) -> Tensor:
@@ -184,8 +308,8 @@ class ThdPlan:
         out = flat.index_select(0, self.source_index())
         pick = torch.arange(topk, device=out.device)
         spread = (self.global_index.view(-1, *([1] * (out.dim() - 1))) * topk + pick) % num_experts
-        real = self._real.view(-1, *([1] * (out.dim() - 1)))
-        return torch.where(real, out, spread.to(out.dtype)).unsqueeze(0)
+        padding = self._padding.view(-1, *([1] * (out.dim() - 1)))
+        return torch.where(padding, spread.to(out.dtype), out).unsqueeze(0)
 
     def packed_seq_params(self) -> Any:
         """``PackedSeqParams(qkv_format="thd")`` with the GLOBAL padded cu_seqlens for q and kv.
@@ -216,7 +340,7 @@ class ThdPlan:
 
     def _values(self, x: Tensor) -> Tensor:
         if is_nested(x):
-            x = check_nested(x, "tensor").values()
+            x = jagged_values(check_nested(x, "tensor"))
         if x.dim() < 1 or x.shape[0] != self.source_len:
             raise input_error("tensor", None, f"{self.source_len} tokens on dim 0", f"shape {tuple(x.shape)}")
         return x
@@ -245,6 +369,60 @@ class ThdPlan:
     align = renamed_attribute("ThdPlan", "align", "alignment")
 
 
+def _pad_of(pad_value: float | int, dtype: torch.dtype) -> float | int | bool:
+    """``pad_value`` as ``dtype`` holds it (what ``torch.as_tensor(pad_value, dtype=dtype)`` stores)."""
+    if dtype == torch.bool:
+        return bool(pad_value)
+    return pad_value if dtype.is_floating_point or dtype.is_complex else int(pad_value)
+
+
+def _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket) -> _Sizes:
+    """Check the sizes (ValueError naming the argument) and derive the segment and total multiples."""
+    check_cp_args(tp_size, cp_size, cp_rank, cp_layout)
+    if pad_to_length_bucket is not None and (not isinstance(pad_to_length_bucket, int) or pad_to_length_bucket <= 0):
+        raise input_error("pad_to_length_bucket", None, "a positive int or None", f"{pad_to_length_bucket!r}")
+    align = cp_alignment(tp_size, cp_size, cp_layout)
+    total_multiple = align
+    if use_fp8_padding:
+        align, fp8_total = fp8_alignment(align)
+        total_multiple = math.lcm(align, fp8_total)
+    if pad_to_length_bucket is not None:
+        total_multiple = math.lcm(total_multiple, pad_to_length_bucket)
+    return _Sizes(tp_size, cp_size, cp_rank, cp_layout, align, total_multiple)
+
+
+def _checked_plan(
+    lengths: np.ndarray,
+    source_starts: np.ndarray | None,
+    source_len: int | None,
+    sizes: _Sizes,
+    device: torch.device,
+    field: str,
+) -> ThdPlan:
+    """Validate host lengths and source starts (ValueError naming the field and row), then plan.
+
+    ``source_starts`` None: sequences back to back from 0 (always inside the source).
+    """
+    if lengths.min() < 1:
+        row = int((lengths < 1).argmax())
+        raise input_error(f"{field}", row, "a sequence of >= 1 token", f"length {int(lengths[row])}")
+    source_len = int(lengths.sum()) if source_len is None else source_len
+    if source_starts is None:
+        source_starts = np.zeros_like(lengths)
+        np.cumsum(lengths[:-1], out=source_starts[1:])
+    else:
+        outside = (source_starts < 0) | (source_starts + lengths > source_len)
+        if outside.any():
+            row = int(outside.argmax())
+            raise input_error(
+                "source_starts",
+                row,
+                f"a sequence inside the {source_len} source tokens",
+                f"start {int(source_starts[row])} length {int(lengths[row])}",
+            )
+    return ThdPlan(lengths, source_starts, source_len, sizes, device)
+
+
 def build_thd_plan(
     lengths: Tensor,
     *,
@@ -258,13 +436,17 @@ def build_thd_plan(
     source_len: int | None = None,
     field: str = "lengths",
     source_offsets: Tensor | None = None,
+    device: torch.device | str | None = None,
 ) -> ThdPlan:
-    """Plan this CP rank's THD shard from (B,) sequence lengths. ONE host sync.
+    """Plan this CP rank's THD shard from (B,) sequence lengths. ONE host read (of the lengths).
 
     ``source_starts`` (B,) (formerly ``source_offsets``) says where each sequence starts in the flat
     values of ``source_len`` tokens later passed to :meth:`ThdPlan.shard` (default: back to back,
     ``cumsum(lengths)``), so offline packed rows (N, L) with row padding can be sharded from
     ``rows.flatten()`` directly.
+    ``device`` (default: the lengths') is where the plan's tensors live: CPU lengths with
+    ``device="cuda"`` plan a GPU batch without any device sync (the index math runs on the host and
+    its results travel in one non-blocking copy).
     Raises ValueError naming the field and row for an empty sequence or one that runs past the
     source, and for out-of-range sizes, rank, layout or bucket.
     """
@@ -273,53 +455,19 @@ def build_thd_plan(
     if lengths.dim() != 1 or lengths.shape[0] == 0 or lengths.dtype.is_floating_point:
         got = f"{lengths.dtype} of shape {tuple(lengths.shape)}"
         raise input_error(f"{field}", None, "a non-empty 1-D integer tensor", f"{got}")
-    if pad_to_length_bucket is not None and (not isinstance(pad_to_length_bucket, int) or pad_to_length_bucket <= 0):
-        raise input_error("pad_to_length_bucket", None, "a positive int or None", f"{pad_to_length_bucket!r}")
-    lengths = lengths.to(torch.int64)
-    align = cp_alignment(tp_size, cp_size, cp_layout)
-    total_multiple = align
-    if use_fp8_padding:
-        align, fp8_total = fp8_alignment(align)
-        total_multiple = math.lcm(align, fp8_total)
-    if pad_to_length_bucket is not None:
-        total_multiple = math.lcm(total_multiple, pad_to_length_bucket)
-    padded = prepare_padded_lengths(lengths, align, total_multiple)
+    sizes = _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
     source_offsets = renamed_keyword("build_thd_plan", "source_offsets", "source_starts", source_offsets, source_starts)
+    lengths = lengths.to(torch.int64)
+    host_starts = None
     if source_offsets is None:
-        source_offsets = prepare_offsets(lengths)[:-1]
-    source_offsets = torch.as_tensor(source_offsets, device=lengths.device).to(torch.int64)
-    if source_offsets.shape != lengths.shape:
-        raise input_error("source_starts", None, f"shape {tuple(lengths.shape)}", f"{tuple(source_offsets.shape)}")
-    ends = source_offsets + lengths
-    total, padded_total, padded_max_seqlen, min_len, first, last_end = to_host(
-        lengths.sum(), padded.sum(), padded.max(), lengths.min(), source_offsets.min(), ends.max()
-    )
-    if min_len < 1:
-        row = int((lengths < 1).nonzero()[0])
-        raise input_error(f"{field}", row, "a sequence of >= 1 token", f"length {int(lengths[row])}")
-    source_len = total if source_len is None else source_len
-    if first < 0 or last_end > source_len:
-        row = int(((source_offsets < 0) | (ends > source_len)).nonzero()[0])
-        raise input_error(
-            "source_starts",
-            row,
-            f"a sequence inside the {source_len} source tokens",
-            f"start {int(source_offsets[row])} length {int(lengths[row])}",
-        )
-    return ThdPlan(
-        lengths,
-        source_offsets,
-        padded,
-        total=total,
-        padded_total=padded_total,
-        padded_max_seqlen=padded_max_seqlen,
-        source_len=source_len,
-        tp_size=tp_size,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        cp_layout=cp_layout,
-        alignment=align,
-    )
+        host_lengths = _host_int64(lengths)
+    else:
+        starts = torch.as_tensor(source_offsets, device=lengths.device).to(torch.int64)
+        if starts.shape != lengths.shape:
+            raise input_error("source_starts", None, f"shape {tuple(lengths.shape)}", f"{tuple(starts.shape)}")
+        host_lengths, host_starts = _host_int64(torch.stack([lengths, starts]))  # both in the one read
+    device = lengths.device if device is None else torch.device(device)
+    return _checked_plan(host_lengths, host_starts, source_len, sizes, device, field)
 
 
 def thd_plan(
@@ -332,18 +480,18 @@ def thd_plan(
     use_fp8_padding: bool = False,
     pad_to_length_bucket: int | None = None,
 ) -> ThdPlan:
-    """:func:`build_thd_plan` from a jagged nested (B, j, *) tensor's offsets. ONE host sync.
+    """:func:`build_thd_plan` from a jagged nested (B, j, *) tensor's offsets. ONE host read (of the offsets).
 
+    The plan lives on the values' device; offsets already on the host cost no device sync at all.
     Shard the batch's companions (labels, loss masks, routed experts) with the returned plan.
     """
     check_nested(input_ids_nested, "input_ids")
-    return build_thd_plan(
-        nested_offsets(input_ids_nested).diff(),
-        tp_size=tp_size,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        cp_layout=cp_layout,
-        use_fp8_padding=use_fp8_padding,
-        pad_to_length_bucket=pad_to_length_bucket,
-        field="input_ids",
-    )
+    offsets = nested_offsets(input_ids_nested)
+    check_cp_args(tp_size, cp_size, cp_rank, cp_layout)  # before the batch's shape: as build_thd_plan does
+    if offsets.dim() != 1 or offsets.shape[0] < 2:
+        got = f"{offsets.dtype} of shape {(max(offsets.shape[0] - 1, 0),)}"
+        raise input_error("input_ids", None, "a non-empty 1-D integer tensor", got)
+    sizes = _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
+    host = _host_int64(offsets)
+    device = jagged_values(input_ids_nested).device  # sequences are read back to back from the first token
+    return _checked_plan(host[1:] - host[:-1], None, None, sizes, device, "input_ids")
