@@ -1,21 +1,35 @@
-"""Reading a field from a micro batch, whatever holds it (TensorDict or dict, tensor or metadata)."""
+"""Reading what a call takes, checked: fields of a micro batch (TensorDict or dict, tensor or metadata),
+and the flags, numbers and options of a public entry point.
+
+Every check here runs on the host, on Python values and tensor shapes and dtypes: none reads a
+tensor's values, so none adds a host sync.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Collection
 from typing import Any
 
+import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-_SCALARS = (type(None), bool, int, float, str)
+from nopad.errors import input_error
+from nopad.layout import is_nested, jagged_values
+
+_SCALARS = (type(None), bool, str, bytes, numbers.Number)
 
 
 def get_field(batch: Any, key: str, default: Any = None) -> Any:
-    """``batch[key]`` with NonTensorData unwrapped to its value; ``default`` when the key is absent.
+    """``batch[key]`` with metadata unwrapped to its one value; ``default`` when absent or None.
 
-    A figure stored without ``NonTensorData`` (verl assigns some as plain values) reads back under
-    tensordict 0.15 as a stack, a ``LinkedList`` of one value per row; when every row holds the same
-    scalar (``None`` included), that scalar is the value.
+    Metadata may come as ``NonTensorData``, a ``NonTensorStack`` or (tensordict >= 0.10 reading a
+    figure stored per row, ``NonTensorData(None)`` included) a ``LinkedList`` of one value per row.
+    Every form reads the same: all rows equal -> that value; all None -> missing (``default``);
+    rows that differ -> ValueError naming the key (a figure of the whole micro batch has one value).
+    Tensors are returned as they are. No sync.
     """
     if isinstance(batch, TensorDict):
         if key not in batch.keys():
@@ -24,14 +38,125 @@ def get_field(batch: Any, key: str, default: Any = None) -> Any:
         if isinstance(value, Tensor):  # ``.data`` of a nested tensor would build a new one (tens of us)
             return value
         value = batch.get_non_tensor(key)
-        return _one_value(getattr(value, "data", value))
-    return batch.get(key, default)
+    else:
+        value = batch.get(key, None)
+    value = one_value(value, f"data[{key!r}]")
+    return default if value is None else value
 
 
-def _one_value(value: Any) -> Any:
-    if isinstance(value, (Tensor, *_SCALARS, dict)) or not hasattr(value, "__iter__") or not hasattr(value, "__len__"):
+def one_value(value: Any, field: str) -> Any:
+    """The single value behind ``value``: NonTensorData unwrapped, a per-row stack or list of equal
+    values collapsed to one (None when every row is None); differing rows are a ValueError."""
+    value = _unwrap(value)
+    if not _is_stack(value):
         return value
-    items = list(value)
-    if items and all(isinstance(x, _SCALARS) for x in items) and all(x == items[0] for x in items):
-        return items[0]
+    items = [_unwrap(item) for item in value]
+    if not items:
+        return None
+    first = items[0]
+    if all(_same(item, first) for item in items[1:]):
+        return first
+    shown = ", ".join(repr(item) for item in items[:4]) + (", ..." if len(items) > 4 else "")
+    raise input_error(
+        field,
+        None,
+        "one value for the whole micro batch (store per-row values as a (batch,) tensor)",
+        f"{len(items)} rows that differ: [{shown}]",
+    )
+
+
+def _unwrap(value: Any) -> Any:
+    if type(value).__name__ in ("NonTensorData", "NonTensorStack"):  # tensordict's wrappers, any version
+        return value.tolist() if type(value).__name__ == "NonTensorStack" else value.data
     return value
+
+
+def _is_stack(value: Any) -> bool:
+    """A per-row sequence of values: tensordict's LinkedList, a list or a tuple (not a str, dict or tensor)."""
+    return type(value).__name__ == "LinkedList" or isinstance(value, (list, tuple))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if not (isinstance(a, _SCALARS) and isinstance(b, _SCALARS)):
+        return False  # tensors and containers: the same object only (comparing values would read them)
+    if isinstance(a, bool) != isinstance(b, bool) or isinstance(a, (str, bytes)) != isinstance(b, (str, bytes)):
+        return False  # True is not 1, "1" is not 1
+    return bool(a == b) or (a != a and b != b)  # NaN rows are equal rows
+
+
+# ---- checks of the arguments of a public entry point --------------------------------------------
+def check_flag(value: Any, field: str) -> bool:
+    """A real boolean (``bool`` or numpy's ``bool_``), never a string or a number: ``"false"`` is
+    truthy in Python, so a flag read from text would silently turn the feature on."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise input_error(field, None, "True or False (a bool)", f"{value!r} ({type(value).__name__})")
+
+
+def check_choice(value: Any, field: str, choices: Collection[str]) -> str:
+    """One of ``choices`` (strings); anything else names them."""
+    if not isinstance(value, str) or value not in choices:
+        raise input_error(field, None, f"one of {list(choices)}", repr(value))
+    return value
+
+
+def check_real(
+    value: Any,
+    field: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """A finite real number (int, float or numpy scalar; not a bool, str or tensor) within [low, high]
+    (an open end with ``low_open`` / ``high_open``). Returns it as a float."""
+    number = _as_real(value)
+    if number is None or not math.isfinite(number):
+        raise input_error(field, None, f"a finite number{_range(low, high, low_open, high_open)}", repr(value))
+    too_low = low is not None and (number < low or (low_open and number == low))
+    too_high = high is not None and (number > high or (high_open and number == high))
+    if too_low or too_high:
+        raise input_error(field, None, f"a number{_range(low, high, low_open, high_open)}", repr(value))
+    return number
+
+
+def check_int(value: Any, field: str, *, low: int | None = None, high: int | None = None) -> int:
+    """An integer (int or numpy integer; not a bool, float or str) within [low, high]."""
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise input_error(field, None, f"an int{_range(low, high, False, False)}", f"{value!r}")
+    number = int(value)
+    if (low is not None and number < low) or (high is not None and number > high):
+        raise input_error(field, None, f"an int{_range(low, high, False, False)}", f"{value!r}")
+    return number
+
+
+def check_real_dtype(x: Tensor, field: str, *, floating: bool = False) -> Tensor:
+    """A tensor of real numbers: floating point, or (unless ``floating``) integer; never bool or complex."""
+    if not isinstance(x, Tensor):
+        raise input_error(field, None, "a tensor", type(x).__name__)
+    dtype = jagged_values(x).dtype if is_nested(x) else x.dtype  # a jagged tensor's .dtype costs a dispatch
+    if not (dtype.is_floating_point or (not floating and dtype != torch.bool and not dtype.is_complex)):
+        kind = "a floating-point tensor" if floating else "a tensor of real numbers (float or int)"
+        raise input_error(field, None, kind, f"dtype {dtype}")
+    return x
+
+
+def _as_real(value: Any) -> float | None:
+    if type(value) is float or type(value) is int:  # the common case, without an ABC check
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def _range(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if low is not None and high is not None:
+        return f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if low is not None:
+        return f" {'>' if low_open else '>='} {low:g}"
+    if high is not None:
+        return f" {'<' if high_open else '<='} {high:g}"
+    return ""

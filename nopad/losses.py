@@ -13,11 +13,19 @@ however the batch was split. :func:`global_batch_info` computes the figures.
 
 No host syncs: metrics are returned as detached 0-d tensors (call ``.item()`` or
 :func:`nopad.to_host` once per step to log them). Every function is a fixed number of tensor ops.
+
+Bad input is refused before any work, on the host: every option is a real bool, one of its
+documented strings or a finite number in range, and every tensor has the shape and dtype it must.
+Values that live on a device are never read for a check; where one could still be wrong (a
+tensor figure below 1, an output whose sequence boundaries differ from the batch's but are a
+different tensor on a GPU) the loss turns NaN instead of silently taking another value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,9 +35,9 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import get_field
+from nopad._batch import check_choice, check_flag, check_int, check_real, check_real_dtype, get_field
 from nopad.errors import input_error
-from nopad.layout import IndexPlan, to_host
+from nopad.layout import IndexPlan, jagged_values, nested_offsets, to_host
 from nopad.layout import is_nested as _is_nested
 from nopad.padding import no_padding_2_padding
 
@@ -47,6 +55,12 @@ class LossConfig:
     ``clip_ratio_low`` / ``clip_ratio_high`` default to ``clip_ratio``; ``clip_ratio_c`` is the
     dual-clip bound for negative advantages (must be > 1). ``loss_scale_factor`` is the divisor of
     ``seq-mean-token-sum-norm`` (default: the padded response width).
+
+    Checked on construction and again by :meth:`from_any` (a field may be set afterwards):
+    ``use_kl_loss`` a real bool; ``loss_agg_mode`` / ``kl_loss_type`` one of their names; every
+    ratio, coefficient and factor a finite number: clip ratios >= 0 (the low one <= 1, so that
+    1 - low stays a ratio), ``clip_ratio_c`` > 1, ``entropy_coeff`` / ``kl_loss_coef`` /
+    ``cliprange_value`` >= 0, ``loss_scale_factor`` > 0.
     """
 
     clip_ratio: float = 0.2
@@ -62,17 +76,24 @@ class LossConfig:
     loss_scale_factor: float | None = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> LossConfig:
+        """Refuse any field outside its documented values (see the class docstring); returns self."""
         _check_agg_mode(self.loss_agg_mode, "config.loss_agg_mode")
         _check_kl_kind(self.kl_loss_type, "config.kl_loss_type")
-        _check_clip(self.clip_ratio, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c)
-        if self.cliprange_value < 0:
-            raise input_error("config.cliprange_value", None, "a value >= 0", f"{self.cliprange_value}")
+        _check_clip(self.clip_ratio, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c, "config.")
+        check_flag(self.use_kl_loss, "config.use_kl_loss")
+        for name in ("entropy_coeff", "kl_loss_coef", "cliprange_value"):
+            check_real(getattr(self, name), f"config.{name}", low=0)
+        _check_scale(self.loss_scale_factor, "config.loss_scale_factor")
+        return self
 
     @classmethod
     def from_any(cls, config: Any) -> LossConfig:
         """A LossConfig, a dict, or any object with these attributes (verl ActorConfig, omegaconf)."""
         if isinstance(config, cls):
-            return config
+            return config.validate()
         if config is None:
             return cls()
         loss_mode = _read(_read(config, "policy_loss"), "loss_mode")
@@ -138,10 +159,17 @@ def agg_loss(
     batch), else this micro batch's own counts; rows without a loss token are never counted in
     N_seqs. Every mode is multiplied by ``dp_size``. Values under a zero mask never reach the
     result, not even NaN or inf. No sync.
+
+    The figures are ints >= 1 (or None); a figure given as a 0-d tensor is not read (a sync): one
+    below 1 makes the loss NaN rather than a sum. ``loss_scale_factor`` is a finite number > 0.
     """
     _check_agg_mode(loss_agg_mode, "loss_agg_mode")
+    check_real_dtype(loss_mat, "loss_mat")
     _check_same_shape(loss_mask, "loss_mask", loss_mat, "loss_mat")
     dp_size = _positive_int(dp_size, "dp_size")
+    batch_num_tokens = _check_figure(batch_num_tokens, "batch_num_tokens")
+    global_batch_size = _check_figure(global_batch_size, "global_batch_size")
+    _check_scale(loss_scale_factor, "loss_scale_factor")
     needs = "batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size"
     given = batch_num_tokens if loss_agg_mode == "token-mean" else global_batch_size
     if dp_size > 1 and loss_agg_mode != "token-sum" and given is None:
@@ -169,6 +197,7 @@ def agg_loss(
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``values`` where ``mask`` is set; 0 for an empty mask. No sync."""
+    _check_same_shape(mask, "mask", check_real_dtype(values, "values"), "values")
     mask = mask.bool()
     return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
 
@@ -201,6 +230,7 @@ def compute_policy_loss(
     gradient is 0 * d(...)); :func:`ppo_loss` zeroes the rollout's padding before calling this.
     """
     low, high = _check_clip(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    _check_mask(response_mask, "response_mask")
     for name, x in (
         ("log_prob", log_prob),
         ("old_log_prob", old_log_prob),
@@ -209,6 +239,7 @@ def compute_policy_loss(
     ):
         if x is not None:
             _check_same_shape(x, name, response_mask, "response_mask")
+            check_real_dtype(x, name, floating=True)
     log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -254,7 +285,9 @@ def kl_penalty(
     if kind is None:
         raise input_error("kl_penalty", None, f"one of {list(KL_KINDS)}", "None")
     _check_kl_kind(kind, "kind")
+    check_real_dtype(logprob, "logprob", floating=True)
     _check_same_shape(ref_logprob, "ref_logprob", logprob, "logprob")
+    check_real_dtype(ref_logprob, "ref_logprob", floating=True)
     value = _kl_value(logprob, ref_logprob, kind.removesuffix("+"))
     if not kind.endswith("+") or kind in ("k2+", "mse+"):
         return value
@@ -292,8 +325,11 @@ def compute_value_loss(
     All tensors (B, R); ``values`` are the rollout's old value estimates. The clip fraction is the
     masked mean, over this micro batch, of tokens where the clipped term is the larger (detached).
     """
+    _check_mask(response_mask, "response_mask")
+    cliprange_value = check_real(cliprange_value, "cliprange_value", low=0)
     for name, x in (("vpreds", vpreds), ("returns", returns), ("values", values)):
         _check_same_shape(x, name, response_mask, "response_mask")
+        check_real_dtype(x, name, floating=True)
     vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     unclipped = (vpreds - returns).square()
     clipped = (vpred_clipped - returns).square()
@@ -324,8 +360,16 @@ def ppo_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
     ``ActorConfig``. ``dp_group`` is accepted for verl compatibility and unused. Returns
     ``(loss, metrics)`` with verl's metric names: actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl,
     actor/pg_clipfrac_lower, actor/entropy_loss, and kl_loss, kl_coef (no prefix, as verl).
+
+    A nested output must belong to this micro batch: the same sequence boundaries as
+    ``data["input_ids"]``. The engines return outputs that share the batch's offsets tensor, and
+    that identity is the whole check (no sync). Offsets that are another tensor are compared by
+    value: on the CPU at once (a host read of CPU memory, never a device sync), with a ValueError
+    naming both; on a device without reading them, the comparison turning the loss NaN when they
+    differ. The metadata figures read as :func:`nopad._batch.get_field` unwraps them.
     """
     cfg = LossConfig.from_any(config)
+    _check_inputs(model_output, data)
     response_mask = _response_mask(data)
     figures = _figures(data, cfg)
     log_prob = _response_slice(model_output, "log_probs", data, response_mask)
@@ -365,6 +409,7 @@ def value_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict
     Metrics: critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean (detached tensors).
     """
     cfg = LossConfig.from_any(config)
+    _check_inputs(model_output, data)
     response_mask = _response_mask(data)
     vpreds = _response_slice(model_output, "values", data, response_mask)
     vf_loss, clipfrac = compute_value_loss(
@@ -393,22 +438,26 @@ def sft_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
     and its last position predicts nothing). Padded: ``data["response_mask"]`` (B, R) and log-probs
     nested over whole sequences (sliced like :func:`ppo_loss`) or (B, R).
     ``batch_num_tokens`` should count the tokens that have a prediction. Returns ``(loss, {})``.
+    In the nested layout the log-probs must have the loss mask's sequence boundaries (checked as
+    :func:`ppo_loss` checks them against ``input_ids``).
     """
     cfg = LossConfig.from_any(config)
+    _check_inputs(model_output, data)
     figures = _figures(data, cfg)
     figures.pop("global_batch_size")
-    log_probs = model_output["log_probs"]
+    log_probs = _output(model_output, "log_probs")
     loss_mask = data.get("loss_mask", None)
     if _is_nested(log_probs) and _is_nested(loss_mask):
+        field = "model_output['log_probs']"
+        check_real_dtype(log_probs, field, floating=True)
+        same = _same_boundaries(log_probs, field, loss_mask, "data['loss_mask']")
         mask = shifted_loss_mask(loss_mask)
         if log_probs.values().shape[0] != mask.shape[0]:
             raise input_error(
-                "model_output['log_probs']",
-                None,
-                f"{mask.shape[0]} tokens like data['loss_mask']",
-                f"{log_probs.values().shape[0]}",
+                field, None, f"{mask.shape[0]} tokens like data['loss_mask']", f"{log_probs.values().shape[0]}"
             )
-        loss = agg_loss(-log_probs.values().unsqueeze(0), mask.unsqueeze(0), "token-mean", **figures)
+        values = _poison_unless(same, log_probs.values())
+        loss = agg_loss(-values.unsqueeze(0), mask.unsqueeze(0), "token-mean", **figures)
         return loss, {}
     response_mask = _response_mask(data)
     log_prob = _response_slice(model_output, "log_probs", data, response_mask)
@@ -427,6 +476,55 @@ def shifted_loss_mask(loss_mask: Tensor) -> Tensor:
 
 
 # ---- helpers --------------------------------------------------------------------------------
+def _check_inputs(model_output: Any, data: Any) -> None:
+    if not isinstance(model_output, Mapping):
+        raise input_error(
+            "model_output", None, "a dict of tensors (log_probs, entropy, values)", type(model_output).__name__
+        )
+    if not isinstance(data, (TensorDict, Mapping)):
+        raise input_error("data", None, "the micro batch as a TensorDict (or a dict)", type(data).__name__)
+
+
+def _output(model_output: Mapping[str, Tensor], key: str) -> Tensor:
+    x = model_output.get(key, None)
+    if x is None:
+        raise input_error("model_output", None, f"a {key!r} entry", f"keys {list(model_output.keys())}")
+    return x
+
+
+def _same_boundaries(x: Tensor, field: str, reference: Any, ref_field: str) -> Tensor | None:
+    """Check nested ``x`` has the sequence boundaries of nested ``reference`` without a device sync.
+
+    The same offsets tensor (what the engines return): nothing more to check. Another tensor of
+    another shape, or on the CPU with other values: ValueError naming both. Another tensor on a
+    device: returns the 0-d device tensor "the offsets are equal" for :func:`_poison_unless`.
+    """
+    if not _is_nested(reference):
+        return None
+    offsets, ref = nested_offsets(x), nested_offsets(reference)
+    if offsets is ref:
+        return None
+    if offsets.shape != ref.shape:
+        raise input_error(field, None, f"{ref.shape[0] - 1} sequences like {ref_field}", f"{offsets.shape[0] - 1}")
+    if offsets.device.type == "cpu" and ref.device.type == "cpu":
+        if not torch.equal(offsets.to(torch.int64), ref.to(torch.int64)):
+            raise input_error(
+                field,
+                None,
+                f"the sequence boundaries of {ref_field} (an output of this micro batch), offsets {ref.tolist()}",
+                f"offsets {offsets.tolist()}",
+            )
+        return None
+    return (offsets.to(ref.device, torch.int64) == ref.to(torch.int64)).all()
+
+
+def _poison_unless(same: Tensor | None, x: Tensor) -> Tensor:
+    """``x``, or NaN everywhere when the device-side check ``same`` fails (no host read)."""
+    if same is None:
+        return x
+    return torch.where(same.to(x.device), x, torch.full((), float("nan"), dtype=x.dtype, device=x.device))
+
+
 def _figures(data: TensorDict, cfg: LossConfig) -> dict[str, Any]:
     """The global-batch figures a micro batch carries (verl's config.global_batch_info)."""
     return {
@@ -466,24 +564,26 @@ def _optional_field(data: TensorDict, key: str, response_mask: Tensor) -> Tensor
             )
         x = IndexPlan.from_nested(x, width=response_mask.shape[1]).unnest(x, response_mask.shape[1])
     _check_same_shape(x, f"data[{key!r}]", response_mask, "response_mask")
+    check_real_dtype(x, f"data[{key!r}]", floating=True)
     # whatever the rollout left in its padding (NaN included) must reach neither loss nor gradient
     return torch.where(response_mask, x, 0.0)
 
 
 def _response_slice(model_output: Mapping[str, Tensor], key: str, data: TensorDict, response_mask: Tensor) -> Tensor:
     """model_output[key] -> padded (B, R): the response part of a nested/flat whole-sequence output."""
-    if key not in model_output or model_output[key] is None:
-        raise input_error("model_output", None, f"a {key!r} entry", f"keys {list(model_output.keys())}")
-    x = model_output[key]
+    x = _output(model_output, key)
     B, R = response_mask.shape
     field = f"model_output[{key!r}]"
+    check_real_dtype(x, field, floating=True)
     if _is_nested(x):
         if x.size(0) != B:
             raise input_error(field, None, f"{B} sequences like response_mask", f"{x.size(0)}")
         indices = get_field(data, "indices")
-        if isinstance(indices, Tensor) and x.values().shape[0] != indices.shape[0]:
-            raise input_error(field, None, f"{indices.shape[0]} tokens (the batch's total)", f"{x.values().shape[0]}")
-        return no_padding_2_padding(x, data, max_response_len=R)
+        total = jagged_values(x).shape[0]
+        if isinstance(indices, Tensor) and total != indices.shape[0]:
+            raise input_error(field, None, f"{indices.shape[0]} tokens (the batch's total)", f"{total}")
+        same = _same_boundaries(x, field, data.get("input_ids", None), "data['input_ids']")
+        return _poison_unless(same, no_padding_2_padding(x, data, max_response_len=R))
     if x.dim() == 1:
         return no_padding_2_padding(x, data, max_response_len=R)
     _check_same_shape(x, field, response_mask, "response_mask")
@@ -500,15 +600,42 @@ def _positive_int(value: Any, field: str) -> int:
     return number
 
 
+def _check_figure(value: Any, field: str) -> int | Tensor | None:
+    """A global figure: None, an int >= 1, or a 0-d real tensor (not read: see :func:`_count`)."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        check_real_dtype(value, field)
+        if value.dim() != 0 or _is_nested(value):
+            raise input_error(field, None, "an int >= 1 or a 0-d tensor", f"a tensor of shape {tuple(value.shape)}")
+        return value
+    return check_int(value, field, low=1)
+
+
 def _count(given: int | Tensor | None, local: Tensor) -> Tensor | int | float:
     if given is None:
         return local.clamp(min=1)
-    if isinstance(given, Tensor):
-        return given.clamp(min=1)
-    return max(given, 1)
+    if isinstance(given, Tensor):  # not read on the host: a count below 1 (or NaN) gives a NaN loss, not a sum
+        return torch.where(given >= 1, given, torch.full((), float("nan"), device=given.device))
+    return given
+
+
+def _check_scale(value: Any, field: str) -> None:
+    if value is not None:
+        check_real(value, field, low=0, low_open=True)
+
+
+def _check_mask(mask: Any, field: str) -> None:
+    if not isinstance(mask, Tensor) or _is_nested(mask):
+        actual = "a nested tensor" if _is_nested(mask) else type(mask).__name__
+        raise input_error(field, None, "a padded (dense) tensor of 0/1 per token", actual)
+    if mask.dtype.is_complex:
+        raise input_error(field, None, "a bool, int or float mask", f"dtype {mask.dtype}")
 
 
 def _check_same_shape(x: Tensor, name: str, ref: Tensor, ref_name: str) -> None:
+    if not isinstance(ref, Tensor):
+        raise input_error(ref_name, None, "a tensor", type(ref).__name__)
     if not isinstance(x, Tensor) or _is_nested(x) or tuple(x.shape) != tuple(ref.shape):
         actual = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) and not _is_nested(x) else type(x).__name__
         if _is_nested(x):
@@ -517,8 +644,7 @@ def _check_same_shape(x: Tensor, name: str, ref: Tensor, ref_name: str) -> None:
 
 
 def _check_agg_mode(mode: str, field: str) -> None:
-    if mode not in AGG_MODES:
-        raise input_error(field, None, f"one of {list(AGG_MODES)}", f"{mode!r}")
+    check_choice(mode, field, AGG_MODES)
 
 
 def _check_kl_kind(kind: str, field: str) -> None:
@@ -526,12 +652,15 @@ def _check_kl_kind(kind: str, field: str) -> None:
         raise input_error(field, None, f"one of {list(KL_KINDS)}, optionally with a trailing '+'", f"{kind!r}")
 
 
-def _check_clip(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c) -> tuple[float, float]:
-    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
-    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    for name, value in (("clip_ratio_low", low), ("clip_ratio_high", high)):
-        if value is None or value < 0:
-            raise input_error(name, None, "a clip ratio >= 0 (or clip_ratio)", f"{value}")
-    if not clip_ratio_c > 1.0:
-        raise input_error("clip_ratio_c", None, "a dual-clip bound > 1", f"{clip_ratio_c}")
+def _check_clip(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c, prefix: str = "") -> tuple[float, float]:
+    """Finite clip ratios: low in [0, 1] and high >= 0 (each defaulting to clip_ratio), c > 1."""
+    low_field = "clip_ratio" if clip_ratio_low is None else "clip_ratio_low"
+    high_field = "clip_ratio" if clip_ratio_high is None else "clip_ratio_high"
+    low = check_real(clip_ratio if clip_ratio_low is None else clip_ratio_low, prefix + low_field, low=0, high=1)
+    high = check_real(clip_ratio if clip_ratio_high is None else clip_ratio_high, prefix + high_field, low=0)
+    if clip_ratio_low is not None and clip_ratio_high is not None and clip_ratio is not None:
+        check_real(clip_ratio, prefix + "clip_ratio", low=0)  # unused then, but a NaN there is still a typo
+    real = isinstance(clip_ratio_c, numbers.Real) and not isinstance(clip_ratio_c, bool)
+    if not real or not 1.0 < clip_ratio_c < math.inf:
+        raise input_error(prefix + "clip_ratio_c", None, "a finite dual-clip bound > 1", f"{clip_ratio_c!r}")
     return low, high

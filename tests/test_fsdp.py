@@ -271,7 +271,7 @@ def test_bad_input_fails_loudly_naming_the_field():
         prepare_model_inputs({"input_ids": micro["input_ids"], "position_ids": other})
     with pytest.raises(ValueError, match="temperature: expected a float, a 0-d tensor or a \\(3,\\)"):
         prepare_model_inputs(micro, temperature=torch.ones(2))
-    with pytest.raises(ValueError, match="temperature row 1: expected a value > 0"):
+    with pytest.raises(ValueError, match="temperature row 1: expected a finite number > 0, got 0.0"):
         prepare_model_inputs(micro, temperature=torch.tensor([1.0, 0.0, 1.0]))
     with pytest.raises(ValueError, match="sp_group"):
         prepare_model_inputs(micro, sp_size=2)

@@ -445,3 +445,45 @@ def test_options_nopad_leaves_to_verl_fall_through_to_verls_function(clean, monk
         _params_equal(ours[1], theirs[1])
         with pytest.raises(ValueError, match="Unsupported context parallel layout"):  # verl's own function
             util.preprocess_thd_engine(input_ids, cp_layout="ring")
+
+
+# ---- bad input: refused where verl would misread it ------------------------------------------------
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda ids: nv.preprocess_thd_engine(ids, need_roll="false"), r"need_roll: expected True or False"),
+        (lambda ids: nv.preprocess_thd_engine(ids, use_fp8_padding=1), r"use_fp8_padding: expected True or False"),
+        (lambda ids: nv.preprocess_thd_engine(ids, pre_process="no"), r"pre_process: expected True or False"),
+        (
+            lambda ids: nv.postprocess_thd_engine(torch.zeros(1, 16), None, ids, 2),
+            r"batch_size: expected 3, the number of sequences in input_ids, got 2",
+        ),
+        (
+            lambda ids: nv.postprocess_thd_engine(torch.zeros(1, 16), None, ids, 3, post_process="False"),
+            r"post_process: expected True or False",
+        ),
+    ],
+    ids=["need_roll-str", "use_fp8_padding-int", "pre_process-str", "batch_size-other", "post_process-str"],
+)
+def test_thd_engine_arguments_verl_would_misread_are_refused(clean, monkeypatch, call, words):
+    util = pytest.importorskip("verl.models.mcore.util")
+    monkeypatch.setattr(util, "mpu", _ParallelState(1, 1, 0))
+    with pytest.raises(ValueError, match=words):
+        call(_nested([5, 3, 8]))
+
+
+def test_verl_metadata_none_and_per_row_figures_read_as_one_value_or_are_refused(clean):
+    from tensordict import NonTensorStack
+    from verl.utils import tensordict_utils as tu
+
+    import nopad.losses as L
+
+    model_output, data = _ppo_micro_batch(seed=2)  # global_batch_size=None, as verl assigns it
+    expected = L.ppo_loss(_actor_config(), model_output, data.clone())[0]
+    same = data.clone()
+    tu.assign_non_tensor(same, batch_num_tokens=NonTensorStack(*(NonTensorData(9) for _ in range(4))))
+    assert torch.equal(L.ppo_loss(_actor_config(), model_output, same)[0], expected)  # 9 is the figure given
+    differ = data.clone()
+    tu.assign_non_tensor(differ, batch_num_tokens=NonTensorStack(*(NonTensorData(n) for n in (9, 9, 8, 9))))
+    with pytest.raises(ValueError, match=r"data\['batch_num_tokens'\]: expected one value .*\[9, 9, 8, 9\]"):
+        L.ppo_loss(_actor_config(), model_output, differ)

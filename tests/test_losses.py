@@ -587,7 +587,11 @@ def test_loss_op_count_is_independent_of_batch_size_and_sync_free(loss_fn):
         prompt = torch.randint(1, 5, (B,), generator=g).tolist()
         resp = torch.randint(0, 6, (B,), generator=g).tolist()
         data, full, nested_of = rollout(prompt, resp, 4, 5, masked_rows=(0,))
-        out = {"log_probs": nested_of(full), "entropy": nested_of(full.detach()), "values": nested_of(full)}
+        offsets = data["input_ids"].offsets()  # an engine's output shares the batch's offsets tensor
+        out = {
+            key: torch.nested.nested_tensor_from_jagged(nested_of(x).values(), offsets)
+            for key, x in (("log_probs", full), ("entropy", full.detach()), ("values", full))
+        }
         cfg = L.LossConfig(loss_agg_mode="seq-mean-token-mean", use_kl_loss=True, entropy_coeff=0.1)
         loss_fn(cfg, out, data)
         with OpCounter() as counter:
@@ -595,6 +599,17 @@ def test_loss_op_count_is_independent_of_batch_size_and_sync_free(loss_fn):
         counts.append(counter)
     assert counts[0].by_op == counts[1].by_op
     assert counts[0].syncs == 0
+
+
+def test_an_output_on_an_equal_copy_of_the_offsets_costs_one_cpu_compare_and_the_same_loss():
+    data, full, nested_of = rollout(*SHAPES[0][:4], masked_rows=SHAPES[0][4])
+    copy = nested_of(full)  # its own offsets tensor, equal in value
+    shared = torch.nested.nested_tensor_from_jagged(copy.values(), data["input_ids"].offsets())
+    assert copy.offsets() is not data["input_ids"].offsets()
+    with OpCounter() as counter:
+        loss = L.ppo_loss(None, {"log_probs": copy}, data)[0]
+    assert counter.by_op["aten.equal.default"] == 1  # on the CPU: a read of CPU memory, not a device sync
+    assert torch.equal(loss, L.ppo_loss(None, {"log_probs": shared}, data)[0])
 
 
 # ---- bad input ------------------------------------------------------------------------------
@@ -616,7 +631,7 @@ def test_unknown_kl_kind_names_the_field_and_the_kinds():
 
 @pytest.mark.parametrize("c", [1.0, 0.5, -3.0])
 def test_clip_ratio_c_at_most_one_is_rejected(c):
-    with pytest.raises(ValueError, match=rf"clip_ratio_c: expected a dual-clip bound > 1, got {c}"):
+    with pytest.raises(ValueError, match=rf"clip_ratio_c: expected a finite dual-clip bound > 1, got {c}"):
         L.compute_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), clip_ratio_c=c)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         L.LossConfig(clip_ratio_c=c)

@@ -24,8 +24,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import get_field
-from nopad.attention import available_kernels, packed_attention, reads_boundaries, use_packed_attention
+from nopad._batch import check_choice, check_flag, check_int, check_real, check_real_dtype, get_field
+from nopad.attention import KERNELS, available_kernels, packed_attention, reads_boundaries, use_packed_attention
 from nopad.compat import moved_attributes
 from nopad.errors import input_error
 from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
@@ -90,23 +90,38 @@ def _token_temperature(temperature, plan: IndexPlan, device) -> Tensor | float:
     """A Python float stays a float (no (T,) tensor); a (B,) or 0-d tensor expands per token."""
     if temperature is None:
         temperature = 1.0
-    if isinstance(temperature, Tensor):
-        if temperature.dim() == 0:
-            temperature = temperature.reshape(1).expand(plan.batch_size)
-        if temperature.shape != (plan.batch_size,):
-            raise input_error(
-                "temperature",
-                None,
-                f"a float, a 0-d tensor or a ({plan.batch_size},) per-sample tensor",
-                f"shape {tuple(temperature.shape)}",
-            )
-        if temperature.device.type == "cpu" and bool((temperature <= 0).any()):
-            row = int((temperature <= 0).nonzero()[0])
-            raise input_error("temperature", row, "a value > 0", f"{float(temperature[row])}")
-        return temperature.to(device=device, dtype=torch.float32)[plan.row_ids.to(device)]
-    temperature = float(temperature)
-    if temperature <= 0:
-        raise input_error("temperature", None, "a value > 0", f"{temperature}")
+    if not isinstance(temperature, Tensor):
+        return _check_temperature(temperature)
+    per_row = _temperature_tensor(temperature, plan.batch_size, "temperature")
+    return per_row.to(device=device, dtype=torch.float32)[plan.row_ids.to(device)]
+
+
+def _check_temperature(value: Any, field: str = "temperature") -> float:
+    """A Python (or numpy) temperature: a finite number > 0, not a bool or a string. No sync."""
+    return check_real(value, field, low=0, low_open=True)
+
+
+def _temperature_tensor(temperature: Tensor, rows: int, field: str) -> Tensor:
+    """(rows,) per-row temperatures from a 0-d or (rows,) tensor of real numbers, checked.
+
+    On the CPU every value is checked at once (a read of CPU memory, no device sync): a row that is
+    not a finite value > 0 is a ValueError naming it. A device tensor is not read (that would be a
+    host sync): such a row becomes NaN, so every log-prob and entropy of that sequence is NaN
+    instead of a plausible number (an inf temperature would give a uniform distribution, a
+    negative one the reversed one).
+    """
+    check_real_dtype(temperature, field)
+    if temperature.dim() == 0:
+        temperature = temperature.reshape(1).expand(rows)
+    if temperature.shape != (rows,) or temperature.is_nested:
+        shape = "nested" if temperature.is_nested else f"shape {tuple(temperature.shape)}"
+        raise input_error(field, None, f"a float, a 0-d tensor or a ({rows},) per-sample tensor", shape)
+    valid = torch.isfinite(temperature) & (temperature > 0)
+    if temperature.device.type != "cpu":
+        return torch.where(valid, temperature, float("nan"))
+    if not bool(valid.all()):
+        row = int((~valid).nonzero()[0])
+        raise input_error(field, row, "a finite number > 0", f"{temperature[row].item()!r}")
     return temperature
 
 
@@ -136,7 +151,8 @@ def prepare_model_inputs(
     position in its own sequence prepended as row 0, where Qwen2/3-VL look for packed boundaries
     (an mrope model given 1-row ids sees no boundaries at all: :func:`check_isolation` shows it).
     ``temperature``: a float or a (B,) tensor; when None, the micro-batch's ``temperature`` entry,
-    else 1.0 (a CPU tensor is checked > 0).
+    else 1.0. A float and a CPU tensor must be finite and > 0 (ValueError naming the row); a
+    device tensor is not read, a bad row gives NaN log-probs instead (see :func:`_temperature_tensor`).
     ``attn_implementation`` (the model's ``config._attn_implementation``): when it reads packed
     boundaries (flash-attn's, ``nopad_varlen``), or under Ulysses, the kwargs also carry
     ``cu_seq_lens_q/k`` (int32, ending at T_pad) and ``max_length_q/k`` (ints; a sync only if the
@@ -147,8 +163,10 @@ def prepare_model_inputs(
     """
     input_ids, position_ids = _checked_nested(micro_batch)
     sp_size, sp_rank = _sp_size_rank(sp_group, sp_size, sp_rank)
-    if pad_to_multiple < 1:
-        raise input_error("pad_to_multiple", None, "an int >= 1", f"{pad_to_multiple}")
+    pad_to_multiple = check_int(pad_to_multiple, "pad_to_multiple", low=1)
+    pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
+    if attn_implementation is not None and not isinstance(attn_implementation, str):
+        raise input_error("attn_implementation", None, "None or a name (str)", repr(attn_implementation))
     if sp_size > 1 and attn_implementation is not None and not attn_implementation.startswith(ULYSSES_PREFIX):
         raise input_error(
             "attn_implementation",
@@ -220,7 +238,8 @@ def _sp_size_rank(group, sp_size: int | None, sp_rank: int | None) -> tuple[int,
                 "sp_size/sp_rank", None, f"the group's size {size} and rank {rank}", f"{sp_size}/{sp_rank}"
             )
         return size, rank
-    sp_size, sp_rank = sp_size or 1, sp_rank or 0
+    sp_size = 1 if sp_size is None else check_int(sp_size, "sp_size", low=1)
+    sp_rank = 0 if sp_rank is None else check_int(sp_rank, "sp_rank", low=0, high=sp_size - 1)
     if sp_size > 1:
         raise input_error("sp_group", None, f"a process group for sp_size {sp_size}", "None")
     return sp_size, sp_rank
@@ -278,11 +297,29 @@ def token_log_probs(
     """(L, V) logits, (L,) labels, float or (L,) temperature -> (L,) log-probs and optional (L,) entropy.
 
     Float32 results. One extra (L, V) buffer in the forward (see :class:`_TokenLogProbs`).
+    Floating logits, integer labels (their range is not read: gather refuses one outside the
+    vocab), a temperature as :func:`prepare_model_inputs` takes it (per token here).
     """
+    check_real_dtype(logits, "logits", floating=True)
+    check_real_dtype(labels, "labels")
+    if labels.dtype.is_floating_point:
+        raise input_error("labels", None, "token ids (an integer tensor)", f"dtype {labels.dtype}")
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise input_error(
             "logits", None, f"(tokens, vocab) matching labels {tuple(labels.shape)}", f"{tuple(logits.shape)}"
         )
+    with_entropy = check_flag(with_entropy, "with_entropy")
+    if isinstance(temperature, Tensor):
+        temperature = _temperature_tensor(temperature, logits.shape[0], "temperature")
+    else:
+        temperature = _check_temperature(temperature)
+    return _log_probs(logits, labels, temperature, with_entropy)
+
+
+def _log_probs(
+    logits: Tensor, labels: Tensor, temperature: Tensor | float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`token_log_probs` of arguments already checked (by :func:`prepare_model_inputs`)."""
     dtype = torch.promote_types(logits.dtype, torch.float32)  # fp64 logits keep fp64 temperatures
     if isinstance(temperature, Tensor):
         inv_temp = temperature.to(device=logits.device, dtype=dtype).reciprocal().unsqueeze(-1)
@@ -307,11 +344,15 @@ def prepare_model_outputs(
     ``micro_batch`` is accepted for verl's signature and not needed.
     """
     logits = getattr(logits, "logits", logits)
+    if not isinstance(output_args, OutputArgs):
+        raise input_error("output_args", None, "the OutputArgs of prepare_model_inputs", type(output_args).__name__)
     args = output_args
+    calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
     local = args.labels.shape[0]
+    check_real_dtype(logits, "logits", floating=True)
     if logits.dim() != 3 or logits.shape[:2] != (1, local):
         raise input_error("logits", None, f"(1, {local}, vocab) for this rank's packed row", f"{tuple(logits.shape)}")
-    log_probs, entropy = token_log_probs(logits[0], args.labels, args.temperature, calculate_entropy)
+    log_probs, entropy = _log_probs(logits[0], args.labels, args.temperature, calculate_entropy)
     if args.sp_size > 1:
         log_probs = gather_seq(log_probs, args.sp_group, dim=0)
         entropy = gather_seq(entropy, args.sp_group, dim=0) if entropy is not None else None
@@ -372,6 +413,9 @@ def packed_logprobs(
     ``input_kwargs`` go to :func:`prepare_model_inputs` (pad_to_multiple, sp_group, ...). With
     ``calculate_entropy`` returns the dict of :func:`prepare_model_outputs` instead.
     """
+    check_flag(calculate_entropy, "calculate_entropy")
+    if attention is not None:
+        check_choice(attention, "attention", ("auto", *KERNELS))
     with packed_attention(model, attention):
         inputs, args = prepare_model_inputs(
             micro_batch, temperature=temperature, attn_implementation=_attn_implementation(model), **input_kwargs
@@ -393,10 +437,21 @@ def padded_logprobs(
     (B, S) or (B, C, S). Entries where response_mask is 0 are 0. Materialises (B, R, V) log-softmax:
     a reference, not a hot path. ``rows_per_forward`` splits the batch into forwards of that many
     rows (the result is the same), so a reference fits where the whole padded batch would not.
+    ``temperature`` as :func:`prepare_model_inputs` takes it; checked on the host (a reference may
+    sync), so a bad row is a ValueError naming it on any device.
     """
+    for key in ("input_ids", "attention_mask", "response_mask", "position_ids"):
+        if key not in padded.keys():
+            raise input_error(f"padded[{key!r}]", None, "a padded (batch, ...) tensor", "missing")
     batch = padded["input_ids"].shape[0]
+    if rows_per_forward is not None:
+        rows_per_forward = check_int(rows_per_forward, "rows_per_forward", low=1)
+    if isinstance(temperature, Tensor):
+        temperature = _temperature_tensor(temperature.cpu(), batch, "temperature").to(temperature.device)
+    else:
+        temperature = _check_temperature(temperature)
     if rows_per_forward is not None and rows_per_forward < batch:
-        temperatures = temperature if isinstance(temperature, Tensor) and temperature.dim() else None
+        temperatures = temperature if isinstance(temperature, Tensor) else None
         return torch.cat(
             [
                 padded_logprobs(

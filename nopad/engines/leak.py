@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nopad._batch import check_int, check_real
 from nopad.engines.fsdp import prepare_model_inputs
 from nopad.errors import input_error
 from nopad.layout import IndexPlan
@@ -52,8 +53,15 @@ class IsolationReport:
 def probe_batch(vocab_size: int, lengths=(5, 3, 6), seed: int = 0, position_rows: int = 1) -> dict[str, Tensor]:
     """A small nested micro-batch (input_ids, position_ids) with random tokens; sequences given by ``lengths``.
 
-    ``position_rows=4`` gives mrope position ids (B, 4, j) (text-only: all rows equal).
+    ``position_rows=4`` gives mrope position ids (B, 4, j) (text-only: all rows equal); 1, 3 or 4.
     """
+    vocab_size = check_int(vocab_size, "vocab_size", low=1)
+    seed = check_int(seed, "seed", low=0)
+    if position_rows not in (1, 3, 4) or isinstance(position_rows, bool):
+        raise input_error("position_rows", None, "1, 3 or 4 (rows of position ids)", repr(position_rows))
+    lengths = [check_int(n, "lengths", low=1) for n in (lengths.tolist() if isinstance(lengths, Tensor) else lengths)]
+    if not lengths:
+        raise input_error("lengths", None, "at least one sequence length", "none")
     plan = IndexPlan.from_lengths(torch.tensor(lengths))
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (plan.total,), generator=gen)
@@ -88,6 +96,8 @@ def check_isolation(
     Change an early sequence (the default, 0): a causal leak only reaches later ones. Host syncs
     (it is a probe, not a hot path).
     """
+    changed_sequence = check_int(changed_sequence, "changed_sequence", low=0)
+    atol = check_real(atol, "atol", low=0)
     config: Any = model.config
     vocab: int = config.vocab_size
     if micro_batch is None:

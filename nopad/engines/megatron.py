@@ -24,8 +24,9 @@ from typing import Any
 
 from torch import Tensor
 
+from nopad._batch import check_flag
 from nopad.errors import input_error
-from nopad.layout import check_nested, jagged_values, nested_offsets, wrap_jagged
+from nopad.layout import check_nested, is_nested, jagged_values, nested_offsets, wrap_jagged
 from nopad.parallel.cp import CpLayout, check_cp_args, gather_cp_flat, unshard_index
 from nopad.parallel.thd import (
     FallbackPackedSeqParams,
@@ -72,7 +73,10 @@ def preprocess_thd(
     sequence before sharding, so a label at a shard edge is the true next token. The label slot of a
     sequence's LAST token holds 0, like padding (no next token exists; mask it out of any loss).
     ``position_ids`` are the slot's own positions either way.
+    ``need_roll`` and ``use_fp8_padding`` are real bools (a string "false" is refused, not truthy).
     """
+    need_roll = check_flag(need_roll, "need_roll")
+    use_fp8_padding = check_flag(use_fp8_padding, "use_fp8_padding")
     plan = thd_plan(
         input_ids_nested,
         tp_size=tp_size,
@@ -105,6 +109,11 @@ def postprocess_thd(
     without it, ``cp_layout`` defaults to the one recorded in ``packed_seq_params``
     (``cp_partition_mode``, which :meth:`ThdPlan.packed_seq_params` sets), else zigzag.
     """
+    if plan is not None and not isinstance(plan, ThdPlan):
+        raise input_error("plan", None, "the ThdPlan that sharded the batch, or None", type(plan).__name__)
+    if not isinstance(output, Tensor) or is_nested(output):
+        got = "a nested tensor" if is_nested(output) else type(output).__name__
+        raise input_error("output", None, "the model's dense (1, T/cp, ...) output", got)
     if plan is not None:
         cp_size, cp_rank, cp_layout = plan.cp_size, plan.cp_rank, plan.cp_layout
     layout: CpLayout = cp_layout or getattr(packed_seq_params, "cp_partition_mode", None) or "zigzag"

@@ -43,7 +43,7 @@ from tensordict import NonTensorData, TensorDict
 from torch import Tensor
 
 import nopad.padding as _padding
-from nopad._batch import get_field
+from nopad._batch import check_flag, get_field
 from nopad.engines.megatron import postprocess_thd, thd_plan
 from nopad.errors import input_error
 from nopad.layout import is_nested
@@ -138,7 +138,10 @@ def preprocess_thd_engine(
 
     TP/CP sizes and the CP rank come from megatron-core's ``parallel_state`` as verl reads them.
     Tokens, position ids (need_roll included) and PackedSeqParams equal verl's slot for slot.
+    The flags are real bools: a string "false" is refused where verl would read it as True.
     """
+    pre_process, need_roll = check_flag(pre_process, "pre_process"), check_flag(need_roll, "need_roll")
+    use_fp8_padding = check_flag(use_fp8_padding, "use_fp8_padding")
     util = sys.modules.get(MCORE_UTIL_MODULE)
     fallback = (
         util is None
@@ -215,11 +218,18 @@ def postprocess_thd_engine(
     local_cp_size: int | None = None,
     cp_layout: str = "zigzag",
 ) -> Tensor:
-    """verl's ``postprocess_thd_engine``: this rank's (1, T/cp, *) output -> nested (B, j, *), CP shards gathered."""
+    """verl's ``postprocess_thd_engine``: this rank's (1, T/cp, *) output -> nested (B, j, *), CP shards gathered.
+
+    ``batch_size`` must be ``input_ids``' number of sequences (verl's loop runs over it; nopad reads
+    the boundaries), and ``post_process`` a real bool.
+    """
     if cp_layout not in ("zigzag", "contiguous"):
         raise input_error("cp_layout", None, "'zigzag' or 'contiguous'", repr(cp_layout))
-    if not post_process:
+    if not check_flag(post_process, "post_process"):
         return output
+    rows = input_ids.size(0) if is_nested(input_ids) else None
+    if rows is not None and (isinstance(batch_size, bool) or batch_size != rows):
+        raise input_error("batch_size", None, f"{rows}, the number of sequences in input_ids", repr(batch_size))
     util = sys.modules.get(MCORE_UTIL_MODULE)
     if util is None or local_cp_size is not None:
         return _original(MCORE_UTIL_MODULE, "postprocess_thd_engine")(
