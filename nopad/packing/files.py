@@ -87,13 +87,17 @@ def write_packed(
         "rows_checksum": cols.checksum(),
         "report": {} if report is None else report,
     }
-    problems = metadata_problems({**meta, "metadata_checksum": "0" * 64})
-    if problems:
+    # the settings first (a zero alignment must not reach the row checks), then the rows, then the
+    # facts taken from the rows (an id past int32 when the vocabulary is unknown)
+    settings = {**meta, "num_rows": 0, "max_token_id": None, "metadata_checksum": "0" * 64}
+    if problems := metadata_problems(settings):
         raise in_file(os.fspath(path), _joined(problems))
-    meta["metadata_checksum"] = metadata_checksum(meta)
     validate_columns(cols, pack_length=pack_length, alignment=alignment, vocab_size=tokenizer.vocab_size)
     if (negative := negative_id_error(cols)) is not None:
         raise negative
+    if problems := metadata_problems({**meta, "metadata_checksum": "0" * 64}):
+        raise in_file(os.fspath(path), _joined(problems))
+    meta["metadata_checksum"] = metadata_checksum(meta)
     arrays = [
         pa.ListArray.from_arrays(pa.array(cols.offsets[f].astype(np.int32)), pa.array(cols.values[f].astype(np.int32)))
         for f in ROW_FIELDS
@@ -140,6 +144,7 @@ def _int_text(low: int, high: int = MAX_TOKEN_ID) -> str:
 
 
 def _problem(key: str, expected: str, actual: object) -> str:
+    """'metadata KEY: expected ..., got VALUE' with the stored value as Python shows it (cut at 80)."""
     return str(input_error(f"metadata {key}", None, expected, f"{actual!r:.80}"))
 
 
@@ -238,9 +243,10 @@ def metadata_problems(meta: object) -> list[str]:
     keys = METADATA_KEYS[version]
     problems = []
     if missing := [k for k in keys if k not in meta]:
-        problems.append(_problem("keys", f"every key of format {version}", f"missing {missing}"))
+        problems.append(str(input_error("metadata keys", None, f"every key of format {version}", f"missing {missing}")))
     if unknown := sorted(k for k in meta if k not in keys):
-        problems.append(_problem("keys", f"only the keys of format {version}", f"unknown {unknown}"))
+        expected = f"only the keys of format {version}"
+        problems.append(str(input_error("metadata keys", None, expected, f"unknown {unknown}")))
     for check in _METADATA_CHECKS:
         problems += check(meta)
     return problems
@@ -358,8 +364,8 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise in_file(path, e) from None
 
 
-def _read_columns(path: str, problems: list[str]) -> Columns | None:
-    """The file's columns as int64 (values, offsets); None (and the problems) when the schema is wrong."""
+def _read_columns(path: str) -> tuple[Columns | None, list[str]]:
+    """The file's columns as int64 (values, offsets), or None and why: unreadable or another schema."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -368,30 +374,28 @@ def _read_columns(path: str, problems: list[str]) -> Columns | None:
     except _NOT_THERE:
         raise
     except (pa.ArrowException, *_UNREADABLE) as e:
-        problems.append(str(_unreadable(e)))
-        return None
+        return None, [str(_unreadable(e))]
     if table.column_names != list(ROW_FIELDS):
-        problems.append(str(input_error("columns", None, f"{list(ROW_FIELDS)}", f"{table.column_names}")))
-        return None
-    want = pa.list_(pa.int32())
-    for f in ROW_FIELDS:
-        if not table.schema.field(f).type.equals(want, check_metadata=False):
-            problems.append(str(input_error(f"column {f}", None, str(want), str(table.schema.field(f).type))))
-    if problems:
-        return None
+        return None, [str(input_error("columns", None, f"{list(ROW_FIELDS)}", f"{table.column_names}"))]
+    types = {f: table.schema.field(f).type for f in ROW_FIELDS}
+    int32_lists = {f: pa.types.is_list(t) and t.value_type == pa.int32() for f, t in types.items()}
+    wrong = [
+        str(input_error(f"column {f}", None, "list<int32>", str(t))) for f, t in types.items() if not int32_lists[f]
+    ]
+    if wrong:
+        return None, wrong
     values, offsets = {}, {}
     for f in ROW_FIELDS:
         arr = table.column(f).combine_chunks()
         nulls = arr.null_count + arr.values.null_count
         if nulls:
-            problems.append(str(input_error(f"column {f}", None, "no nulls (rows or values)", f"{nulls}")))
-            return None
+            return None, [str(input_error(f"column {f}", None, "no nulls (rows or values)", f"{nulls}"))]
         base = int(arr.offsets[0].as_py()) if len(arr) else 0
         off = np.asarray(arr.offsets, dtype=np.int64) - base
         offsets[f] = off
         flat = np.asarray(arr.values, dtype=np.int64)
         values[f] = flat[base : base + int(off[-1])] if len(arr) else np.zeros(0, np.int64)
-    return Columns(values, offsets)
+    return Columns(values, offsets), []
 
 
 def _row_problems(cols: Columns, meta: Mapping[str, Any], vocab_size: int | None) -> list[str]:
@@ -452,7 +456,8 @@ def check_packed(path: str | os.PathLike[str], *, tokenizer: TokenizerIdentity |
     stored = _stored_identity(meta)
     if stored is not None and tokenizer is not None and (why := stored.mismatch(tokenizer)):
         problems.append(f"refusing a file from another tokenizer: {why}")
-    cols = _read_columns(path, problems)
+    cols, schema_problems = _read_columns(path)
+    problems += schema_problems
     if cols is None:
         return PackedCheck(path, meta, None, problems)
     vocab = stored.vocab_size if stored is not None else None

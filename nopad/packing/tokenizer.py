@@ -199,7 +199,8 @@ def encode_record(
     kind = record_kind(record, where)
     if kind == "input_ids":
         ids = token_ids(record["input_ids"], tokenizer.identity, where)
-        return ids, loss_mask(record.get("loss_mask"), len(ids), where)
+        mask = loss_mask(record["loss_mask"], len(ids), where) if "loss_mask" in record else [1] * len(ids)
+        return ids, mask
     eos = tokenizer.eos_token_id
     if eos is None:
         expected = "input_ids: pre-tokenized data has no tokenizer (give --tokenizer DIR to encode text)"
@@ -253,9 +254,7 @@ def token_ids(value: object, identity: TokenizerIdentity, where: str) -> list[in
 
 
 def loss_mask(value: object, n: int, where: str) -> list[int]:
-    """A record's loss_mask: n integers, each 0 or 1; None (absent) means every token is learned."""
-    if value is None:
-        return [1] * n
+    """A record's loss_mask: n integers, each 0 or 1 (a record without one learns every token)."""
     mask = _int_list(value, where, "loss_mask")
     if len(mask) != n:
         raise input_error(where, None, f"loss_mask of {n} entries like input_ids", f"{len(mask)}")
