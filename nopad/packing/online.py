@@ -15,7 +15,7 @@ from torch import Tensor
 
 from nopad.compat import renamed_keyword
 from nopad.errors import input_error
-from nopad.layout import IndexPlan, check_nested, nested_offsets, prepare_position_ids, round_up
+from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, prepare_position_ids, round_up
 from nopad.packing.algorithms import ALGORITHMS, Bins, pack_lengths
 from nopad.parallel.cp import CpLayout, cp_alignment
 
@@ -55,11 +55,12 @@ def _check_arguments(
     algorithm: object,
 ) -> None:
     """Every argument's type and range, from host-side facts only (no sync)."""
-    ids = check_nested(input_ids, "input_ids", value_dims=1)
+    # dtype and device of the values tensors: a nested tensor's own attributes cost a Python dispatch
+    ids = jagged_values(check_nested(input_ids, "input_ids", value_dims=1))
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise input_error("input_ids", None, "an integer dtype (token ids)", f"{ids.dtype}")
     if loss_mask is not None:
-        mask = check_nested(loss_mask, "loss_mask", value_dims=1)
+        mask = jagged_values(check_nested(loss_mask, "loss_mask", value_dims=1))
         if mask.device != ids.device:
             raise input_error("loss_mask", None, f"the device of input_ids ({ids.device})", f"{mask.device}")
         if mask.dtype.is_complex:
@@ -79,7 +80,7 @@ def _value_flags(input_ids: Tensor, loss_mask: Tensor | None, offsets: Tensor) -
     Device-side reductions only: they travel to the host with the lengths, in the one sync.
     """
     device = offsets.device
-    negative = input_ids.values().lt(0).any().reshape(1)
+    negative = jagged_values(input_ids).lt(0).any().reshape(1)
     if loss_mask is None:
         return torch.cat([torch.zeros(2, dtype=torch.bool, device=device), negative]).to(torch.int64)
     mask_offsets = nested_offsets(loss_mask).to(torch.int64)
@@ -89,14 +90,17 @@ def _value_flags(input_ids: Tensor, loss_mask: Tensor | None, offsets: Tensor) -
         differs = torch.ones(1, dtype=torch.bool, device=device)
     else:
         differs = (mask_offsets != offsets).any().reshape(1)
-    m = loss_mask.values()
-    not_01 = (m != 0).logical_and_(m != 1).any().reshape(1)  # NaN is neither
+    m = jagged_values(loss_mask)
+    if m.dtype == torch.bool:  # 0/1 by construction
+        not_01 = torch.zeros(1, dtype=torch.bool, device=device)
+    else:
+        not_01 = (m != 0).logical_and_(m != 1).any().reshape(1)  # NaN is neither
     return torch.cat([differs, not_01, negative]).to(torch.int64)
 
 
 def _first_bad_row(field: str, x: Tensor, offsets: Tensor, expected: str) -> ValueError:
     """The error naming the first row with a bad value (an error path: its extra sync is fine)."""
-    v = x.values()
+    v = jagged_values(x)
     bad = (v < 0) if field == "input_ids" else (v != 0) & (v != 1)
     k = int(bad.nonzero()[0, 0])
     row = int(torch.searchsorted(offsets, torch.tensor(k, device=offsets.device), right=True)) - 1
@@ -158,11 +162,11 @@ def pack_online(
     as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=device)  # noqa: E731
     seq_bin_t, seq_start_t, padded_t = as_t(seq_bin), as_t(seq_start), as_t(padded)
 
-    values = input_ids.values()
+    values = jagged_values(input_ids)
     plan = IndexPlan.from_nested(input_ids)
     row, pos = plan.row_ids, plan.position_ids
     dest = seq_bin_t[row] * width + seq_start_t[row] + pos
-    mask_values = torch.ones_like(values) if loss_mask is None else loss_mask.values().to(torch.int64)
+    mask_values = torch.ones_like(values) if loss_mask is None else jagged_values(loss_mask).to(torch.int64)
 
     def scatter(src: Tensor, fill: int) -> Tensor:
         out = torch.full((n_rows * width,), fill, dtype=torch.int64, device=device)
