@@ -843,6 +843,35 @@ def test_collate_packed_refuses(make, match):
     assert repr(rows) == repr(before)
 
 
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        pytest.param({"alignment": 0}, r"alignment: expected an integer >= 1, got 0", id="alignment 0"),
+        pytest.param({"alignment": 2.0}, r"alignment: expected an integer >= 1, got 2.0", id="alignment a float"),
+        pytest.param(
+            {"fields": ["labels"]},
+            r"batch: expected the fields of collate_packed .*missing \['labels'\]",
+            id="no such field",
+        ),
+        pytest.param(
+            {"drop": "packed_cu_seqlens_lengths"}, r"missing \['packed_cu_seqlens_lengths'\]", id="no lengths"
+        ),
+        pytest.param(
+            {"drop": "packed_cu_seqlens"}, r"batch: expected packed rows carrying packed_cu_seqlens", id="unpacked"
+        ),
+    ],
+)
+def test_packed_to_nested_refuses(change, match):
+    from nopad.packing import packed_to_nested
+
+    batch = collate_packed(_rows())
+    change = dict(change)
+    if "drop" in change:
+        batch = batch.exclude(change.pop("drop"))
+    with pytest.raises(ValueError, match=match):
+        packed_to_nested(batch, **change)
+
+
 def test_collate_takes_int32_arrays_and_lists_exactly():
     reference = collate_packed(_rows())
     for convert in (lambda a: a.astype(np.int32), lambda a: a.tolist()):

@@ -132,6 +132,10 @@ def packed_to_nested(
     """
     if "packed_cu_seqlens" not in batch.keys():
         raise input_error("batch", None, "packed rows carrying packed_cu_seqlens", "an unpacked batch")
+    missing = [k for k in ("packed_cu_seqlens_lengths", "input_ids", *fields) if k not in batch.keys()]
+    if missing:
+        raise input_error("batch", None, "the fields of collate_packed or pack_online", f"missing {missing}")
+    _check_int_arg("alignment", alignment, 1)
     cu, count = batch["packed_cu_seqlens"], batch["packed_cu_seqlens_lengths"]
     width = batch["input_ids"].shape[1]
     segs_per_row = count - 1

@@ -116,8 +116,8 @@ def _identity_dict(tokenizer: object) -> object:
 
 def _max_token_id(cols: Columns) -> int | None:
     """The largest id in input_ids and target_ids (padding included); None for a file without rows."""
-    ids = np.concatenate([cols.values["input_ids"], cols.values["target_ids"]])
-    return int(ids.max()) if ids.size else None
+    ids, targets = cols.values["input_ids"], cols.values["target_ids"]
+    return max(int(ids.max()), int(targets.max())) if ids.size and targets.size else None
 
 
 def _canonical(meta: Mapping[str, Any]) -> str:
