@@ -166,6 +166,8 @@ BAD_RECORDS = [
     ("two kinds", {"text": "a", "messages": []}, r"exactly one of them\), got keys \['messages', 'text'\]"),
     ("typo of loss_mask", {"input_ids": [1], "loss_masks": [0]}, r"expected the key 'loss_mask' .*got 'loss_masks'"),
     ("typo of messages", {"text": "a", "message": "b"}, r"expected the key 'messages' .*got 'message'"),
+    ("one letter off loss_mask", {"input_ids": [1], "loss_mak": [0]}, r"expected the key 'loss_mask' .*got 'loss_mak'"),
+    ("input ids in camel case", {"text": "a", "inputIds": [1]}, r"expected the key 'input_ids' .*got 'inputIds'"),
 ]
 
 
@@ -1102,6 +1104,7 @@ VALID_EDGES = [
     ("CRLF line ends", b'{"text": "a"}\r\n{"text": "b"}\r\n', [], [[97, 257], [98, 257]]),
     ("no newline at the end", b'{"text": "a"}', [], [[97, 257]]),
     ("other keys are ignored", b'{"text": "a", "id": 7, "source": "web"}\n', [], [[97, 257]]),
+    ("a longer key that starts alike is ignored", b'{"input_ids": [1, 2], "input_ids_len": 2}\n', [], [[1, 2]]),
     ("empty text is just eos", b'{"text": ""}\n', [], [[257]]),
     ("unicode text", '{"text": "é"}\n'.encode(), [], [[0xC3, 0xA9, 257]]),
     ("a mask of zeros", b'{"input_ids": [1, 2], "loss_mask": [0, 0]}\n', [], [[1, 2]]),

@@ -221,13 +221,31 @@ def record_kind(record: object, where: str) -> str:
         expected = "a key 'input_ids', 'text' or 'messages' (exactly one of them)"
         raise input_error(where, None, expected, f"keys {sorted(map(str, record))}")
     for key in record:
-        near = difflib.get_close_matches(str(key), RECORD_KEYS, n=1, cutoff=0.8)
-        if near and key not in RECORD_KEYS:
-            raise input_error(where, None, f"the key {near[0]!r} (a near-miss is not ignored)", f"{key!r}")
+        if (near := _near_miss(str(key))) is not None:
+            raise input_error(where, None, f"the key {near!r} (a near-miss is not ignored)", f"{key!r}")
     if "loss_mask" in record and kinds[0] != "input_ids":
         expected = "loss_mask only next to input_ids (text learns every token, messages the assistant's)"
         raise input_error(where, None, expected, f"loss_mask next to {kinds[0]}")
     return kinds[0]
+
+
+def _normal(key: str) -> str:
+    return key.lower().replace("_", "").replace("-", "").replace(" ", "").removesuffix("s")
+
+
+def _near_miss(key: str) -> str | None:
+    """The record key ``key`` nearly spells (case, separators, a plural, one letter off), else None.
+
+    Such a key would otherwise be ignored like any other extra key, and its data lost silently;
+    a longer key that merely starts alike (``input_ids_len``) is not a near-miss.
+    """
+    if key in RECORD_KEYS:
+        return None
+    for known in RECORD_KEYS:
+        one_off = abs(len(key) - len(known)) <= 1 and difflib.SequenceMatcher(None, key, known).ratio() >= 0.8
+        if _normal(key) == _normal(known) or one_off:
+            return known
+    return None
 
 
 def _int_list(value: object, where: str, field: str) -> list[int]:
