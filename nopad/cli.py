@@ -2,6 +2,11 @@
 
 Each subcommand's module adds its own arguments (``add_arguments(parser)``) and runs with
 ``run(args) -> int``; modules are imported only when their subcommand is used.
+
+Bad input never ends in a traceback: arguments are checked here after parsing (every integer
+option is a count >= 1 unless listed in ``INT_MINIMUM``; ``--device`` must name a device this
+machine has), and a ValueError or OSError from a subcommand is printed as one line
+``nopad <command>: error: ...`` with exit status 2.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Sequence
 
 SUBCOMMANDS = {
     "demo": ("nopad.demo", "run a tiny causal LM on a synthetic RL batch, padded vs packed"),
@@ -16,19 +22,86 @@ SUBCOMMANDS = {
     "pack": ("nopad.packing.cli_pack", "pack a JSONL of conversations into a Parquet file of rows"),
     "inspect": ("nopad.packing.cli_inspect", "validate and summarise a packed Parquet file"),
 }
+# Integer options that may be 0 (every other integer option is a count, size or length: >= 1).
+INT_MINIMUM = {"seed": 0, "pad_token_id": 0}
+# Options naming a file to write: its folder must exist before any work (a benchmark takes minutes).
+OUTPUT_OPTIONS = ("output", "plot")
+BAD_INPUT = (ValueError, OSError, ImportError)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def int_problems(args: argparse.Namespace) -> list[str]:
+    """A sentence for every integer option (or list of them) below its minimum."""
+    problems = []
+    for dest, value in vars(args).items():
+        values = value if isinstance(value, list) else [value]
+        low = INT_MINIMUM.get(dest, 1)
+        bad = [v for v in values if type(v) is int and v < low]
+        if bad:
+            problems.append(f"{_option(dest)}: expected an integer >= {low}, got {bad[0]}")
+    return problems
+
+
+def output_problems(args: argparse.Namespace) -> list[str]:
+    """A sentence for every output file whose folder does not exist."""
+    import os
+
+    problems = []
+    for dest in OUTPUT_OPTIONS:
+        path = getattr(args, dest, None)
+        folder = os.path.dirname(os.path.abspath(path)) if isinstance(path, str) else None
+        if folder is not None and not os.path.isdir(folder):
+            problems.append(f"{_option(dest)}: expected a file in an existing folder, got {path!r}")
+    return problems
+
+
+def device_problem(device: str) -> str | None:
+    """Why ``device`` cannot be used here (not a device name, or not on this machine), or None."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        return f"--device: expected a torch device such as cpu or cuda:0, got {device!r} ({e})"
+    if dev.type == "cpu":
+        return None
+    backend = getattr(torch, dev.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        return f"--device: expected a device this machine has, got {device!r} ({dev.type} is not available)"
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if dev.index is not None and dev.index >= count:
+        return f"--device: expected an index below {count} ({dev.type} devices here), got {device!r}"
+    return None
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    problems = int_problems(args) + output_problems(args)
+    if isinstance(getattr(args, "device", None), str) and (why := device_problem(args.device)):
+        problems.append(why)
+    if problems:
+        parser.error("; ".join(problems))  # usage and the message on stderr, exit 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="nopad", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     name = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    subparsers = {}
     for cmd, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(cmd, help=help_text)
+        subparsers[cmd] = p = sub.add_parser(cmd, help=help_text)
         if cmd == name:  # import only the module that will run
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
-    return int(importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0)
+    _check_args(subparsers[args.command], args)
+    try:
+        return int(importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0)
+    except BAD_INPUT as e:
+        print(f"nopad {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

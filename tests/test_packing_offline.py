@@ -176,7 +176,7 @@ def test_file_round_trip_and_metadata(tmp_path):
     for i, r in enumerate(rows):
         assert all(np.array_equal(packed[i][f], r[f]) for f in r)
     meta = packed.metadata
-    assert meta["pack_length"] == 8 and meta["alignment"] == 2 and meta["format_version"] == 1
+    assert meta["pack_length"] == 8 and meta["alignment"] == 2 and meta["format_version"] == 2
     assert meta["tokenizer"]["name"] == "nopad-byte-v1" and len(meta["tokenizer"]["vocab_hash"]) == 64
     assert 0 < packed.utilisation <= 1
 

@@ -13,12 +13,19 @@ from nopad.packing.algorithms import (
     packing_metrics,
 )
 from nopad.packing.collate import collate_packed, packed_to_nested
-from nopad.packing.files import PackedFile, read_metadata, read_packed, write_packed
+from nopad.packing.files import PackedCheck, PackedFile, check_packed, read_metadata, read_packed, write_packed
 from nopad.packing.offline import PackReport, pack_conversations
 from nopad.packing.online import pack_online
 from nopad.packing.rows import ROW_FIELDS, Columns, validate_columns
 from nopad.packing.thd import ThdBatch, packed_to_thd
-from nopad.packing.tokenizer import ByteTokenizer, HFTokenizer, TokenizerIdentity, encode_record, load_tokenizer
+from nopad.packing.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    PreTokenized,
+    TokenizerIdentity,
+    encode_record,
+    load_tokenizer,
+)
 from nopad.parallel.cp import cp_alignment
 
 # thd_alignment was a one-line alias of cp_alignment: readable here for one release, with a warning.
@@ -31,11 +38,14 @@ __all__ = [
     "Columns",
     "HFTokenizer",
     "PackReport",
+    "PackedCheck",
     "PackedFile",
     "PackingMetrics",
+    "PreTokenized",
     "ThdBatch",
     "TokenizerIdentity",
     "best_fit_decreasing",
+    "check_packed",
     "collate_packed",
     "concatenative",
     "cp_alignment",

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from nopad.packing.files import read_metadata, read_packed
+from nopad.packing.files import check_packed, read_metadata
 from nopad.packing.tokenizer import load_tokenizer
 
 
@@ -35,8 +35,17 @@ def histogram(lengths: np.ndarray, bins: int = 10, width: int = 40) -> list[str]
     ]
 
 
+def _expected_tokenizer(name: str | None):
+    if name is None:
+        return None
+    return load_tokenizer(None if name == "bytes" else name).identity
+
+
 def run(args: argparse.Namespace) -> int:
+    """Exit 0 for a valid file, 1 when validation finds problems (each is printed), 2 when the file
+    or the --tokenizer cannot be read at all."""
     try:
+        expected = _expected_tokenizer(args.tokenizer)
         meta = read_metadata(args.path)
     except (ValueError, OSError) as e:
         print(f"nopad inspect: error: {e}", file=sys.stderr)
@@ -44,21 +53,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"file: {args.path}")
     print("metadata:")
     print("  " + json.dumps(meta, indent=2, sort_keys=True).replace("\n", "\n  "))
-    try:
-        expected = None
-        if args.tokenizer is not None:
-            expected = load_tokenizer(None if args.tokenizer == "bytes" else args.tokenizer).identity
-        packed = read_packed(args.path, tokenizer=expected)
-    except (ValueError, OSError) as e:
-        print(f"validation: FAILED: {e}")
+    check = check_packed(args.path, tokenizer=expected)
+    if check.packed is None:
+        print(f"validation: FAILED ({len(check.problems)} problem{'s' * (len(check.problems) != 1)})")
+        for problem in check.problems:
+            print(f"  - {problem}")
         return 1
+    packed = check.packed
     conv = packed.conversation_lengths
-    print("validation: OK (every row: boundaries, alignment, positions, labels, masks, ids; checksum)")
+    print("validation: OK (metadata keys; every row: boundaries, alignment, positions, labels, masks, ids; checksums)")
+    if not packed.metadata_checksummed:
+        version = packed.metadata["format_version"]
+        print(f"note: a format {version} file: its metadata is checked key by key but no checksum covers it; repack")
     print(f"rows: {len(packed)}")
     print(f"conversations (segments): {conv.size}")
     print(f"utilisation: {packed.utilisation:.4f} (stored tokens / rows x pack_length {meta['pack_length']})")
-    real = meta.get("report", {}).get("utilisation")
-    if real is not None:
+    real = meta["report"].get("utilisation")
+    if isinstance(real, (int, float)):
         print(f"utilisation without alignment padding: {real:.4f}")
     print("row length histogram:")
     print("\n".join(histogram(packed.row_lengths, args.bins)))

@@ -1,25 +1,64 @@
-"""`nopad pack INPUT.jsonl -o OUT.parquet --pack-length N`: tokenize, pack and write a packed file."""
+"""`nopad pack INPUT.jsonl -o OUT.parquet --pack-length N`: tokenize, pack and write a packed file.
+
+The tokenizer, and so the identity the file records:
+  --tokenizer DIR | bytes            a local Hugging Face tokenizer, or the built-in byte one
+  --vocab-size N / --tokenizer-name  pre-tokenized data (input_ids records only): no tokenizer files,
+                                     ids must be below N; the file records the name and size given
+  (none)                             text/messages records use the byte tokenizer (input_ids next to
+                                     them must be byte ids); a file of input_ids records only is
+                                     recorded as "pre-tokenized", with its largest id
+Every record is read and checked before anything is packed: a bad one stops the run with the file,
+the line and what to fix, and nothing is written.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, cast
 
-from nopad.errors import input_error
+import numpy as np
+
+from nopad.errors import in_file, input_error
 from nopad.packing.algorithms import ALGORITHMS
 from nopad.packing.files import write_packed
-from nopad.packing.offline import OVERFLOW_POLICIES, pack_conversations
-from nopad.packing.tokenizer import Tokenizer, encode_record, load_tokenizer
+from nopad.packing.offline import OVERFLOW_POLICIES, PackReport, pack_conversations
+from nopad.packing.tokenizer import (
+    MAX_TOKEN_ID,
+    PRE_TOKENIZED,
+    ByteTokenizer,
+    HFTokenizer,
+    PreTokenized,
+    Tokenizer,
+    check_count,
+    encode_record,
+    record_kind,
+)
 from nopad.parallel.cp import cp_alignment
+
+Conversation = tuple[np.ndarray, np.ndarray]  # (ids int64, loss mask int8)
+_UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="JSONL: {input_ids[, loss_mask]} or {text} or {messages} per line")
     parser.add_argument("-o", "--output", required=True, help="the Parquet file to write")
     parser.add_argument("--pack-length", type=int, required=True, help="tokens per row at most")
-    parser.add_argument("--tokenizer", default=None, help="a LOCAL Hugging Face tokenizer directory (default: bytes)")
+    parser.add_argument(
+        "--tokenizer", default=None, help="a LOCAL Hugging Face tokenizer directory, or 'bytes' (default: see below)"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="pre-tokenized data: ids must be below this (no tokenizer files)"
+    )
+    parser.add_argument(
+        "--tokenizer-name", default=None, help="pre-tokenized data: the tokenizer's name, recorded in the file"
+    )
+    parser.add_argument(
+        "--pad-token-id", type=int, default=None, help="the id of alignment padding (default: the tokenizer's, or 0)"
+    )
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size: pad to 2*cp*tp")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (sequence parallelism)")
     parser.add_argument(
@@ -37,58 +76,204 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _records(path: str, tokenizer: Tokenizer) -> Iterator[tuple[list[int], list[int]]]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise input_error(f"{path} line {line_no}", None, "a JSON object", f"invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise input_error(f"{path} line {line_no}", None, "a JSON object", f"{type(record).__name__}")
-            yield encode_record(record, tokenizer, line=line_no)
+# ---- JSONL: one object per line, nothing skipped or coerced -------------------------------------
+def _refuse_constant(name: str) -> Any:
+    raise input_error("number", None, "a JSON number (NaN and Infinity are not JSON)", name)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's pairs as a dict; a repeated key (json would keep the last one silently) is refused."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise input_error("key", None, "each key once per object", f"{key!r} twice")
+        seen[key] = value
+    return seen
+
+
+def parse_line(raw: bytes, line: int) -> dict[str, Any]:
+    """One JSONL line -> its object; ValueError "record line N: ..." for anything else."""
+    where = f"record line {line}"
+    if line == 1 and raw.startswith(_UTF8_BOM):
+        raw = raw[len(_UTF8_BOM) :]  # an editor's byte-order mark carries no data
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise input_error(where, None, "UTF-8 text", f"the byte 0x{raw[e.start]:02x} at column {e.start + 1}") from None
+    if not text.strip():
+        raise input_error(where, None, "a JSON object (JSONL has one per line: delete the blank line)", "a blank line")
+    try:
+        record = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as e:
+        raise input_error(where, None, "a JSON object", f"invalid JSON ({e.msg} at column {e.colno})") from None
+    except ValueError as e:  # a repeated key or NaN, from the hooks above
+        raise in_file(where, e) from None
+    if not isinstance(record, dict):
+        raise input_error(where, None, "a JSON object", type(record).__name__)
+    return record
+
+
+def read_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every line of ``path``; refuses blank lines, bad UTF-8 and bad JSON."""
+    with open(path, "rb") as f:  # bytes: a bad UTF-8 byte is reported with its line, not for the whole file
+        for line, raw in enumerate(f, 1):
+            yield line, parse_line(raw, line)
+
+
+# ---- tokenizer and records -------------------------------------------------------------------------
+def chosen_tokenizer(args: argparse.Namespace) -> Tokenizer | None:
+    """The tokenizer the flags name; None when none does (decided by the records: see the module doc)."""
+    pre_tokenized = args.vocab_size is not None or args.tokenizer_name is not None
+    if args.tokenizer is not None and pre_tokenized:
+        given = "--vocab-size" if args.vocab_size is not None else "--tokenizer-name"
+        expected = "--tokenizer, or --vocab-size/--tokenizer-name for pre-tokenized data, not both"
+        raise input_error(given, None, expected, "both")
+    if args.tokenizer is not None:
+        return ByteTokenizer() if args.tokenizer == "bytes" else HFTokenizer(args.tokenizer)
+    if pre_tokenized:
+        return PreTokenized(args.vocab_size, args.tokenizer_name or PRE_TOKENIZED)
+    return None
+
+
+def _with_pad(tokenizer: Tokenizer, pad_token_id: int | None) -> Tokenizer:
+    """``tokenizer`` with --pad-token-id (when given) as its pad id, checked against its vocabulary."""
+    if pad_token_id is not None:
+        size = tokenizer.identity.vocab_size
+        check_count("--pad-token-id", pad_token_id, 0, MAX_TOKEN_ID if size is None else size - 1)
+        tokenizer.pad_token_id = pad_token_id
+    return tokenizer
+
+
+def _as_arrays(ids: list[int], mask: list[int]) -> Conversation:
+    return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.int8)
+
+
+def encode_records(records: Iterable[tuple[int, dict[str, Any]]], tokenizer: Tokenizer) -> Iterator[Conversation]:
+    for line, record in records:
+        yield _as_arrays(*encode_record(record, tokenizer, line=line))
+
+
+class AutoRecords:
+    """No tokenizer flag: text/messages records use the byte tokenizer; input_ids records are taken
+    as they are (below 2**31) and must be byte ids only when the file also holds text.
+
+    After iterating, ``tokenizer`` is the byte tokenizer if any record held text, else a
+    :class:`PreTokenized` of unknown vocabulary (the file records its largest id).
+    """
+
+    def __init__(self, records: Iterable[tuple[int, dict[str, Any]]]):
+        self.records = records
+        self.bytes, self.raw = ByteTokenizer(), PreTokenized()
+        self.byte_vocab = self.bytes.eos_token_id + 1  # ids 0..255, <pad>, <eos>
+        self.first_text: int | None = None  # line of the first text/messages record
+        self.first_wide: tuple[int, int] | None = None  # (line, id) of the first id bytes do not have
+
+    def __iter__(self) -> Iterator[Conversation]:
+        for line, record in self.records:
+            is_ids = record_kind(record, f"record line {line}") == "input_ids"
+            ids, mask = encode_record(record, self.raw if is_ids else self.bytes, line=line)
+            if is_ids and self.first_wide is None and ids and max(ids) >= self.byte_vocab:
+                self.first_wide = (line, max(ids))
+            if not is_ids and self.first_text is None:
+                self.first_text = line
+            self._check_mix()
+            yield _as_arrays(ids, mask)
+
+    def _check_mix(self) -> None:
+        if self.first_text is None or self.first_wide is None:
+            return
+        line, wide = self.first_wide
+        expected = (
+            f"input_ids in [0, {self.byte_vocab}) for nopad-byte-v1, the tokenizer of the text"
+            f" on line {self.first_text} (give --tokenizer DIR for the tokenizer of both, or pack them separately)"
+        )
+        raise input_error(f"record line {line}", None, expected, f"{wide}")
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.bytes if self.first_text is not None else self.raw
+
+
+def read_conversations(args: argparse.Namespace) -> tuple[list[Conversation], Tokenizer]:
+    """Every record of the input, checked and encoded, and the tokenizer that applies to them."""
+    from tqdm import tqdm
+
+    chosen = chosen_tokenizer(args)
+    if chosen is not None:
+        _with_pad(chosen, args.pad_token_id)  # before reading: a bad pad id fails at once
+    records = read_jsonl(args.input)
+    auto = AutoRecords(records)
+    encoded = auto if chosen is None else encode_records(records, chosen)
+    try:
+        conversations = list(tqdm(encoded, desc="reading", unit=" conv", disable=args.no_progress))
+    except ValueError as e:
+        raise in_file(args.input, e) from None
+    if not conversations:
+        raise in_file(args.input, input_error("records", None, "at least one JSON record", "an empty file"))
+    return conversations, chosen if chosen is not None else _with_pad(auto.tokenizer, args.pad_token_id)
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    if os.path.exists(args.output) and os.path.exists(args.input) and os.path.samefile(args.output, args.input):
+        raise input_error("--output", None, "a path other than the input (it would be overwritten)", args.output)
+
+
+def _no_rows(report: PackReport) -> ValueError:
+    why = f"{len(report.rejected_too_long)} too long, {len(report.rejected_empty)} empty"
+    fix = "; raise --pack-length or use --overflow split" if report.rejected_too_long else ""
+    return input_error("rows", None, f"at least one row to write{fix}", f"every conversation rejected ({why})")
+
+
+def pack(args: argparse.Namespace) -> tuple[PackReport, dict[str, Any]]:
+    """Read, pack and write; returns the report and the metadata written."""
+    _check_paths(args)
+    alignment = cp_alignment(args.tp_size, args.cp_size)
+    conversations, tokenizer = read_conversations(args)
+    rows, report = pack_conversations(
+        cast("list[tuple[Sequence[int], Sequence[int]]]", conversations),  # arrays slice like sequences
+        args.pack_length,
+        alignment=alignment,
+        pad_token_id=tokenizer.pad_token_id,
+        overflow=args.overflow,
+        algorithm=args.algorithm,
+    )
+    if not rows:
+        raise _no_rows(report)
+    return report, write_packed(
+        args.output,
+        rows,
+        pack_length=args.pack_length,
+        tokenizer=tokenizer.identity,
+        pad_token_id=tokenizer.pad_token_id,
+        alignment=alignment,
+        tp_size=args.tp_size,
+        cp_size=args.cp_size,
+        report={
+            **report.summary(),
+            "split_indices": report.split[:1000],
+            "rejected_indices": report.rejected_too_long[:1000],
+            "empty_indices": report.rejected_empty[:1000],
+        },
+    )
+
+
+def _describe(meta: dict[str, Any]) -> str:
+    """'tokenizer NAME', and what is known of a vocabulary nopad never saw (pre-tokenized data)."""
+    tok = meta["tokenizer"]
+    if tok["vocab_hash"]:
+        return f"tokenizer {tok['name']}"
+    size = "size unknown" if tok["vocab_size"] is None else f"size {tok['vocab_size']}"
+    return f"tokenizer {tok['name']} (vocabulary {size}, largest id {meta['max_token_id']})"
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     try:
-        tokenizer = load_tokenizer(args.tokenizer)
-        alignment = cp_alignment(args.tp_size, args.cp_size)
-        records = tqdm(_records(args.input, tokenizer), desc="packing", unit=" conv", disable=args.no_progress)
-        rows, report = pack_conversations(
-            records,
-            args.pack_length,
-            alignment=alignment,
-            pad_token_id=tokenizer.pad_token_id,
-            overflow=args.overflow,
-            algorithm=args.algorithm,
-        )
-        summary = report.summary()
-        write_packed(
-            args.output,
-            rows,
-            pack_length=args.pack_length,
-            tokenizer=tokenizer.identity,
-            pad_token_id=tokenizer.pad_token_id,
-            alignment=alignment,
-            tp_size=args.tp_size,
-            cp_size=args.cp_size,
-            report={
-                **summary,
-                "split_indices": report.split[:1000],
-                "rejected_indices": report.rejected_too_long[:1000],
-                "empty_indices": report.rejected_empty[:1000],
-            },
-        )
+        report, meta = pack(args)
     except (ValueError, OSError) as e:
         print(f"nopad pack: error: {e}", file=sys.stderr)
         return 2
-    name = tokenizer.identity.name
-    print(f"wrote {args.output}: {report.rows} rows of <= {args.pack_length} tokens, tokenizer {name}")
-    for key, value in summary.items():
+    print(f"wrote {args.output}: {report.rows} rows of <= {args.pack_length} tokens, {_describe(meta)}")
+    for key, value in report.summary().items():
         print(f"  {key:>18}: {value}")
     for what, indices in (
         ("split", report.split),

@@ -28,6 +28,12 @@ from nopad.layout import (
 from nopad.packing.rows import ROW_FIELDS, TOKEN_FIELDS, Columns, validate_columns
 
 
+def _check_int_arg(name: str, value: object, low: int) -> None:
+    """An int (numpy's too; bool refused) >= low."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise input_error(name, None, f"an integer >= {low}", repr(value))
+
+
 def _padded(values: np.ndarray, offsets: np.ndarray, width: int, fill: int) -> np.ndarray:
     """Flat values + row offsets -> (rows, width) filled with ``fill`` past each row's end."""
     rows = len(offsets) - 1
@@ -38,6 +44,42 @@ def _padded(values: np.ndarray, offsets: np.ndarray, width: int, fill: int) -> n
     return out
 
 
+def _row_mappings(rows: object) -> Sequence[Mapping[str, object]]:
+    if not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)):
+        raise input_error("rows", None, "a sequence of packed rows (dicts of arrays)", type(rows).__name__)
+    for i, r in enumerate(rows):
+        if not isinstance(r, Mapping):
+            raise input_error("rows", i, "a dict of the row fields", type(r).__name__)
+    return rows
+
+
+def check_row_arrays(rows: object) -> None:
+    """Rows must be a sequence of mappings holding every row field as a 1-D integer array or list.
+
+    Nothing is converted silently: a float, bool or 2-D field is refused naming the row and field
+    (np.asarray(..., dtype=int64) would round 2.5 to 2).
+    """
+    for i, r in enumerate(_row_mappings(rows)):
+        missing = [f for f in ROW_FIELDS if f not in r]
+        if missing:
+            raise input_error("rows", i, f"fields {list(ROW_FIELDS)}", f"missing {missing}")
+        for f in ROW_FIELDS:
+            a = np.asarray(r[f])
+            integer = a.dtype.kind == "i" or (a.dtype.kind == "u" and a.dtype.itemsize < 8)
+            if a.ndim != 1 or not (integer or a.size == 0):
+                raise input_error(f, i, "a 1-D array of integers", f"{a.ndim}-D {a.dtype}")
+
+
+def negative_id_error(cols: Columns) -> ValueError | None:
+    """The first negative input or target id, naming its row (no vocabulary size is needed to see it)."""
+    for f in ("input_ids", "target_ids"):
+        bad = np.flatnonzero(cols.values[f] < 0)
+        if bad.size:
+            row = int(np.searchsorted(cols.offsets[f], bad[0], side="right")) - 1
+            return input_error(f, row, "token ids >= 0", f"{int(cols.values[f][bad[0]])}")
+    return None
+
+
 def collate_packed(rows: Sequence[Mapping[str, object]], *, pad_token_id: int = 0, alignment: int = 1) -> TensorDict:
     """Packed rows (dicts with the fields of rows.py) -> TensorDict of batch size [N].
 
@@ -45,6 +87,7 @@ def collate_packed(rows: Sequence[Mapping[str, object]], *, pad_token_id: int = 
     A batch mixing packed rows with unpacked ones (no ``packed_cu_seqlens``) is refused: packed
     rows carry their own boundaries and must never be re-grouped with rows that do not.
     """
+    _row_mappings(rows)
     if not rows:
         raise input_error("rows", None, "at least one packed row", "an empty batch")
     unpacked = [i for i, r in enumerate(rows) if "packed_cu_seqlens" not in r]
@@ -56,13 +99,14 @@ def collate_packed(rows: Sequence[Mapping[str, object]], *, pad_token_id: int = 
             "every row packed (with packed_cu_seqlens)",
             f"{kind}: rows {unpacked[:8]} lack it",
         )
-    for i, r in enumerate(rows):
-        missing = [f for f in ROW_FIELDS if f not in r]
-        if missing:
-            raise input_error("rows", i, f"fields {list(ROW_FIELDS)}", f"missing {missing}")
+    check_row_arrays(rows)
+    _check_int_arg("pad_token_id", pad_token_id, 0)
+    _check_int_arg("alignment", alignment, 1)
     cols = Columns.from_rows([{f: np.asarray(r[f]) for f in ROW_FIELDS} for r in rows])  # type: ignore[misc]
     width = int(cols.row_lengths.max())
     validate_columns(cols, pack_length=width, alignment=alignment)
+    if (negative := negative_id_error(cols)) is not None:
+        raise negative
     fills = {"input_ids": pad_token_id, "target_ids": pad_token_id, "token_mask": 0, "position_ids": 0}
     data = {f: _padded(cols.values[f], cols.offsets[f], width, fills[f]) for f in TOKEN_FIELDS}
     cu_off = cols.offsets["packed_cu_seqlens"]
@@ -88,6 +132,10 @@ def packed_to_nested(
     """
     if "packed_cu_seqlens" not in batch.keys():
         raise input_error("batch", None, "packed rows carrying packed_cu_seqlens", "an unpacked batch")
+    missing = [k for k in ("packed_cu_seqlens_lengths", "input_ids", *fields) if k not in batch.keys()]
+    if missing:
+        raise input_error("batch", None, "the fields of collate_packed or pack_online", f"missing {missing}")
+    _check_int_arg("alignment", alignment, 1)
     cu, count = batch["packed_cu_seqlens"], batch["packed_cu_seqlens_lengths"]
     width = batch["input_ids"].shape[1]
     segs_per_row = count - 1

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from nopad.compat import renamed_keyword
 from nopad.errors import input_error
-from nopad.layout import IndexPlan, check_nested, nested_offsets, prepare_position_ids, round_up
-from nopad.packing.algorithms import Bins, pack_lengths
+from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, prepare_position_ids, round_up
+from nopad.packing.algorithms import ALGORITHMS, Bins, pack_lengths
 from nopad.parallel.cp import CpLayout, cp_alignment
 
 
@@ -39,6 +39,74 @@ def bin_layout(bins: Bins, padded_lengths: np.ndarray) -> tuple[np.ndarray, np.n
     return seq_bin, seq_rank, seq_start, fills
 
 
+def _is_count(value: object, low: int) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= low)
+
+
+def _check_arguments(
+    input_ids: object,
+    loss_mask: object,
+    pack_length: object,
+    tp_size: object,
+    cp_size: object,
+    dp_size: object,
+    min_bins: object,
+    pad_token_id: object,
+    algorithm: object,
+) -> None:
+    """Every argument's type and range, from host-side facts only (no sync)."""
+    # dtype and device of the values tensors: a nested tensor's own attributes cost a Python dispatch
+    ids = jagged_values(check_nested(input_ids, "input_ids", value_dims=1))
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise input_error("input_ids", None, "an integer dtype (token ids)", f"{ids.dtype}")
+    if loss_mask is not None:
+        mask = jagged_values(check_nested(loss_mask, "loss_mask", value_dims=1))
+        if mask.device != ids.device:
+            raise input_error("loss_mask", None, f"the device of input_ids ({ids.device})", f"{mask.device}")
+        if mask.dtype.is_complex:
+            raise input_error("loss_mask", None, "a bool, integer or float dtype of 0/1 values", f"{mask.dtype}")
+    counts = {"pack_length": (pack_length, 1), "tp_size": (tp_size, 1), "cp_size": (cp_size, 1)}
+    counts |= {"dp_size": (dp_size, 1), "min_bins": (min_bins, 0), "pad_token_id": (pad_token_id, 0)}
+    for name, (value, low) in counts.items():
+        if not _is_count(value, low):
+            raise input_error(name, None, f"an int >= {low}", repr(value))
+    if algorithm not in ALGORITHMS:
+        raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
+
+
+def _value_flags(input_ids: Tensor, loss_mask: Tensor | None, offsets: Tensor) -> Tensor:
+    """(3,) int64 on the batch's device: mask offsets differ, a mask value is not 0/1, an id is < 0.
+
+    Device-side reductions only: they travel to the host with the lengths, in the one sync.
+    """
+    device = offsets.device
+    negative = jagged_values(input_ids).lt(0).any().reshape(1)
+    if loss_mask is None:
+        return torch.cat([torch.zeros(2, dtype=torch.bool, device=device), negative]).to(torch.int64)
+    mask_offsets = nested_offsets(loss_mask).to(torch.int64)
+    if mask_offsets is offsets:
+        differs = torch.zeros(1, dtype=torch.bool, device=device)
+    elif mask_offsets.shape != offsets.shape:
+        differs = torch.ones(1, dtype=torch.bool, device=device)
+    else:
+        differs = (mask_offsets != offsets).any().reshape(1)
+    m = jagged_values(loss_mask)
+    if m.dtype == torch.bool:  # 0/1 by construction
+        not_01 = torch.zeros(1, dtype=torch.bool, device=device)
+    else:
+        not_01 = (m != 0).logical_and_(m != 1).any().reshape(1)  # NaN is neither
+    return torch.cat([differs, not_01, negative]).to(torch.int64)
+
+
+def _first_bad_row(field: str, x: Tensor, offsets: Tensor, expected: str) -> ValueError:
+    """The error naming the first row with a bad value (an error path: its extra sync is fine)."""
+    v = jagged_values(x)
+    bad = (v < 0) if field == "input_ids" else (v != 0) & (v != 1)
+    k = int(bad.nonzero()[0, 0])
+    row = int(torch.searchsorted(offsets, torch.tensor(k, device=offsets.device), right=True)) - 1
+    return input_error(field, row, expected, f"{v[k].item()!r}")
+
+
 def pack_online(
     input_ids: Tensor,
     pack_length: int | None = None,
@@ -59,26 +127,23 @@ def pack_online(
     most ``pack_length`` tokens (formerly ``token_budget``, deprecated); N is a multiple of
     ``dp_size`` and at least ``min_bins``.
     ``loss_mask`` (nested like ``input_ids``, optional, default all ones) marks tokens to predict.
-    A sequence longer than the budget raises ValueError (online packing never splits). One host
-    sync (the lengths); the token movement is a fixed number of tensor ops.
+    A sequence longer than the budget raises ValueError (online packing never splits), and so does
+    a mask value other than 0/1, a negative id, a float id dtype or a mask with other offsets:
+    each checked on the device and read in the one host sync (the lengths, which the bin packing
+    needs); the token movement is a fixed number of tensor ops.
     """
-    check_nested(input_ids, "input_ids", value_dims=1)
     pack_length = renamed_keyword("pack_online", "token_budget", "pack_length", token_budget, pack_length)
-    if not isinstance(pack_length, int) or pack_length < 1:
-        raise input_error("pack_length", None, "an int >= 1", repr(pack_length))
+    _check_arguments(input_ids, loss_mask, pack_length, tp_size, cp_size, dp_size, min_bins, pad_token_id, algorithm)
     offsets = nested_offsets(input_ids).to(torch.int64)
     lengths = offsets.diff()
-    mismatch = torch.zeros(1, dtype=torch.int64, device=lengths.device)
-    if loss_mask is not None:
-        check_nested(loss_mask, "loss_mask", value_dims=1)
-        mask_offsets = nested_offsets(loss_mask).to(torch.int64)
-        if mask_offsets is not offsets:
-            same_shape = mask_offsets.shape == offsets.shape
-            differs = (mask_offsets != offsets).any() if same_shape else torch.ones((), dtype=torch.bool)
-            mismatch = differs.to(device=lengths.device, dtype=torch.int64).reshape(1)
-    *lengths_list, mask_differs = torch.cat([lengths, mismatch]).tolist()  # the one host sync
+    flags = _value_flags(input_ids, loss_mask, offsets)
+    *lengths_list, mask_differs, mask_not_01, negative_ids = torch.cat([lengths, flags]).tolist()  # the one sync
     if mask_differs:
         raise input_error("loss_mask", None, "the same offsets (sequence lengths) as input_ids", "different ones")
+    if mask_not_01 and loss_mask is not None:
+        raise _first_bad_row("loss_mask", loss_mask, offsets, "only 0 and 1 (a mask is not a weight)")
+    if negative_ids:
+        raise _first_bad_row("input_ids", input_ids, offsets, "token ids >= 0")
     lengths_host = np.asarray(lengths_list, dtype=np.int64)
     align = cp_alignment(tp_size, cp_size, cp_layout)
     padded = round_up(lengths_host, align)
@@ -97,11 +162,11 @@ def pack_online(
     as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=device)  # noqa: E731
     seq_bin_t, seq_start_t, padded_t = as_t(seq_bin), as_t(seq_start), as_t(padded)
 
-    values = input_ids.values()
+    values = jagged_values(input_ids)
     plan = IndexPlan.from_nested(input_ids)
     row, pos = plan.row_ids, plan.position_ids
     dest = seq_bin_t[row] * width + seq_start_t[row] + pos
-    mask_values = torch.ones_like(values) if loss_mask is None else loss_mask.values().to(torch.int64)
+    mask_values = torch.ones_like(values) if loss_mask is None else jagged_values(loss_mask).to(torch.int64)
 
     def scatter(src: Tensor, fill: int) -> Tensor:
         out = torch.full((n_rows * width,), fill, dtype=torch.int64, device=device)
