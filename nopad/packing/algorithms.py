@@ -66,11 +66,16 @@ class _FirstFitTree:
             node = 2 * node if tree[2 * node] >= s else 2 * node + 1
         bin_id = node - self.size
         tree[node] -= s
-        node //= 2
-        while node:
-            tree[node] = max(tree[2 * node], tree[2 * node + 1])
-            node //= 2
-        self.opened = max(self.opened, bin_id + 1)
+        while node > 1:  # refresh the maxima above, up to the first that does not change
+            left = tree[node & ~1]
+            right = tree[node | 1]
+            node >>= 1
+            room = left if left >= right else right
+            if tree[node] == room:
+                break
+            tree[node] = room
+        if bin_id >= self.opened:
+            self.opened = bin_id + 1
         return bin_id
 
 
