@@ -13,7 +13,7 @@ packed as its own conversation (the label across a cut is lost: attention cannot
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,47 +81,63 @@ def _check_config(pack_length: int, alignment: int, overflow: str, algorithm: st
         raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
 
 
-def _unzip(conversations: Iterable[tuple[TokenSeq, TokenSeq]]) -> tuple[list[TokenSeq], list[TokenSeq]]:
-    """(ids, loss_mask) pairs -> the ids and the masks, as two lists (the iterable is read once)."""
-    pairs = list(conversations)
-    try:
-        return [ids for ids, _ in pairs], [mask for _, mask in pairs]
-    except (TypeError, ValueError):
-        k = next(k for k, p in enumerate(pairs) if not (isinstance(p, Sequence) and len(p) == 2))
-        raise input_error(f"conversation {k}", None, "an (ids, loss_mask) pair", f"{type(pairs[k]).__name__}") from None
+@dataclass
+class _Conversations:
+    """The input, as two lists read once from the iterable: each conversation's ids and loss mask."""
 
+    ids: list[TokenSeq]
+    masks: list[TokenSeq]
 
-def _lengths(ids: list[TokenSeq], masks: list[TokenSeq]) -> np.ndarray:
-    """(N,) tokens per conversation; ValueError naming the first conversation whose mask differs."""
-    try:
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        mask_lengths = np.fromiter(map(len, masks), dtype=np.int64, count=len(masks))
-    except TypeError:
-        _explain_bad_tokens(ids, masks)
-        raise
-    differ = np.flatnonzero(lengths != mask_lengths)
-    if differ.size:
-        k = int(differ[0])
-        raise input_error(f"loss_mask conversation {k}", None, f"{lengths[k]} entries like ids", f"{mask_lengths[k]}")
-    return lengths
-
-
-def _explain_bad_tokens(ids: list[TokenSeq], masks: list[TokenSeq]) -> None:
-    """Raise a ValueError naming the first conversation whose ids or mask is not a 1-D integer sequence.
-
-    Only called once the fast path failed; returns when every conversation looks right (the caller
-    re-raises what it caught).
-    """
-    for k, (seq_ids, seq_mask) in enumerate(zip(ids, masks)):
-        for name, seq, kinds in (("input_ids", seq_ids, "iu"), ("loss_mask", seq_mask, "iub")):
+    @classmethod
+    def read(cls, conversations: Iterable[tuple[TokenSeq, TokenSeq]]) -> _Conversations:
+        ids: list[TokenSeq] = []
+        masks: list[TokenSeq] = []
+        for pair in conversations:
             try:
-                arr = np.asarray(seq)
+                seq_ids, seq_mask = pair
             except (TypeError, ValueError):
-                arr = np.asarray(None)
-            if arr.ndim != 1 or (arr.size and arr.dtype.kind not in kinds):
-                what = "integer token ids" if name == "input_ids" else "0 and 1"
-                got = f"shape {arr.shape} dtype {arr.dtype}" if arr.ndim else f"{type(seq).__name__}"
-                raise input_error(f"{name} conversation {k}", None, f"a 1-D sequence of {what}", got)
+                got = f"{type(pair).__name__}" + (f" of {len(pair)}" if isinstance(pair, Sized) else "")
+                raise input_error(f"conversation {len(ids)}", None, "an (ids, loss_mask) pair", got) from None
+            ids.append(seq_ids)
+            masks.append(seq_mask)
+        return cls(ids, masks)
+
+    def lengths(self) -> np.ndarray:
+        """(N,) tokens per conversation; ValueError naming the first whose mask has another length."""
+        try:
+            lengths = np.fromiter(map(len, self.ids), dtype=np.int64, count=len(self.ids))
+            mask_lengths = np.fromiter(map(len, self.masks), dtype=np.int64, count=len(self.masks))
+        except TypeError:
+            self.explain_bad_tokens()
+            raise
+        differ = np.flatnonzero(lengths != mask_lengths)
+        if differ.size:
+            k = int(differ[0])
+            expected = f"{lengths[k]} entries like ids"
+            raise input_error(f"loss_mask conversation {k}", None, expected, f"{mask_lengths[k]}")
+        return lengths
+
+    def explain_bad_tokens(self) -> None:
+        """Raise a ValueError naming the first conversation whose ids or mask is not a 1-D sequence of
+        integers. Called once a vectorised step failed; returns if none is found (the caller re-raises)."""
+        for k, (seq_ids, seq_mask) in enumerate(zip(self.ids, self.masks)):
+            for name, seq, kinds in (("input_ids", seq_ids, "iu"), ("loss_mask", seq_mask, "iub")):
+                try:
+                    arr = np.asarray(seq)
+                except (TypeError, ValueError, OverflowError):
+                    arr = np.asarray(None)
+                if arr.ndim != 1 or (arr.size and arr.dtype.kind not in kinds):
+                    what = "integer token ids" if name == "input_ids" else "0 and 1"
+                    got = f"shape {arr.shape} dtype {arr.dtype}" if arr.ndim else f"{type(seq).__name__}"
+                    raise input_error(f"{name} conversation {k}", None, f"a 1-D sequence of {what}", got)
+
+    def concatenate(self, parts: list[TokenSeq], spare: np.ndarray, fill: int, out: np.ndarray) -> None:
+        """``parts`` (taken from these conversations) end to end into ``out``, a bad one named."""
+        try:
+            concatenate_segments(parts, spare, fill, out)
+        except (TypeError, ValueError, OverflowError):
+            self.explain_bad_tokens()
+            raise
 
 
 @dataclass
@@ -149,7 +165,7 @@ def _segments(lengths: np.ndarray, report: PackReport, overflow: str) -> _Segmen
     """Conversation lengths -> the segments to pack under the overflow policy (recorded in ``report``).
 
     A conversation longer than ``pack_length`` (padded to the alignment, a divisor of it) is split
-    into pieces of ``pack_length`` tokens, the last one shorter, or rejected.
+    into pieces of ``pack_length`` tokens, the last one shorter, or rejected. Empty ones are rejected.
     """
     step = report.pack_length
     empty, too_long = lengths == 0, lengths > step
@@ -163,29 +179,27 @@ def _segments(lengths: np.ndarray, report: PackReport, overflow: str) -> _Segmen
         pieces = -(-lengths // step)
         report.split_pieces = int(pieces[too_long].sum())
     conversation = np.repeat(np.arange(len(lengths)), pieces)
-    piece = np.arange(len(conversation)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    start = piece * step
+    start = runs(np.zeros_like(pieces), pieces) * step  # 0, step, 2 * step, ... inside each conversation
     length = np.minimum(lengths[conversation] - start, step)
     return _Segments(conversation, start, length, split=bool(report.split))
 
 
-def _build(
-    ids: list[TokenSeq], masks: list[TokenSeq], segments: _Segments, bin_of: np.ndarray, alignment: int, pad: int
-) -> Columns:
-    """Segments and the bin of each -> the rows, as columns: bin by bin, input order inside a bin.
+def _token_columns(
+    convs: _Conversations, segments: _Segments, order: np.ndarray, alignment: int, pad: int
+) -> dict[str, np.ndarray]:
+    """The segments in ``order``, end to end, as the four token fields.
 
-    Every token field is written in one pass: input_ids and the loss mask are concatenated in row
-    order; target_ids and token_mask are those shifted by one, with the label of each conversation's
-    last token and of its padding cleared (it would be the next conversation's first token).
+    input_ids and the loss mask are each concatenated once, in row order; target_ids and
+    token_mask are those shifted by one, with the label of each conversation's last token and of
+    its padding cleared (it would be the next conversation's first token).
     """
-    order = np.argsort(bin_of, kind="stable")
     real = segments.length[order]
     padded = round_up(real, alignment)
     total = int(padded.sum())
     input_ids = np.empty(total, dtype=np.int64)
-    concatenate_segments(segments.take(ids, order), padded - real, pad, input_ids)
-    shifted = np.empty(total + 1, dtype=np.int64)  # shifted[t + 1] is the loss mask of token t + 1
-    concatenate_segments(segments.take(masks, order), padded - real, 0, shifted[:total])
+    convs.concatenate(segments.take(convs.ids, order), padded - real, pad, input_ids)
+    shifted = np.empty(total + 1, dtype=np.int64)  # the mask of token t lands on token t - 1's slot
+    convs.concatenate(segments.take(convs.masks, order), padded - real, 0, shifted[:total])
     _check_mask_values(shifted[:total], padded, segments.conversation[order])
     token_mask = shifted[1:]
     target_ids = np.empty(total, dtype=np.int64)
@@ -195,23 +209,11 @@ def _build(
     target_ids[no_label] = pad
     position_ids = np.empty(total, dtype=np.int64)
     restarting_positions(padded, position_ids)
-    row_sizes = np.bincount(bin_of) if len(bin_of) else np.zeros(0, dtype=np.int64)
-    cu, cu_off = boundaries(padded, row_sizes)
-    row_off = np.zeros(len(row_sizes) + 1, dtype=np.int64)
-    row_off[1:] = np.cumsum(padded)[np.cumsum(row_sizes) - 1]  # where each row's last segment ends
-    values = {
-        "input_ids": input_ids,
-        "target_ids": target_ids,
-        "token_mask": token_mask,
-        "position_ids": position_ids,
-        "packed_cu_seqlens": cu,
-    }
-    offsets = {f: row_off for f in TOKEN_FIELDS} | {"packed_cu_seqlens": cu_off}
-    return Columns(values, offsets)
+    return {"input_ids": input_ids, "target_ids": target_ids, "token_mask": token_mask, "position_ids": position_ids}
 
 
 def _check_mask_values(mask: np.ndarray, padded: np.ndarray, conversation: np.ndarray) -> None:
-    """Loss mask entries must be 0 or 1 (``mask`` is every segment's, end to end, padding included).
+    """Loss mask entries must be 0 or 1 (``mask``: every segment's, end to end, padding included).
 
     One read-only max over the mask (as unsigned, so a negative is huge); the culprit is looked
     for only when there is one.
@@ -222,6 +224,18 @@ def _check_mask_values(mask: np.ndarray, padded: np.ndarray, conversation: np.nd
     t = int((unsigned > 1).argmax())
     k = int(np.searchsorted(np.cumsum(padded), t, side="right"))
     raise input_error(f"loss_mask conversation {int(conversation[k])}", None, "only 0 and 1", f"{int(mask[t])}")
+
+
+def _columns(convs: _Conversations, segments: _Segments, bin_of: np.ndarray, alignment: int, pad: int) -> Columns:
+    """Segments and the bin of each -> the rows as columns: bin by bin, input order inside a bin."""
+    order = np.argsort(bin_of, kind="stable")
+    values = _token_columns(convs, segments, order, alignment, pad)
+    padded = round_up(segments.length[order], alignment)
+    row_sizes = np.bincount(bin_of)  # segments per row: every bin holds at least one
+    values["packed_cu_seqlens"], cu_off = boundaries(padded, row_sizes)
+    row_off = np.zeros(len(row_sizes) + 1, dtype=np.int64)
+    row_off[1:] = np.cumsum(padded)[np.cumsum(row_sizes) - 1]  # where each row's last segment ends
+    return Columns(values, {f: row_off for f in TOKEN_FIELDS} | {"packed_cu_seqlens": cu_off})
 
 
 def pack_conversations(
@@ -240,25 +254,19 @@ def pack_conversations(
     Every produced row is validated before it is returned: the producer never emits a row the
     reader would refuse.
 
-    ids and masks may be lists or numpy arrays of integers (arrays are read without a copy); the
-    rows are views of one flat array per field. Work is vectorised over all tokens at once: the
-    only Python loops are over conversations (to gather them) and in the bin packing itself.
+    ids and masks are 1-D sequences of integers (masks of 0 and 1), lists or numpy arrays: arrays
+    are read in place, lists converted once. The rows are views of one flat array per field. No
+    Python loop runs over tokens or rows; the loops over conversations only collect them, and the
+    bin packing loops over their lengths.
     """
     _check_config(pack_length, alignment, overflow, algorithm)
-    ids, masks = _unzip(conversations)
-    lengths = _lengths(ids, masks)
+    convs = _Conversations.read(conversations)
     report = PackReport(pack_length=pack_length, alignment=alignment)
-    segments = _segments(lengths, report, overflow)
+    segments = _segments(convs.lengths(), report, overflow)
     # every algorithm, concatenative included, comes from algorithms.py; segments keep input order in a row
     # (an exact fill closes a row under next fit too: no zero-length segment can follow)
     bin_of = bin_of_items(round_up(segments.length, alignment), pack_length, algorithm=algorithm)
-    try:
-        cols = _build(ids, masks, segments, bin_of, alignment, pad_token_id)
-    except (TypeError, ValueError) as error:
-        if "loss_mask conversation" in str(error):
-            raise
-        _explain_bad_tokens(ids, masks)
-        raise
+    cols = _columns(convs, segments, bin_of, alignment, pad_token_id)
     validate_columns(cols, pack_length=pack_length, alignment=alignment)
     report.rows = cols.num_rows
     report.packed_conversations = len(segments.length)
