@@ -529,3 +529,96 @@ def test_a_conversation_one_field_off_is_refused_naming_it(case, algorithm, alig
     convs, match = _one_field_off(case)
     with pytest.raises(ValueError, match=match):
         pack_conversations(convs, 12 * alignment, alignment=alignment, algorithm=algorithm)
+
+
+# ---- validation over many blocks of tokens: the first bad token names its row ------------------
+def _many_rows():
+    """About 200,000 tokens in rows of 4096 (the per-token checks run in blocks of 65,536)."""
+    rng = np.random.default_rng(0)
+    convs = [(rng.integers(1, 250, n), rng.integers(0, 2, n)) for n in rng.integers(1, 2000, 200)]
+    rows, _ = pack_conversations(convs, 4096, alignment=2, algorithm="best_fit_decreasing")
+    return Columns.from_rows(rows)
+
+
+def _inside(cols, row, from_end):
+    """A flat token index in ``row``: ``from_end`` tokens before the end of the row's first conversation."""
+    start = int(cols.offsets["input_ids"][row])
+    return start + int(cols.row(row)["packed_cu_seqlens"][1]) - from_end
+
+
+def _wrong_label(cols, t):
+    cols.values["token_mask"][t] = 1
+    cols.values["target_ids"][t] = cols.values["input_ids"][t + 1] % 200 + 1  # another id, in the vocabulary
+
+
+TAMPERS = {
+    "position_ids at a conversation's start": (
+        lambda c, r: c.values["position_ids"].__setitem__(int(c.offsets["position_ids"][r]), 1),
+        r"position_ids row {row}: expected 0, 1, \.\.\. restarting",
+    ),
+    "position_ids inside a conversation": (
+        lambda c, r: c.values["position_ids"].__setitem__(_inside(c, r, 1), 0),
+        r"position_ids row {row}: expected 0, 1, \.\.\. restarting",
+    ),
+    "token_mask 2": (
+        lambda c, r: c.values["token_mask"].__setitem__(_inside(c, r, 2), 2),
+        r"token_mask row {row}: expected only 0 and 1",
+    ),
+    "token_mask -1": (
+        lambda c, r: c.values["token_mask"].__setitem__(_inside(c, r, 2), -1),
+        r"token_mask row {row}: expected only 0 and 1",
+    ),
+    "token_mask 1 on a conversation's last token": (
+        lambda c, r: c.values["token_mask"].__setitem__(_inside(c, r, 1), 1),
+        r"token_mask row {row}: expected 0 on the last token",
+    ),
+    "a counted label that is not the next id": (
+        lambda c, r: _wrong_label(c, _inside(c, r, 3)),
+        r"target_ids row {row}: expected the next input id",
+    ),
+    "input id out of the vocabulary": (
+        lambda c, r: c.values["input_ids"].__setitem__(_inside(c, r, 2), 256),
+        r"input_ids row {row}: expected token ids in \[0, 256\)",
+    ),
+    "negative target id": (
+        lambda c, r: c.values["target_ids"].__setitem__(_inside(c, r, 2), -5),
+        r"target_ids row {row}: expected token ids in \[0, 256\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("tamper", sorted(TAMPERS))
+@pytest.mark.parametrize("where", [0, 0.5, -1])  # first row, a middle one, the last
+def test_validation_names_the_row_of_a_bad_token_in_any_block(tamper, where):
+    cols = _many_rows()
+    assert cols.row_lengths.sum() > 3 * 65_536
+    validate_columns(cols, pack_length=4096, alignment=2, vocab_size=256)
+    row = int(where * (cols.num_rows - 1)) if where >= 0 else cols.num_rows - 1
+    edit, match = TAMPERS[tamper]
+    edit(cols, row)
+    with pytest.raises(ValueError, match=match.format(row=row)):
+        validate_columns(cols, pack_length=4096, alignment=2, vocab_size=256)
+
+
+@settings(max_examples=25)
+@given(st.integers(0, 10**9), st.sampled_from(sorted(TAMPERS)))
+def test_validation_finds_a_bad_token_wherever_it_is(seed, tamper):
+    cols = _many_rows()
+    row = seed % cols.num_rows
+    edit, match = TAMPERS[tamper]
+    edit(cols, row)
+    with pytest.raises(ValueError, match=match.format(row=row)):
+        validate_columns(cols, pack_length=4096, alignment=2, vocab_size=256)
+
+
+@pytest.mark.parametrize("edge", [65_535, 65_536, 65_537])
+def test_conversations_meeting_at_a_block_edge_pass_and_a_bad_position_there_is_found(edge):
+    convs = _conversations([edge, 3, 65_536 * 2 - edge - 3, 5])  # boundaries at, and 3 past, the edge
+    rows, _ = pack_conversations(convs, 2 * 65_536)
+    cols = Columns.from_rows(rows)
+    validate_columns(cols, pack_length=2 * 65_536)
+    for t in (edge - 1, edge, edge + 1):
+        bad = Columns({f: v.copy() for f, v in cols.values.items()}, cols.offsets)
+        bad.values["position_ids"][t] += 1
+        with pytest.raises(ValueError, match=r"position_ids row 0: expected 0, 1, \.\.\. restarting"):
+            validate_columns(bad, pack_length=2 * 65_536)
