@@ -19,6 +19,7 @@ from nopad.packing import (
     pack_lengths,
     packing_metrics,
 )
+from nopad.packing.algorithms import bin_of_items
 from nopad.packing.bench import packing_bench, rows_bench, synthetic_conversations
 
 
@@ -196,3 +197,25 @@ def test_synthetic_conversations_are_chat_sized_with_a_long_tail():
     lengths = np.array([len(ids) for ids, _ in convs])
     assert 380 <= np.median(lengths) <= 420 and lengths.max() <= 8192 and lengths.min() >= 1
     assert all(len(ids) == len(mask) for ids, mask in convs[:100])
+
+
+@given(lengths_and_capacity, st.sampled_from(sorted(ALGORITHMS)))
+def test_bin_of_items_is_the_bins_of_pack_lengths_as_one_array(case, algorithm):
+    lengths, capacity = case
+    bins = pack_lengths(lengths, capacity, algorithm=algorithm)
+    bin_of = bin_of_items(np.asarray(lengths, dtype=np.int64), capacity, algorithm)
+    assert bin_of.dtype == np.int64 and len(bin_of) == len(lengths)
+    assert [sorted(b) for b in bins] == [np.flatnonzero(bin_of == k).tolist() for k in range(len(bins))]
+
+
+@pytest.mark.parametrize(
+    "lengths, capacity, algorithm, match",
+    [
+        ([3, 0], 8, "best_fit_decreasing", "lengths item 1"),
+        ([9], 8, "concatenative", "lengths item 0"),
+        ([1], 8, "worst_fit", "algorithm: expected one of"),
+    ],
+)
+def test_bin_of_items_refuses_what_pack_lengths_refuses(lengths, capacity, algorithm, match):
+    with pytest.raises(ValueError, match=match):
+        bin_of_items(lengths, capacity, algorithm)
