@@ -316,7 +316,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-len", type=int, default=512, help="padded response width")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--packing", action="store_true", help="also run the bin-packing benchmark")
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="also run the packing benchmarks: bins of 100,000 lengths, rows built from 20,000 conversations",
+    )
     parser.add_argument("--engines", action="store_true", help="also run the Megatron THD preprocessing benchmark")
     parser.add_argument("--steps", action="store_true", help="also split padded -> nested at the largest B into steps")
     parser.add_argument("--all", action="store_true", help="conversions, steps, engines and packing")
@@ -368,9 +372,11 @@ def run(args: argparse.Namespace) -> int:
             for B, ref, ours, ratio in bench_thd(tuple(args.batch_sizes), device=args.device, repeats=args.repeats)
         ]
     if args.packing:
-        from nopad.packing.bench import packing_bench
+        from nopad.packing.bench import CONVERSATION_MEDIAN, packing_bench, rows_bench
 
         results["packing (100,000 lengths, capacity 8192)"] = packing_bench()
+        title = f"packing rows built (20,000 conversations, median {CONVERSATION_MEDIAN} tokens, pack length 8192)"
+        results[title] = rows_bench(repeats=max(1, min(args.repeats, 3)))
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -19,7 +19,8 @@ from nopad.packing import (
     pack_lengths,
     packing_metrics,
 )
-from nopad.packing.bench import packing_bench
+from nopad.packing.algorithms import bin_of_items
+from nopad.packing.bench import packing_bench, rows_bench, synthetic_conversations
 
 
 def _check_valid(bins, lengths, capacity):
@@ -177,3 +178,44 @@ def test_bench_best_fit_decreasing_is_within_one_percent_of_the_lower_bound():
     assert by_name["concatenative"]["bins"] >= by_name["best_fit_decreasing"]["bins"]
     assert "best_fit_decreasing" in format_table(rows)
     assert all(np.isfinite(r["seconds"]) for r in rows)
+
+
+def test_rows_bench_reports_rows_built_and_tokens_per_second_for_every_algorithm():
+    rows = rows_bench(n=400, pack_length=2048, repeats=1)
+    by_name = {r["algorithm"]: r for r in rows}
+    assert set(by_name) == set(ALGORITHMS)
+    tokens = sum(len(ids) for ids, _ in synthetic_conversations(400, 2048))
+    for r in rows:
+        assert r["tokens"] == tokens and r["rows"] >= r["lower_bound"] == -(-tokens // 2048)
+        assert np.isfinite(r["M_tokens_per_s"]) and r["M_tokens_per_s"] > 0
+    assert by_name["best_fit_decreasing"]["rows"] <= by_name["concatenative"]["rows"]
+    assert "M_tokens_per_s" in format_table(rows)
+
+
+def test_synthetic_conversations_are_chat_sized_with_a_long_tail():
+    convs = synthetic_conversations(20_000, 8192)
+    lengths = np.array([len(ids) for ids, _ in convs])
+    assert 380 <= np.median(lengths) <= 420 and lengths.max() <= 8192 and lengths.min() >= 1
+    assert all(len(ids) == len(mask) for ids, mask in convs[:100])
+
+
+@given(lengths_and_capacity, st.sampled_from(sorted(ALGORITHMS)))
+def test_bin_of_items_is_the_bins_of_pack_lengths_as_one_array(case, algorithm):
+    lengths, capacity = case
+    bins = pack_lengths(lengths, capacity, algorithm=algorithm)
+    bin_of = bin_of_items(np.asarray(lengths, dtype=np.int64), capacity, algorithm)
+    assert bin_of.dtype == np.int64 and len(bin_of) == len(lengths)
+    assert [sorted(b) for b in bins] == [np.flatnonzero(bin_of == k).tolist() for k in range(len(bins))]
+
+
+@pytest.mark.parametrize(
+    "lengths, capacity, algorithm, match",
+    [
+        ([3, 0], 8, "best_fit_decreasing", "lengths item 1"),
+        ([9], 8, "concatenative", "lengths item 0"),
+        ([1], 8, "worst_fit", "algorithm: expected one of"),
+    ],
+)
+def test_bin_of_items_refuses_what_pack_lengths_refuses(lengths, capacity, algorithm, match):
+    with pytest.raises(ValueError, match=match):
+        bin_of_items(lengths, capacity, algorithm)

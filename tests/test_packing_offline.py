@@ -21,6 +21,7 @@ from nopad.packing import (
     encode_record,
     load_tokenizer,
     pack_conversations,
+    pack_lengths,
     read_packed,
     validate_columns,
     write_packed,
@@ -352,3 +353,272 @@ def test_cli_with_a_local_hf_tokenizer_and_refusing_the_other_one(tmp_path, caps
     assert "another tokenizer" in capsys.readouterr().out
     with pytest.raises(ValueError, match="local directory"):
         load_tokenizer(tmp_path / "missing")
+
+
+# ---- the vectorised packer against a per-conversation loop --------------------------------------
+def _reference_pack(convs, pack_length, *, alignment, pad, overflow, algorithm):
+    """The textbook packer, one conversation and one row at a time in plain Python lists."""
+    report = {"split": [], "split_pieces": 0, "rejected_too_long": [], "rejected_empty": []}
+    pieces = []
+    for k, (ids, mask) in enumerate(convs):
+        ids, mask = [int(t) for t in ids], [int(m) for m in mask]
+        if not ids:
+            report["rejected_empty"].append(k)
+        elif len(ids) <= pack_length:
+            pieces.append((ids, mask))
+        elif overflow == "reject":
+            report["rejected_too_long"].append(k)
+        else:
+            report["split"].append(k)
+            cuts = range(0, len(ids), pack_length)
+            report["split_pieces"] += len(cuts)
+            pieces += [(ids[s : s + pack_length], mask[s : s + pack_length]) for s in cuts]
+    padded = [-(-len(ids) // alignment) * alignment for ids, _ in pieces]
+    rows = []
+    for b in pack_lengths(padded, pack_length, algorithm=algorithm):
+        row = {"input_ids": [], "target_ids": [], "token_mask": [], "position_ids": [], "packed_cu_seqlens": [0]}
+        for i in sorted(b):
+            (ids, mask), spare = pieces[i], padded[i] - len(pieces[i][0])
+            row["input_ids"] += ids + [pad] * spare
+            row["target_ids"] += ids[1:] + [pad] * (spare + 1)
+            row["token_mask"] += mask[1:] + [0] * (spare + 1)
+            row["position_ids"] += list(range(padded[i]))
+            row["packed_cu_seqlens"].append(row["packed_cu_seqlens"][-1] + padded[i])
+        rows.append(row)
+    report |= {
+        "conversations": len(convs),
+        "rows": len(rows),
+        "packed_conversations": len(pieces),
+        "real_tokens": sum(len(ids) for ids, _ in pieces),
+        "row_tokens": sum(padded),
+    }
+    return rows, report
+
+
+def _random_conversations(lengths, seed, as_arrays):
+    rng = np.random.default_rng(seed)
+    convs = [(rng.integers(0, 300, n), rng.integers(0, 2, n)) for n in lengths]
+    return convs if as_arrays else [(ids.tolist(), mask.tolist()) for ids, mask in convs]
+
+
+packings = st.tuples(
+    st.sampled_from([1, 2, 4, 8]),  # alignment
+    st.integers(1, 6),  # pack length in units of the alignment
+    st.sampled_from(sorted(ALGORITHMS)),
+    st.sampled_from(["split", "reject"]),
+    st.booleans(),  # numpy arrays or lists
+    st.integers(0, 2**16),  # seed of the token ids and masks
+).flatmap(
+    lambda p: st.tuples(
+        st.just(p),
+        # lengths around the pack length and the alignment, so exact fills, padding and overflow are frequent
+        st.lists(st.one_of(st.integers(0, 3 * p[0] * p[1]), st.sampled_from([p[0] * p[1], p[0], 1])), max_size=40),
+    )
+)
+
+
+@given(packings)
+def test_rows_equal_a_per_conversation_loop_field_by_field(case):
+    (alignment, units, algorithm, overflow, as_arrays, seed), lengths = case
+    pack_length = alignment * units
+    convs = _random_conversations(lengths, seed, as_arrays)
+    copies = [(np.array(ids), np.array(mask)) for ids, mask in convs]
+    options = dict(alignment=alignment, pad=-1, overflow=overflow, algorithm=algorithm)
+    want_rows, want_report = _reference_pack(convs, pack_length, **options)
+    rows, report = pack_conversations(
+        iter(convs), pack_length, alignment=alignment, pad_token_id=-1, overflow=overflow, algorithm=algorithm
+    )
+    assert len(rows) == len(want_rows)
+    for row, want in zip(rows, want_rows):
+        assert set(row) == set(want)
+        for f, values in row.items():
+            assert values.dtype == np.int64 and values.tolist() == want[f], f
+    got_report = {k: getattr(report, k) for k in want_report}
+    assert got_report == want_report
+    assert all(np.array_equal(a, b) and np.array_equal(m, n) for (a, m), (b, n) in zip(convs, copies))  # unchanged
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint16, np.int64])
+def test_arrays_of_any_integer_width_and_boolean_masks_give_the_same_rows(dtype):
+    lengths = [5, 3, 9, 1, 4]
+    lists = _random_conversations(lengths, 0, as_arrays=False)
+    arrays = [(np.asarray(ids, dtype=dtype), np.asarray(mask, dtype=bool)) for ids, mask in lists]
+    want, _ = pack_conversations(lists, 9, alignment=1, algorithm="best_fit_decreasing")
+    rows, _ = pack_conversations(arrays, 9, alignment=1, algorithm="best_fit_decreasing")
+    as_lists = lambda rows: [{f: v.tolist() for f, v in r.items()} for r in rows]  # noqa: E731
+    assert as_lists(rows) == as_lists(want)
+
+
+def test_no_conversation_gives_no_row():
+    rows, report = pack_conversations([], 8)
+    assert rows == [] and report.rows == 0 and report.conversations == 0
+    rows, report = pack_conversations([([], []), ([1] * 9, [1] * 9)], 8, overflow="reject")
+    assert rows == [] and report.rejected_empty == [0] and report.rejected_too_long == [1]
+
+
+def test_a_row_can_be_edited_without_touching_the_others():
+    rows, _ = pack_conversations(_conversations([3, 3, 3]), 6)
+    rows[0]["token_mask"][:] = 0
+    assert rows[1]["token_mask"].tolist() == [1, 1, 0]
+
+
+# ---- bad input: refused naming the conversation and what to fix --------------------------------
+GOOD = ([1, 2, 3], [0, 1, 1])
+NOT_IDS = "input_ids conversation 1: expected a 1-D sequence of integer token ids"
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (([1, 2, 3], [1, 1]), r"loss_mask conversation 1: expected 3 entries like ids, got 2"),
+        (([1, 2, 3], [0, 2, 1]), r"loss_mask conversation 1: expected only 0 and 1, got 2"),
+        (([1, 2, 3], [0, -1, 1]), r"loss_mask conversation 1: expected only 0 and 1, got -1"),
+        (([1, 2, 3], [1.0, 1.0, 0.0]), r"loss_mask conversation 1: expected a 1-D sequence of 0 and 1, got .*float"),
+        (([1, 2.5, 3], [1, 1, 1]), rf"{NOT_IDS}, got shape \(3,\) dtype float64"),
+        ((["a", "b"], [1, 1]), rf"{NOT_IDS}, got shape \(2,\) dtype <U1"),
+        (([1, 2**70], [1, 1]), rf"{NOT_IDS}, got shape \(2,\) dtype object"),
+        (([[1, 2], [3, 4]], [1, 1]), r"input_ids conversation 1: expected a 1-D sequence .*, got shape \(2, 2\)"),
+        ((None, [1]), rf"{NOT_IDS}, got NoneType"),
+        ((np.array(7), [1]), rf"{NOT_IDS}, got ndarray"),
+        (([1, 2], [1, 1], [1, 1]), r"conversation 1: expected an \(ids, loss_mask\) pair, got tuple of 3"),
+        (7, r"conversation 1: expected an \(ids, loss_mask\) pair, got int"),
+    ],
+)
+@pytest.mark.parametrize("algorithm", ["concatenative", "best_fit_decreasing"])
+def test_a_bad_conversation_is_refused_naming_it(bad, match, algorithm):
+    with pytest.raises(ValueError, match=match):
+        pack_conversations([GOOD, bad, GOOD], 8, algorithm=algorithm)
+
+
+def _one_field_off(case):
+    """A valid batch of conversations with one conversation changed in one way, and the error to expect."""
+    lengths, victim, kind, seed = case
+    convs = _random_conversations(lengths, seed, as_arrays=seed % 2 == 0)
+    k = victim % len(convs)
+    ids, mask = convs[k]
+    ids, mask = list(ids), list(mask)
+    n = len(ids)
+    if kind == "mask_short":
+        convs[k] = (ids, mask[:-1])
+        return convs, rf"loss_mask conversation {k}: expected {n} entries like ids, got {n - 1}"
+    if kind == "mask_long":
+        convs[k] = (ids, mask + [1])
+        return convs, rf"loss_mask conversation {k}: expected {n} entries like ids, got {n + 1}"
+    if kind == "mask_value":
+        mask[seed % n] = 2 if seed % 3 else -1
+        convs[k] = (ids, mask)
+        return convs, rf"loss_mask conversation {k}: expected only 0 and 1, got -?[12]"
+    if kind == "float_id":
+        ids[seed % n] = ids[seed % n] + 0.5
+        convs[k] = (ids, mask)
+        return convs, rf"input_ids conversation {k}: expected a 1-D sequence of integer token ids"
+    convs[k] = (ids, mask, mask)  # not a pair
+    return convs, rf"conversation {k}: expected an \(ids, loss_mask\) pair"
+
+
+near_valid = st.tuples(
+    st.lists(st.integers(1, 12), min_size=1, max_size=12),  # every conversation fits: none is rejected unread
+    st.integers(0, 100),
+    st.sampled_from(["mask_short", "mask_long", "mask_value", "float_id", "not_a_pair"]),
+    st.integers(0, 2**16),
+)
+
+
+@given(near_valid, st.sampled_from(sorted(ALGORITHMS)), st.sampled_from([1, 2, 4]))
+def test_a_conversation_one_field_off_is_refused_naming_it(case, algorithm, alignment):
+    convs, match = _one_field_off(case)
+    with pytest.raises(ValueError, match=match):
+        pack_conversations(convs, 12 * alignment, alignment=alignment, algorithm=algorithm)
+
+
+# ---- validation over many blocks of tokens: the first bad token names its row ------------------
+def _many_rows():
+    """About 200,000 tokens in rows of 4096 (the per-token checks run in blocks of 65,536)."""
+    rng = np.random.default_rng(0)
+    convs = [(rng.integers(1, 250, n), rng.integers(0, 2, n)) for n in rng.integers(1, 2000, 200)]
+    rows, _ = pack_conversations(convs, 4096, alignment=2, algorithm="best_fit_decreasing")
+    return Columns.from_rows(rows)
+
+
+def _inside(cols, row, from_end):
+    """A flat token index in ``row``: ``from_end`` tokens before the end of the row's first conversation."""
+    start = int(cols.offsets["input_ids"][row])
+    return start + int(cols.row(row)["packed_cu_seqlens"][1]) - from_end
+
+
+def _wrong_label(cols, t):
+    cols.values["token_mask"][t] = 1
+    cols.values["target_ids"][t] = cols.values["input_ids"][t + 1] % 200 + 1  # another id, in the vocabulary
+
+
+TAMPERS = {
+    "position_ids at a conversation's start": (
+        lambda c, r: c.values["position_ids"].__setitem__(int(c.offsets["position_ids"][r]), 1),
+        r"position_ids row {row}: expected 0, 1, \.\.\. restarting",
+    ),
+    "position_ids inside a conversation": (
+        lambda c, r: c.values["position_ids"].__setitem__(_inside(c, r, 1), 0),
+        r"position_ids row {row}: expected 0, 1, \.\.\. restarting",
+    ),
+    "token_mask 2": (
+        lambda c, r: c.values["token_mask"].__setitem__(_inside(c, r, 2), 2),
+        r"token_mask row {row}: expected only 0 and 1",
+    ),
+    "token_mask -1": (
+        lambda c, r: c.values["token_mask"].__setitem__(_inside(c, r, 2), -1),
+        r"token_mask row {row}: expected only 0 and 1",
+    ),
+    "token_mask 1 on a conversation's last token": (
+        lambda c, r: c.values["token_mask"].__setitem__(_inside(c, r, 1), 1),
+        r"token_mask row {row}: expected 0 on the last token",
+    ),
+    "a counted label that is not the next id": (
+        lambda c, r: _wrong_label(c, _inside(c, r, 3)),
+        r"target_ids row {row}: expected the next input id",
+    ),
+    "input id out of the vocabulary": (
+        lambda c, r: c.values["input_ids"].__setitem__(_inside(c, r, 2), 256),
+        r"input_ids row {row}: expected token ids in \[0, 256\)",
+    ),
+    "negative target id": (
+        lambda c, r: c.values["target_ids"].__setitem__(_inside(c, r, 2), -5),
+        r"target_ids row {row}: expected token ids in \[0, 256\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("tamper", sorted(TAMPERS))
+@pytest.mark.parametrize("where", [0, 0.5, -1])  # first row, a middle one, the last
+def test_validation_names_the_row_of_a_bad_token_in_any_block(tamper, where):
+    cols = _many_rows()
+    assert cols.row_lengths.sum() > 3 * 65_536
+    validate_columns(cols, pack_length=4096, alignment=2, vocab_size=256)
+    row = int(where * (cols.num_rows - 1)) if where >= 0 else cols.num_rows - 1
+    edit, match = TAMPERS[tamper]
+    edit(cols, row)
+    with pytest.raises(ValueError, match=match.format(row=row)):
+        validate_columns(cols, pack_length=4096, alignment=2, vocab_size=256)
+
+
+@settings(max_examples=25)
+@given(st.integers(0, 10**9), st.sampled_from(sorted(TAMPERS)))
+def test_validation_finds_a_bad_token_wherever_it_is(seed, tamper):
+    cols = _many_rows()
+    row = seed % cols.num_rows
+    edit, match = TAMPERS[tamper]
+    edit(cols, row)
+    with pytest.raises(ValueError, match=match.format(row=row)):
+        validate_columns(cols, pack_length=4096, alignment=2, vocab_size=256)
+
+
+@pytest.mark.parametrize("edge", [65_535, 65_536, 65_537])
+def test_conversations_meeting_at_a_block_edge_pass_and_a_bad_position_there_is_found(edge):
+    convs = _conversations([edge, 3, 65_536 * 2 - edge - 3, 5])  # boundaries at, and 3 past, the edge
+    rows, _ = pack_conversations(convs, 2 * 65_536)
+    cols = Columns.from_rows(rows)
+    validate_columns(cols, pack_length=2 * 65_536)
+    for t in (edge - 1, edge, edge + 1):
+        bad = Columns({f: v.copy() for f, v in cols.values.items()}, cols.offsets)
+        bad.values["position_ids"][t] += 1
+        with pytest.raises(ValueError, match=r"position_ids row 0: expected 0, 1, \.\.\. restarting"):
+            validate_columns(bad, pack_length=2 * 65_536)

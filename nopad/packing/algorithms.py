@@ -19,6 +19,7 @@ import random
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -65,11 +66,16 @@ class _FirstFitTree:
             node = 2 * node if tree[2 * node] >= s else 2 * node + 1
         bin_id = node - self.size
         tree[node] -= s
-        node //= 2
-        while node:
-            tree[node] = max(tree[2 * node], tree[2 * node + 1])
-            node //= 2
-        self.opened = max(self.opened, bin_id + 1)
+        while node > 1:  # refresh the maxima above, up to the first that does not change
+            left = tree[node & ~1]
+            right = tree[node | 1]
+            node >>= 1
+            room = left if left >= right else right
+            if tree[node] == room:
+                break
+            tree[node] = room
+        if bin_id >= self.opened:
+            self.opened = bin_id + 1
         return bin_id
 
 
@@ -91,37 +97,54 @@ def first_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
     return _first_fit_into(_decreasing_order(ls), ls, capacity, [])
 
 
-def best_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
-    """Each item, longest first, goes to the bin it leaves with the least room. O(n log C).
+def _best_fit_placement(ls: list[int], capacity: int) -> tuple[list[int], list[int]]:
+    """Best fit decreasing as two parallel lists: the items longest first, and the bin each went to.
 
     Bins are grouped by remaining room; a sorted list of the distinct rooms in use is bisected
-    for the smallest room >= the item, so no item scans the open bins.
+    for the smallest room >= the item, so no item scans the open bins. Among bins with the same
+    room the one that reached it last is used (a stack): bins with equal room are interchangeable,
+    so this only fixes which of them, deterministically.
     """
-    ls = _as_lengths(lengths, capacity)
-    bins: Bins = []
+    order = _decreasing_order(ls)
+    placed: list[int] = []
     rooms: list[int] = []  # sorted distinct remaining capacities of open bins
     by_room: dict[int, list[int]] = {}  # room -> bin ids with that room (LIFO)
-    for i in _decreasing_order(ls):
-        s = ls[i]
-        k = bisect_left(rooms, s)
+    opened = 0
+    # one tight loop over plain ints: locals only, no per-item allocation beyond the room stacks
+    find, insert, add, same_room = bisect_left, insort, placed.append, by_room.get
+    for s in [ls[i] for i in order]:
+        k = find(rooms, s)
         if k == len(rooms):
-            b, room = len(bins), capacity
-            bins.append([])
+            b, room = opened, capacity
+            opened += 1
         else:
             room = rooms[k]
             same = by_room[room]
             b = same.pop()
             if not same:
                 del by_room[room]
-                rooms.pop(k)
-        bins[b].append(i)
+                del rooms[k]
+        add(b)
         left = room - s
         if left:  # a full bin can take nothing more; forget it
-            if left in by_room:
-                by_room[left].append(b)
-            else:
+            stack = same_room(left)
+            if stack is None:
                 by_room[left] = [b]
-                insort(rooms, left)
+                insert(rooms, left)
+            else:
+                stack.append(b)
+    return order, placed
+
+
+def best_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
+    """Each item, longest first, goes to the bin it leaves with the least room. O(n log C).
+
+    Within a bin, items are listed in the order they were placed (longest first).
+    """
+    order, placed = _best_fit_placement(_as_lengths(lengths, capacity), capacity)
+    bins: Bins = [[] for _ in range(max(placed, default=-1) + 1)]
+    for i, b in zip(order, placed):
+        bins[b].append(i)
     return bins
 
 
@@ -213,6 +236,28 @@ ALGORITHMS: dict[str, Callable[[Lengths, int], Bins]] = {
     "concatenative": concatenative,
     "first_fit_shuffle": first_fit_shuffle,
 }
+
+
+def bin_of_items(lengths: Lengths, capacity: int, algorithm: str = "best_fit_decreasing") -> np.ndarray:
+    """(n,) int64: the bin each item goes to under ``algorithm``, bins numbered as ``pack_lengths`` lists them.
+
+    What a row builder needs (bins as one array, not n lists); best fit decreasing writes it directly.
+    """
+    if algorithm not in ALGORITHMS:
+        raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
+    ls = _as_lengths(lengths, capacity)
+    bin_of = np.empty(len(ls), dtype=np.int64)
+    if algorithm == "best_fit_decreasing":
+        order, placed = _best_fit_placement(ls, capacity)
+        bin_of[order] = placed
+        return bin_of
+    bins = ALGORITHMS[algorithm](ls, capacity)
+    sizes = [len(b) for b in bins]
+    if bin_of.size:
+        bin_of[np.fromiter(chain.from_iterable(bins), dtype=np.int64, count=len(ls))] = np.repeat(
+            np.arange(len(bins)), sizes
+        )
+    return bin_of
 
 
 def _split_largest_bins(bins: Bins, lengths: list[int], target: int) -> Bins:

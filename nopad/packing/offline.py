@@ -13,13 +13,25 @@ packed as its own conversation (the label across a cut is lost: attention cannot
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from nopad.errors import input_error
 from nopad.layout import round_up
-from nopad.packing.algorithms import ALGORITHMS, pack_lengths
-from nopad.packing.rows import Columns, Row, conversation_segment, join_segments, validate_columns
+from nopad.packing.algorithms import ALGORITHMS, bin_of_items
+from nopad.packing.rows import (
+    TOKEN_FIELDS,
+    Columns,
+    Row,
+    TokenSeq,
+    boundaries,
+    concatenate_segments,
+    restarting_positions,
+    runs,
+    validate_columns,
+)
 
 OVERFLOW_POLICIES = ("split", "reject")
 
@@ -69,28 +81,165 @@ def _check_config(pack_length: int, alignment: int, overflow: str, algorithm: st
         raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
 
 
-def _pieces(
-    index: int, ids: Sequence[int], mask: Sequence[int], report: PackReport, overflow: str
-) -> list[tuple[Sequence[int], Sequence[int]]]:
-    """A conversation -> the pieces to pack under the overflow policy (recorded in ``report``)."""
-    n = len(ids)
-    report.conversations += 1
-    if n == 0:
-        report.rejected_empty.append(index)
-        return []
-    if round_up(n, report.alignment) <= report.pack_length:
-        return [(ids, mask)]
-    if overflow == "reject":
-        report.rejected_too_long.append(index)
-        return []
+@dataclass
+class _Conversations:
+    """The input, as two lists read once from the iterable: each conversation's ids and loss mask."""
+
+    ids: list[TokenSeq]
+    masks: list[TokenSeq]
+
+    @classmethod
+    def read(cls, conversations: Iterable[tuple[TokenSeq, TokenSeq]]) -> _Conversations:
+        ids: list[TokenSeq] = []
+        masks: list[TokenSeq] = []
+        for pair in conversations:
+            try:
+                seq_ids, seq_mask = pair
+            except (TypeError, ValueError):
+                got = f"{type(pair).__name__}" + (f" of {len(pair)}" if isinstance(pair, Sized) else "")
+                raise input_error(f"conversation {len(ids)}", None, "an (ids, loss_mask) pair", got) from None
+            ids.append(seq_ids)
+            masks.append(seq_mask)
+        return cls(ids, masks)
+
+    def lengths(self) -> np.ndarray:
+        """(N,) tokens per conversation; ValueError naming the first whose mask has another length."""
+        try:
+            lengths = np.fromiter(map(len, self.ids), dtype=np.int64, count=len(self.ids))
+            mask_lengths = np.fromiter(map(len, self.masks), dtype=np.int64, count=len(self.masks))
+        except TypeError:
+            self.explain_bad_tokens()
+            raise
+        differ = np.flatnonzero(lengths != mask_lengths)
+        if differ.size:
+            k = int(differ[0])
+            expected = f"{lengths[k]} entries like ids"
+            raise input_error(f"loss_mask conversation {k}", None, expected, f"{mask_lengths[k]}")
+        return lengths
+
+    def explain_bad_tokens(self) -> None:
+        """Raise a ValueError naming the first conversation whose ids or mask is not a 1-D sequence of
+        integers. Called once a vectorised step failed; returns if none is found (the caller re-raises)."""
+        for k, (seq_ids, seq_mask) in enumerate(zip(self.ids, self.masks)):
+            for name, seq, kinds in (("input_ids", seq_ids, "iu"), ("loss_mask", seq_mask, "iub")):
+                try:
+                    arr = np.asarray(seq)
+                except (TypeError, ValueError, OverflowError):
+                    arr = np.asarray(None)
+                if arr.ndim != 1 or (arr.size and arr.dtype.kind not in kinds):
+                    what = "integer token ids" if name == "input_ids" else "0 and 1"
+                    got = f"shape {arr.shape} dtype {arr.dtype}" if arr.ndim else f"{type(seq).__name__}"
+                    raise input_error(f"{name} conversation {k}", None, f"a 1-D sequence of {what}", got)
+
+    def concatenate(self, parts: list[TokenSeq], spare: np.ndarray, fill: int, out: np.ndarray) -> None:
+        """``parts`` (taken from these conversations) end to end into ``out``, a bad one named."""
+        try:
+            concatenate_segments(parts, spare, fill, out)
+        except (TypeError, ValueError, OverflowError):
+            self.explain_bad_tokens()
+            raise
+
+
+@dataclass
+class _Segments:
+    """The pieces to pack, in input order: a whole conversation, or a split conversation's piece."""
+
+    conversation: np.ndarray  # (S,) which conversation
+    start: np.ndarray  # (S,) first token inside it (0 unless split)
+    length: np.ndarray  # (S,) real tokens
+    split: bool  # whether any conversation was cut into pieces
+
+    def take(self, seqs: list[TokenSeq], order: np.ndarray) -> list[TokenSeq]:
+        """Each segment's tokens out of ``seqs`` (one entry per conversation), in ``order``.
+
+        A whole conversation is passed as it is; only a split one's pieces are sliced.
+        """
+        conv = self.conversation[order].tolist()
+        if not self.split:
+            return [seqs[c] for c in conv]
+        start, length = self.start[order].tolist(), self.length[order].tolist()
+        return [seqs[c] if n == len(seqs[c]) else seqs[c][s : s + n] for c, s, n in zip(conv, start, length)]
+
+
+def _segments(lengths: np.ndarray, report: PackReport, overflow: str) -> _Segments:
+    """Conversation lengths -> the segments to pack under the overflow policy (recorded in ``report``).
+
+    A conversation longer than ``pack_length`` (padded to the alignment, a divisor of it) is split
+    into pieces of ``pack_length`` tokens, the last one shorter, or rejected. Empty ones are rejected.
+    """
     step = report.pack_length
-    report.split.append(index)
-    report.split_pieces += -(-n // step)
-    return [(ids[s : s + step], mask[s : s + step]) for s in range(0, n, step)]
+    empty, too_long = lengths == 0, lengths > step
+    report.conversations = len(lengths)
+    report.rejected_empty = np.flatnonzero(empty).tolist()
+    if overflow == "reject":
+        report.rejected_too_long = np.flatnonzero(too_long).tolist()
+        pieces = (~empty & ~too_long).astype(np.int64)
+    else:
+        report.split = np.flatnonzero(too_long).tolist()
+        pieces = -(-lengths // step)
+        report.split_pieces = int(pieces[too_long].sum())
+    conversation = np.repeat(np.arange(len(lengths)), pieces)
+    start = runs(np.zeros_like(pieces), pieces) * step  # 0, step, 2 * step, ... inside each conversation
+    length = np.minimum(lengths[conversation] - start, step)
+    return _Segments(conversation, start, length, split=bool(report.split))
+
+
+def _token_columns(
+    convs: _Conversations, segments: _Segments, order: np.ndarray, alignment: int, pad: int
+) -> dict[str, np.ndarray]:
+    """The segments in ``order``, end to end, as the four token fields.
+
+    input_ids and the loss mask are each concatenated once, in row order; target_ids and
+    token_mask are those shifted by one, with the label of each conversation's last token and of
+    its padding cleared (it would be the next conversation's first token).
+    """
+    real = segments.length[order]
+    padded = round_up(real, alignment)
+    total = int(padded.sum())
+    input_ids = np.empty(total, dtype=np.int64)
+    convs.concatenate(segments.take(convs.ids, order), padded - real, pad, input_ids)
+    shifted = np.empty(total + 1, dtype=np.int64)  # the mask of token t lands on token t - 1's slot
+    convs.concatenate(segments.take(convs.masks, order), padded - real, 0, shifted[:total])
+    _check_mask_values(shifted[:total], padded, segments.conversation[order])
+    token_mask = shifted[1:]
+    target_ids = np.empty(total, dtype=np.int64)
+    target_ids[:-1] = input_ids[1:]
+    no_label = runs(np.cumsum(padded) - padded + real - 1, padded - real + 1)
+    token_mask[no_label] = 0
+    target_ids[no_label] = pad
+    position_ids = np.empty(total, dtype=np.int64)
+    restarting_positions(padded, position_ids)
+    return {"input_ids": input_ids, "target_ids": target_ids, "token_mask": token_mask, "position_ids": position_ids}
+
+
+def _check_mask_values(mask: np.ndarray, padded: np.ndarray, conversation: np.ndarray) -> None:
+    """Loss mask entries must be 0 or 1 (``mask``: every segment's, end to end, padding included).
+
+    One read-only max over the mask (as unsigned, so a negative is huge); the culprit is looked
+    for only when there is one.
+    """
+    unsigned = mask.view(np.uint64)
+    if not unsigned.size or unsigned.max() <= 1:
+        return
+    t = int((unsigned > 1).argmax())
+    k = int(np.searchsorted(np.cumsum(padded), t, side="right"))
+    raise input_error(f"loss_mask conversation {int(conversation[k])}", None, "only 0 and 1", f"{int(mask[t])}")
+
+
+def _columns(convs: _Conversations, segments: _Segments, bin_of: np.ndarray, alignment: int, pad: int) -> Columns:
+    """Segments and the bin of each -> the rows as columns: bin by bin, input order inside a bin."""
+    order = np.argsort(bin_of, kind="stable")
+    values = _token_columns(convs, segments, order, alignment, pad)
+    padded = round_up(segments.length[order], alignment)
+    row_sizes = np.bincount(bin_of)  # segments per row: every bin holds at least one
+    values["packed_cu_seqlens"], cu_off = boundaries(padded, row_sizes)
+    row_off = np.zeros(len(row_sizes) + 1, dtype=np.int64)
+    row_off[1:] = np.cumsum(padded)[np.cumsum(row_sizes) - 1]  # where each row's last segment ends
+    return Columns(values, {f: row_off for f in TOKEN_FIELDS} | {"packed_cu_seqlens": cu_off})
 
 
 def pack_conversations(
-    conversations: Iterable[tuple[Sequence[int], Sequence[int]]],
+    conversations: Iterable[tuple[TokenSeq, TokenSeq]],
     pack_length: int,
     *,
     alignment: int = 1,
@@ -104,23 +253,23 @@ def pack_conversations(
     ``loss_mask[t+1]`` (the label of position t is token t+1), 0 on each conversation's last token.
     Every produced row is validated before it is returned: the producer never emits a row the
     reader would refuse.
+
+    ids and masks are 1-D sequences of integers (masks of 0 and 1), lists or numpy arrays: arrays
+    are read in place, lists converted once. The rows are views of one flat array per field. No
+    Python loop runs over tokens or rows; the loops over conversations only collect them, and the
+    bin packing loops over their lengths.
     """
     _check_config(pack_length, alignment, overflow, algorithm)
+    convs = _Conversations.read(conversations)
     report = PackReport(pack_length=pack_length, alignment=alignment)
-    segments: list[Row] = []
-    for index, (ids, mask) in enumerate(conversations):
-        if len(mask) != len(ids):
-            raise input_error(f"loss_mask conversation {index}", None, f"{len(ids)} entries like ids", f"{len(mask)}")
-        for piece_ids, piece_mask in _pieces(index, ids, mask, report, overflow):
-            seg = conversation_segment(piece_ids, piece_mask, alignment, pad_token_id)
-            report.real_tokens += len(piece_ids)
-            segments.append(seg)
+    segments = _segments(convs.lengths(), report, overflow)
     # every algorithm, concatenative included, comes from algorithms.py; segments keep input order in a row
     # (an exact fill closes a row under next fit too: no zero-length segment can follow)
-    bins = pack_lengths([len(s["input_ids"]) for s in segments], pack_length, algorithm=algorithm)
-    rows = [join_segments([segments[i] for i in sorted(b)]) for b in bins if b]
-    report.rows = len(rows)
-    report.packed_conversations = sum(len(r["packed_cu_seqlens"]) - 1 for r in rows)
-    report.row_tokens = int(sum(len(r["input_ids"]) for r in rows))
-    validate_columns(Columns.from_rows(rows), pack_length=pack_length, alignment=alignment)
-    return rows, report
+    bin_of = bin_of_items(round_up(segments.length, alignment), pack_length, algorithm=algorithm)
+    cols = _columns(convs, segments, bin_of, alignment, pad_token_id)
+    validate_columns(cols, pack_length=pack_length, alignment=alignment)
+    report.rows = cols.num_rows
+    report.packed_conversations = len(segments.length)
+    report.real_tokens = int(segments.length.sum())
+    report.row_tokens = int(cols.offsets["input_ids"][-1])
+    return cols.rows(), report

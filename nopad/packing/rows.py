@@ -23,35 +23,63 @@ import numpy as np
 import torch
 
 from nopad.errors import input_error
-from nopad.layout import IndexPlan, prepare_position_ids, prepare_row_ids, round_up
+from nopad.layout import prepare_row_ids
 
 ROW_FIELDS = ("input_ids", "target_ids", "token_mask", "position_ids", "packed_cu_seqlens")
 TOKEN_FIELDS = ROW_FIELDS[:4]
 Row = dict[str, np.ndarray]
 
 
-def conversation_segment(ids: Sequence[int], loss_mask: Sequence[int], alignment: int, pad_token_id: int) -> Row:
-    """One conversation -> its padded segment (input/target/mask/position, no boundaries)."""
-    n = len(ids)
-    m = round_up(n, alignment)
-    seg = {
-        "input_ids": np.full(m, pad_token_id, dtype=np.int64),
-        "target_ids": np.full(m, pad_token_id, dtype=np.int64),
-        "token_mask": np.zeros(m, dtype=np.int64),
-        "position_ids": np.arange(m, dtype=np.int64),
-    }
-    seg["input_ids"][:n] = ids
-    seg["target_ids"][: n - 1] = ids[1:]
-    seg["token_mask"][: n - 1] = loss_mask[1:]  # label t is token t+1: its mask says whether to learn it
-    return seg
+TokenSeq = Sequence[int] | np.ndarray
 
 
-def join_segments(segments: Sequence[Row]) -> Row:
-    """Conversations end to end -> one row with its boundaries (no repeated boundary: lengths > 0)."""
-    row = {f: np.concatenate([s[f] for s in segments]) for f in TOKEN_FIELDS}
-    lengths = [len(s["input_ids"]) for s in segments]
-    row["packed_cu_seqlens"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return row
+def concatenate_segments(parts: Sequence[TokenSeq], spare: np.ndarray, fill: int, out: np.ndarray) -> None:
+    """Segments end to end into ``out``, each followed by ``spare[k]`` copies of ``fill`` (its alignment padding).
+
+    One pass over the tokens: numpy arrays are read in place, lists converted once. ``out`` must
+    hold exactly the total; a part that is not a 1-D sequence of integers raises numpy's
+    ValueError or TypeError (the caller names the conversation).
+    """
+    if not len(parts):
+        return
+    widest = int(spare.max())
+    if widest == 0:
+        np.concatenate(parts, out=out, casting="same_kind")
+        return
+    blocks = [np.full(r, fill, dtype=np.int64) for r in range(widest + 1)]
+    interleaved: list[TokenSeq] = [blocks[0]] * (2 * len(parts))
+    interleaved[0::2] = parts
+    interleaved[1::2] = [blocks[r] for r in spare.tolist()]
+    np.concatenate(interleaved, out=out, casting="same_kind")
+
+
+def runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The indices ``starts[k], starts[k] + 1, ..., starts[k] + counts[k] - 1`` for every k, in order."""
+    total = int(counts.sum())
+    first_of_run = np.cumsum(counts) - counts
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - first_of_run, counts)
+
+
+def restarting_positions(padded: np.ndarray, out: np.ndarray) -> None:
+    """0, 1, ..., padded[k] - 1 for every segment k, end to end into ``out`` (views of one arange)."""
+    if len(padded):
+        count = np.arange(int(padded.max()), dtype=np.int64)
+        np.concatenate([count[:m] for m in padded.tolist()], out=out)
+
+
+def boundaries(padded: np.ndarray, row_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Segment lengths in row order and how many segments each row holds -> packed_cu_seqlens, flat
+    (each row's ``[0, b_1, ..., L]``) and its (rows+1,) offsets."""
+    rows, segs = len(row_sizes), len(padded)
+    ends = np.cumsum(padded)
+    row_first = np.cumsum(row_sizes) - row_sizes  # first segment of each row
+    row_start = ends[row_first] - padded[row_first] if segs else np.zeros(rows, dtype=np.int64)
+    offsets = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(row_sizes + 1, out=offsets[1:])
+    flat = np.zeros(segs + rows, dtype=np.int64)  # each row's leading 0 stays
+    segment_slot = np.arange(segs) + np.repeat(np.arange(1, rows + 1), row_sizes)
+    flat[segment_slot] = ends - np.repeat(row_start, row_sizes)
+    return flat, offsets
 
 
 @dataclass
@@ -71,6 +99,11 @@ class Columns:
 
     def row(self, i: int) -> Row:
         return {f: self.values[f][self.offsets[f][i] : self.offsets[f][i + 1]] for f in self.values}
+
+    def rows(self) -> list[Row]:
+        """Every row, each field a view of the flat column (no copy)."""
+        bounds = {f: self.offsets[f].tolist() for f in self.values}
+        return [{f: self.values[f][bounds[f][i] : bounds[f][i + 1]] for f in self.values} for i in range(self.num_rows)]
 
     @classmethod
     def from_rows(cls, rows: Sequence[Mapping[str, np.ndarray]]) -> Columns:
@@ -95,8 +128,35 @@ def _row_ids(lengths: np.ndarray, total: int) -> np.ndarray:
     return prepare_row_ids(torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64)), total).numpy()
 
 
+def _first(bad: np.ndarray) -> int | None:
+    """Index of the first True, or None: argmax stops at the first True of a boolean array."""
+    if not bad.size:
+        return None
+    i = int(bad.argmax())
+    return i if bad[i] else None
+
+
+def _first_outside(values: np.ndarray, high: int) -> int | None:
+    """Index of the first value < 0 or >= ``high``, or None.
+
+    Read as unsigned, a negative is huge, so one max over the column (read only) settles the
+    common case; the index is looked for only when there is one.
+    """
+    if not values.size:
+        return None
+    if values.dtype.kind == "i":
+        values = values.view(np.dtype(f"u{values.dtype.itemsize}"))
+    elif values.dtype.kind != "u":
+        return _first((values < 0) | (values >= high))
+    return None if values.max() < high else _first(values >= high)
+
+
 def validate_columns(cols: Columns, *, pack_length: int, alignment: int = 1, vocab_size: int | None = None) -> None:
-    """Check every row; raise ValueError naming the field, the first bad row and what was expected."""
+    """Check every row; raise ValueError naming the field, the first bad row and what was expected.
+
+    The per-token checks are comparisons over the flat columns (a handful of passes, no Python
+    loop over rows or tokens); a bad token is traced back to its row only once one is found.
+    """
     missing = [f for f in ROW_FIELDS if f not in cols.values]
     if missing:
         raise input_error("columns", None, f"fields {list(ROW_FIELDS)}", f"missing {missing}")
@@ -125,33 +185,73 @@ def validate_columns(cols: Columns, *, pack_length: int, alignment: int = 1, voc
     seg_len = np.diff(cu)
     inside = np.ones(seg_len.shape, dtype=bool)
     inside[cu_off[1:-1] - 1] = False  # a diff that straddles two rows is not a segment
-    # which row each boundary, and each token, belongs to: layout's one token -> sequence derivation
+    # which row each boundary belongs to: layout's one token -> sequence derivation, over boundaries
     row_of_boundary = _row_ids(counts, cu.shape[0])
     bad_seg = inside & ((seg_len <= 0) | (seg_len % alignment != 0))
     if bad_seg.any():
         fail_row("packed_cu_seqlens", int(row_of_boundary[np.flatnonzero(bad_seg)[0]]), boundary_expect)
 
-    # per token: its position in its conversation, and whether it ends one (layout's derivations,
-    # over the conversations' boundaries in the flat run of every row's tokens)
-    total = int(tok_off[-1])
+    # every conversation's first and last token in the flat run of every row's tokens: the
+    # boundaries now tile each row, so the conversations tile the run
     starts_mask = np.ones(cu.shape, dtype=bool)
     starts_mask[cu_off[1:] - 1] = False  # the row-length boundary starts nothing
-    seg_offsets = torch.from_numpy(np.append(tok_off[row_of_boundary[starts_mask]] + cu[starts_mask], total))
-    position_in_segment = prepare_position_ids(seg_offsets, total).numpy()
-    ends = IndexPlan(seg_offsets.diff(), seg_offsets, total=total).last_token_mask.numpy()
-    token_row = _row_ids(lens, total)
+    seg_first = tok_off[row_of_boundary[starts_mask]] + cu[starts_mask]
+    seg_last = np.empty_like(seg_first)
+    seg_last[:-1] = seg_first[1:] - 1
+    seg_last[-1:] = tok_off[-1] - 1
 
-    def fail_tokens(field: str, bad: np.ndarray, expected: str) -> None:
-        if bad.any():
-            fail_row(field, int(token_row[np.flatnonzero(bad)[0]]), expected)
+    def fail_token(field: str, t: int | None, expected: str) -> None:
+        if t is not None:  # the row holding token t: the last row starting at or before it
+            fail_row(field, int(np.searchsorted(tok_off, t, side="right")) - 1, expected)
 
     pos, mask = cols.values["position_ids"], cols.values["token_mask"]
     ids, target = cols.values["input_ids"], cols.values["target_ids"]
-    fail_tokens("position_ids", pos != position_in_segment, "0, 1, ... restarting at every boundary")
-    fail_tokens("token_mask", (mask != 0) & (mask != 1), "only 0 and 1")
-    fail_tokens("token_mask", ends & (mask != 0), "0 on the last token of every conversation")
+    restart = "0, 1, ... restarting at every boundary"
+    k = _first(pos[seg_first] != 0)  # every conversation starts at position 0 ...
+    step_bad, label_bad = _first_step_and_label_errors(pos, mask, ids, target, seg_first)  # ... and steps by 1
+    bad_tokens = ([] if k is None else [int(seg_first[k])]) + ([] if step_bad is None else [step_bad])
+    fail_token("position_ids", min(bad_tokens, default=None), restart)
+    fail_token("token_mask", _first_outside(mask, 2), "only 0 and 1")
+    k = _first(mask[seg_last] != 0)
+    fail_token("token_mask", None if k is None else int(seg_last[k]), "0 on the last token of every conversation")
     if vocab_size is not None:
-        fail_tokens("input_ids", (ids < 0) | (ids >= vocab_size), f"token ids in [0, {vocab_size})")
-        fail_tokens("target_ids", (target < 0) | (target >= vocab_size), f"token ids in [0, {vocab_size})")
-    next_ids = np.append(ids[1:], 0)
-    fail_tokens("target_ids", (mask == 1) & (target != next_ids), "the next input id wherever token_mask is 1")
+        fail_token("input_ids", _first_outside(ids, vocab_size), f"token ids in [0, {vocab_size})")
+        fail_token("target_ids", _first_outside(target, vocab_size), f"token ids in [0, {vocab_size})")
+    # a label that counts is the next input id; a row's last token ends a conversation, so its
+    # mask is 0 (checked above) and the id after it, the next row's first, is never compared
+    fail_token("target_ids", label_bad, "the next input id wherever token_mask is 1")
+
+
+_BLOCK = 1 << 16  # tokens per block of the elementwise checks: their temporaries stay in cache
+
+
+def _first_step_and_label_errors(
+    pos: np.ndarray, mask: np.ndarray, ids: np.ndarray, target: np.ndarray, seg_first: np.ndarray
+) -> tuple[int | None, int | None]:
+    """The first token whose position is not the one before plus 1 (conversations' first tokens
+    exempt), and the first whose label counts (mask not 0) but is not the next input id; None if none.
+
+    Both compare each token with its neighbour, so they run block by block over the flat columns,
+    each block's comparisons written into the same small buffers: every column is read once.
+    """
+    pairs = len(pos) - 1  # token t against token t + 1
+    width = max(min(_BLOCK, pairs), 0)
+    step, bad, counted = np.empty(width, np.int64), np.empty(width, bool), np.empty(width, bool)
+    step_bad = label_bad = None
+    for lo in range(0, pairs, _BLOCK):
+        hi = min(lo + _BLOCK, pairs)
+        n = hi - lo
+        if step_bad is None:
+            np.not_equal(np.subtract(pos[lo + 1 : hi + 1], pos[lo:hi], out=step[:n]), 1, out=bad[:n])
+            a, z = np.searchsorted(seg_first, [lo + 1, hi + 1])
+            bad[seg_first[a:z] - 1 - lo] = False
+            k = _first(bad[:n])
+            step_bad = None if k is None else lo + k + 1
+        if label_bad is None:
+            np.not_equal(target[lo:hi], ids[lo + 1 : hi + 1], out=bad[:n])
+            bad[:n] &= np.not_equal(mask[lo:hi], 0, out=counted[:n])
+            k = _first(bad[:n])
+            label_bad = None if k is None else lo + k
+        if step_bad is not None and label_bad is not None:
+            break
+    return step_bad, label_bad
