@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.errors import input_error
+from nopad.errors import bounds, input_error
 from nopad.layout import is_nested, jagged_values
 
 _SCALARS = (type(None), bool, str, bytes, numbers.Number)
@@ -115,21 +115,11 @@ def check_real(
     (an open end with ``low_open`` / ``high_open``). Returns it as a float."""
     number = _as_real(value)
     if number is None or not math.isfinite(number):
-        raise input_error(field, None, f"a finite number{_range(low, high, low_open, high_open)}", repr(value))
+        raise input_error(field, None, f"a finite number{bounds(low, high, low_open, high_open)}", repr(value))
     too_low = low is not None and (number < low or (low_open and number == low))
     too_high = high is not None and (number > high or (high_open and number == high))
     if too_low or too_high:
-        raise input_error(field, None, f"a number{_range(low, high, low_open, high_open)}", repr(value))
-    return number
-
-
-def check_int(value: Any, field: str, *, low: int | None = None, high: int | None = None) -> int:
-    """An integer (int or numpy integer; not a bool, float or str) within [low, high]."""
-    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-        raise input_error(field, None, f"an int{_range(low, high, False, False)}", f"{value!r}")
-    number = int(value)
-    if (low is not None and number < low) or (high is not None and number > high):
-        raise input_error(field, None, f"an int{_range(low, high, False, False)}", f"{value!r}")
+        raise input_error(field, None, f"a number{bounds(low, high, low_open, high_open)}", repr(value))
     return number
 
 
@@ -150,13 +140,3 @@ def _as_real(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     return float(value)
-
-
-def _range(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
-    if low is not None and high is not None:
-        return f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    if low is not None:
-        return f" {'>' if low_open else '>='} {low:g}"
-    if high is not None:
-        return f" {'<' if high_open else '<='} {high:g}"
-    return ""

@@ -8,6 +8,9 @@ Every check in nopad raises through :func:`input_error`, so messages read alike 
 
 from __future__ import annotations
 
+import numbers
+from typing import Any
+
 
 def input_error(field: str, row: int | None, expected: str, actual: str) -> ValueError:
     """``ValueError("<field>[ row <row>]: expected <expected>, got <actual>")``; the caller raises it."""
@@ -20,20 +23,26 @@ def in_file(path: object, error: ValueError | str) -> ValueError:
     return ValueError(f"{path}: {error}")
 
 
-def check_int(value: object, field: str, *, minimum: int | None = None) -> int:
-    """``value`` as an int (a Python or numpy integer, or a 0-d integer tensor on the host), at least
-    ``minimum``; a bool, a float or a string is refused, never rounded or parsed. No sync."""
-    import operator
-
-    try:
-        number = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        number = None
-    if number is None:
-        raise input_error(field, None, "an int" + (f" >= {minimum}" if minimum is not None else ""), repr(value))
-    if minimum is not None and number < minimum:
-        raise input_error(field, None, f"an int >= {minimum}", repr(value))
+def check_int(value: Any, field: str, *, low: int | None = None, high: int | None = None) -> int:
+    """An integer (int or numpy integer; not a bool, float or str) within [low, high]: THE int check.
+    Never rounded or parsed. No sync."""
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise input_error(field, None, f"an int{bounds(low, high, False, False)}", f"{value!r}")
+    number = int(value)
+    if (low is not None and number < low) or (high is not None and number > high):
+        raise input_error(field, None, f"an int{bounds(low, high, False, False)}", f"{value!r}")
     return number
+
+
+def bounds(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    """The words of a range for a message: " >= 1", " in (0, 1]", ... ("" when unbounded)."""
+    if low is not None and high is not None:
+        return f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if low is not None:
+        return f" {'>' if low_open else '>='} {low:g}"
+    if high is not None:
+        return f" {'<' if high_open else '<='} {high:g}"
+    return ""
 
 
 def check_integer_tensor(x: object, field: str) -> None:

@@ -55,7 +55,7 @@ def index_first_axis(x: Tensor, indices: Tensor) -> Tensor:
 def index_put_first_axis(values: Tensor, indices: Tensor, first_axis_dim: int) -> Tensor:
     """Inverse of :func:`index_first_axis`: (nnz, ...) -> (first_axis_dim, ...), zeros elsewhere."""
     _check_indices(indices, values.shape[0])
-    first_axis_dim = check_int(first_axis_dim, "first_axis_dim", minimum=0)
+    first_axis_dim = check_int(first_axis_dim, "first_axis_dim", low=0)
     return _IndexPutFirstAxis.apply(values, indices, first_axis_dim)
 
 
@@ -89,5 +89,5 @@ def unpad_input(
 
 def pad_input(hidden: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
     """Inverse of :func:`unpad_input`: (total_nnz, ...) -> (batch, seqlen, ...), zeros at padding."""
-    batch, seqlen = check_int(batch, "batch", minimum=0), check_int(seqlen, "seqlen", minimum=0)
+    batch, seqlen = check_int(batch, "batch", low=0), check_int(seqlen, "seqlen", low=0)
     return index_put_first_axis(hidden, indices, batch * seqlen).view(batch, seqlen, *hidden.shape[1:])

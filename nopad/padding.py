@@ -295,7 +295,7 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
     are compared by value, which costs one host sync), a flat one must have its total of tokens.
     """
     if max_response_len is not None:
-        max_response_len = check_int(max_response_len, "max_response_len", minimum=0)
+        max_response_len = check_int(max_response_len, "max_response_len", low=0)
     if not isinstance(tensor, Tensor):
         raise input_error("tensor", None, "a nested (B, j, *) or flat (total, *) tensor", type(tensor).__name__)
     nested = _is_nested(tensor)
@@ -392,7 +392,7 @@ def build_attention_mask_from_nested(input_ids: Tensor, max_seq_len: int | None 
     """
     plan = IndexPlan.from_nested(input_ids)
     if max_seq_len is not None:
-        max_seq_len = check_int(max_seq_len, "max_seq_len", minimum=0)
+        max_seq_len = check_int(max_seq_len, "max_seq_len", low=0)
         _check_fits(plan, max_seq_len, "max_seq_len", "input_ids")
     width = max_seq_len if max_seq_len is not None else plan.max_seqlen
     positions = torch.arange(width, device=plan.lengths.device)

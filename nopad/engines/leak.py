@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nopad._batch import check_int, check_real
+from nopad._batch import check_real
 from nopad.engines.fsdp import prepare_model_inputs
-from nopad.errors import input_error
+from nopad.errors import check_int, input_error
 from nopad.layout import IndexPlan
 
 
