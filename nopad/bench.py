@@ -18,9 +18,9 @@ from torch import Tensor
 
 from nopad.compat import renamed_keyword
 from nopad.diagnostics import OpCounter
-from nopad.layout import IndexPlan, prepare_offsets
+from nopad.layout import IndexPlan, prepare_offsets, wrap_jagged
 from nopad.ops import unpad_input
-from nopad.padding import left_right_2_no_padding, no_padding_2_padding, plan_left_right
+from nopad.padding import _put_checked, left_right_2_no_padding, no_padding_2_padding, plan_left_right
 from nopad.synthetic import synthetic_batch
 
 
@@ -45,6 +45,21 @@ def bare_gather(data: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
     """
     indices = data["attention_mask"].flatten().nonzero().flatten()
     return data["input_ids"].flatten().index_select(0, indices), data["position_ids"].flatten().index_select(0, indices)
+
+
+def bare_nested(data: TensorDict) -> TensorDict:
+    """The floor of this output: :func:`bare_gather` wrapped as jagged tensors in a TensorDict with
+    the same metadata, nothing checked. What torch and tensordict cost before nopad does anything."""
+    mask = data["attention_mask"]
+    indices = mask.flatten().nonzero().flatten()
+    offsets = prepare_offsets(mask.sum(-1))
+    out = data.copy()
+    for key in ("input_ids", "position_ids"):
+        _put_checked(out, key, wrap_jagged(data[key].flatten().index_select(0, indices), offsets))
+    out.set_non_tensor("max_seq_len", mask.shape[1])
+    out.set_non_tensor("max_response_len", data["response_mask"].shape[1])
+    out.set_non_tensor("indices", indices)
+    return out
 
 
 def reference_no_padding(tensor: torch.Tensor, data: TensorDict) -> torch.Tensor:
@@ -170,6 +185,7 @@ def bench_padded_to_nested_steps(
 
     steps = {
         "bare gather (the floor)": lambda: bare_gather(data),
+        "bare gather as jagged tensors in a TensorDict, unchecked": lambda: bare_nested(data),
         "plan_left_right + indices (validate, 1 sync)": lambda: plan_left_right(am, rm).indices,
         "+ the two index_selects": gathers,
         "+ jagged nested tensors": nested,
@@ -398,6 +414,7 @@ __all__ = [
     "bench_thd",
     "reference_preprocess_thd",
     "bare_gather",
+    "bare_nested",
     "format_table",
     "plot",
     "reference_left_right",

@@ -9,6 +9,7 @@ Host syncs are named in each docstring; everything else stays on the device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -230,12 +231,21 @@ def wrap_jagged(
 
 
 def seqlen_records(min_seqlen: int, max_seqlen: int) -> dict[str, Tensor]:
-    """The min / max length records a jagged tensor keeps (torch holds each as a (n, 0) tensor that
-    torch.compile treats as dynamic), made once and shared by every nested field with the same offsets."""
-    records = {"min_seqlen": torch.zeros(min_seqlen, 0), "max_seqlen": torch.zeros(max_seqlen, 0)}
-    for record in records.values():
-        torch._dynamo.mark_dynamic(record, 0)
-    return records
+    """The min / max length records a jagged tensor keeps, shared by every nested field with the same
+    offsets. No tensor op: each record is made once per length value (:func:`_seqlen_record`)."""
+    return {"min_seqlen": _seqlen_record(min_seqlen), "max_seqlen": _seqlen_record(max_seqlen)}
+
+
+@functools.lru_cache(maxsize=8192)
+def _seqlen_record(n: int) -> Tensor:
+    """torch's record of a length ``n``: an (n, 0) tensor that torch.compile treats as dynamic.
+
+    It holds no storage and nothing ever writes to it, so one per value serves every batch: making
+    and marking it costs more (about 10 us a pair on a CPU) than the gather it describes.
+    """
+    record = torch.zeros(n, 0)
+    torch._dynamo.mark_dynamic(record, 0)
+    return record
 
 
 def gather_rows(values: Tensor, src_start: Tensor, lo: Tensor | None, hi: Tensor, width: int) -> Tensor:

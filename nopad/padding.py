@@ -75,10 +75,9 @@ def _row_facts(attention_mask: Tensor, response_mask: Tensor, prompt_width: int,
 def _unpack_row_facts(host: Any, width: int) -> Any:
     """The packed first column of :func:`_row_facts` -> (ones, prompt ones, moment) columns. Host math."""
     base = width + 1
-    ones = host[:, 0] % base  # numpy's % floors, so the negative moment above does not disturb it
-    rest = (host[:, 0] - ones) // base
-    prompt = rest % base
-    return np.column_stack([ones, prompt, (rest - prompt) // base, host[:, 1:]])
+    rest, ones = np.divmod(host[:, 0], base)  # numpy floors, so the negative moment does not disturb it
+    moment, prompt = np.divmod(rest, base)
+    return np.column_stack([ones, prompt, moment, host[:, 1:]])
 
 
 def _first_bad_row(facts: Any, prompt_width: int) -> tuple[str, int, str] | None:

@@ -96,10 +96,31 @@ def test_bench_json_and_plot(tmp_path, capsys):
     assert all(r["nopad_ms"] > 0 and r["loop/nopad"] > 0 for r in rows)
     assert [r["B"] for r in results["megatron preprocess_thd (need_roll, cp=2)"]] == [4, 16]
     steps = results["padded -> nested in steps (B=16)"]
-    assert steps[0]["/gather"] == 1.0 and len(steps) == 6 and all(r["ms"] > 0 for r in steps)
+    assert steps[0]["/gather"] == 1.0 and len(steps) == 7 and all(r["ms"] > 0 for r in steps)
     if not has_matplotlib:
         pytest.skip("matplotlib is not installed: the JSON results passed, the plot is not tested")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_contenders_compute_what_nopad_computes():
+    """A ratio against a floor or a loop means something only if both make the same output."""
+    import torch
+
+    from nopad.bench import bare_gather, bare_nested, reference_left_right, reference_no_padding
+    from nopad.padding import left_right_2_no_padding, no_padding_2_padding
+    from nopad.synthetic import synthetic_batch
+
+    data = synthetic_batch(5, 12, 9)
+    ours = left_right_2_no_padding(data)
+    ids, pos = bare_gather(data)
+    assert torch.equal(ids, ours["input_ids"].values()) and torch.equal(pos, ours["position_ids"].values())
+    for other in (bare_nested(data), reference_left_right(data)):
+        for key in ("input_ids", "position_ids"):
+            assert torch.equal(other[key].values(), ours[key].values())
+            assert torch.equal(other[key].offsets(), ours[key].offsets())
+        assert torch.equal(other.get_non_tensor("indices"), ours.get_non_tensor("indices"))
+    logp = torch.nested.nested_tensor_from_jagged(torch.randn(ids.shape[0]), ours["input_ids"].offsets())
+    assert torch.equal(reference_no_padding(logp, data), no_padding_2_padding(logp, ours))
 
 
 def test_bench_model_json_times_padded_against_every_packed_kernel_and_agrees_with_fp32(tmp_path, capsys):

@@ -147,6 +147,17 @@ def test_wrap_jagged_equals_torchs_public_constructor(shape, ragged_dim, seqlens
     assert torch.equal(grad_values.grad, torch.ones_like(grad_values))
 
 
+def test_seqlen_records_are_marked_like_torchs_and_made_once_per_length():
+    public = torch.nested.nested_tensor_from_jagged(
+        torch.arange(7), torch.tensor([0, 1, 5, 7]), min_seqlen=1, max_seqlen=4
+    )
+    ours, again = nopad.layout.seqlen_records(1, 4), nopad.layout.seqlen_records(1, 4)
+    for key in ("min_seqlen", "max_seqlen"):
+        record, theirs = ours[key], public._metadata_cache[key]
+        assert record is again[key] and record.shape == theirs.shape and record.numel() == 0
+        assert record._dynamo_dynamic_indices == theirs._dynamo_dynamic_indices == {0}
+
+
 def test_jagged_values_is_the_values_tensor_and_keeps_every_gradient_path():
     offsets = torch.tensor([0, 2, 5])
     values = torch.randn(5, 3, requires_grad=True)
