@@ -446,9 +446,12 @@ class IndexPlan:
         offsets = np.append(starts, restarts.numel()).astype(np.int64)
         lengths = np.diff(offsets)
         device = position_ids.device
+        lengths_d, offsets_d = host_to_device(np.concatenate([lengths, offsets]), device).split_with_sizes(
+            [len(lengths), len(offsets)]
+        )
         return cls(
-            torch.from_numpy(lengths).to(device, non_blocking=True),
-            torch.from_numpy(offsets).to(device, non_blocking=True),
+            lengths_d,
+            offsets_d,
             total=restarts.numel(),
             starts=torch.zeros(len(starts), dtype=torch.int64, device=device),
             max_seqlen=int(lengths.max()),

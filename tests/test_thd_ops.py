@@ -266,6 +266,18 @@ def test_preprocess_thd_is_at_most_40_ops_with_one_host_read_whatever_the_batch(
     assert small.syncs == large.syncs == 1
 
 
+@pytest.mark.filterwarnings("ignore:cp_layout='contiguous'")
+@pytest.mark.parametrize("kwargs", STANDARD_CALLS.values(), ids=STANDARD_CALLS.keys())
+def test_what_a_gpu_runs_counted_on_the_cpu_is_at_most_40_ops_whatever_the_batch(kwargs, monkeypatch):
+    """The device branch (one staged copy of the host arrays, a binary search for the runs) taken on a
+    CPU: its host<->device copies are ops on every device, so this is the count a GPU makes."""
+    monkeypatch.setattr(thd_module, "_is_host", lambda device: False)
+    run = lambda ids: preprocess_thd(ids, need_roll=True, **kwargs)  # noqa: E731
+    small, large = _counted(run, 8), _counted(run, 1024)
+    assert small.by_op == large.by_op
+    assert small.ops <= 40 and small.syncs == large.syncs == 1, small.by_op
+
+
 @pytest.mark.parametrize("kwargs", [dict(), dict(tp_size=2)], ids=["tp1", "tp2"])
 def test_postprocess_thd_given_the_plan_is_two_ops_and_reads_nothing_on_the_host(kwargs):
     counts = []

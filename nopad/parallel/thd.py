@@ -25,7 +25,7 @@ from torch import Tensor
 
 from nopad.compat import renamed_attribute, renamed_keyword
 from nopad.errors import input_error
-from nopad.layout import IndexPlan, check_nested, is_nested, jagged_values, nested_offsets
+from nopad.layout import IndexPlan, check_nested, host_to_device, is_nested, jagged_values, nested_offsets
 from nopad.parallel.cp import (
     CpLayout,
     check_cp_args,
@@ -95,10 +95,7 @@ class _DeviceArrays:
         self._tensors: dict[str, Tensor] = {}
         self._buffer: Tensor | None = None
         if not _is_host(device):
-            host = torch.from_numpy(np.concatenate(list(arrays.values())))
-            if device.type == "cuda":
-                host = host.pin_memory()
-            self._buffer = host.to(device, non_blocking=True)
+            self._buffer = host_to_device(np.concatenate(list(arrays.values())), device)
 
     def __getitem__(self, name: str) -> Tensor:
         if name not in self._tensors:
