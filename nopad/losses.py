@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -166,7 +165,7 @@ def agg_loss(
     _check_agg_mode(loss_agg_mode, "loss_agg_mode")
     check_real_dtype(loss_mat, "loss_mat")
     _check_same_shape(loss_mask, "loss_mask", loss_mat, "loss_mat")
-    dp_size = _positive_int(dp_size, "dp_size")
+    dp_size = check_int(dp_size, "dp_size", low=1)
     batch_num_tokens = _check_figure(batch_num_tokens, "batch_num_tokens")
     global_batch_size = _check_figure(global_batch_size, "global_batch_size")
     _check_scale(loss_scale_factor, "loss_scale_factor")
@@ -588,16 +587,6 @@ def _response_slice(model_output: Mapping[str, Tensor], key: str, data: TensorDi
         return no_padding_2_padding(x, data, max_response_len=R)
     _check_same_shape(x, field, response_mask, "response_mask")
     return x
-
-
-def _positive_int(value: Any, field: str) -> int:
-    try:
-        number = operator.index(value)  # int, numpy or 0-d integer tensor; never a bool or a float
-    except TypeError:
-        number = 0
-    if isinstance(value, bool) or number < 1:
-        raise input_error(field, None, "an int >= 1", f"{value!r}")
-    return number
 
 
 def _check_figure(value: Any, field: str) -> int | Tensor | None:

@@ -9,8 +9,10 @@ one token. Nothing from nopad is used to compute an expected value.
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -649,12 +651,17 @@ def test_dp_size_above_one_without_global_figures_is_rejected(mode):
         L.ppo_loss({"loss_agg_mode": mode}, {"log_probs": nested_of(full)}, data)
 
 
-@pytest.mark.parametrize("dp_size", [0, -1, 2.0, True, "2"])
+@pytest.mark.parametrize("dp_size", [0, -1, 2.0, True, "2", torch.tensor(2)])
 def test_bad_dp_size_is_rejected(dp_size):
-    with pytest.raises(ValueError, match=rf"dp_size: expected an int >= 1, got {dp_size!r}"):
+    """dp_size is an int like every other int nopad takes (a tensor would be read: a sync on a GPU)."""
+    with pytest.raises(ValueError, match=rf"dp_size: expected an int >= 1, got {re.escape(repr(dp_size))}"):
         L.agg_loss(torch.zeros(2, 3), torch.ones(2, 3), "token-sum", dp_size=dp_size)
     mat = torch.ones(2, 3)
-    assert L.agg_loss(mat, mat, "token-sum", dp_size=torch.tensor(2)).item() == 12.0
+    assert (
+        L.agg_loss(mat, mat, "token-sum", dp_size=2).item()
+        == L.agg_loss(mat, mat, "token-sum", dp_size=np.int64(2))
+        == 12.0
+    )
 
 
 def test_mismatched_shapes_name_the_field_and_the_expected_shape():
