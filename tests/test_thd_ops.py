@@ -116,6 +116,8 @@ def test_every_index_of_the_plan_equals_the_per_sequence_loop(lengths, shard, da
     assert plan.offset_in_segment.tolist() == want["offset"]
     assert plan.position_ids.tolist() == [want["position"]]
     assert plan.padding_mask.tolist() == [want["padding"]]
+    plan.padding_mask.logical_not_()  # the caller's copy: the plan's positions and shards stay as they were
+    assert plan.padding_mask.tolist() == [want["padding"]] and plan.position_ids.tolist() == [want["position"]]
     assert plan.source_index().tolist() == want["source"]
     assert plan.source_index(need_roll=True).tolist() == want["source_roll"]
     assert plan.cu_seqlens_padded.tolist() == cu and plan.cu_seqlens_padded.dtype == torch.int32

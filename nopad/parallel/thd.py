@@ -239,8 +239,9 @@ class ThdPlan:
 
     @property
     def padding_mask(self) -> Tensor:
-        """(1, local_len) bool: True on alignment padding slots."""
-        return self._padding.unsqueeze(0)
+        """(1, local_len) bool: True on alignment padding slots. A copy: the plan's own mask decides
+        every later shard and position, so writing into the result must not reach it."""
+        return self._padding.unsqueeze(0).clone()
 
     def source_index(self, need_roll: bool = False) -> Tensor:
         """(local_len,) row of the (source_len, *) values each local slot reads (0 on padding slots).
