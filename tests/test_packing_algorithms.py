@@ -20,7 +20,7 @@ from nopad.packing import (
     packing_metrics,
 )
 from nopad.packing.algorithms import bin_of_items
-from nopad.packing.bench import packing_bench, rows_bench, synthetic_conversations
+from nopad.packing.bench import files_bench, packing_bench, rows_bench, synthetic_conversations
 
 
 def _check_valid(bins, lengths, capacity):
@@ -190,6 +190,14 @@ def test_rows_bench_reports_rows_built_and_tokens_per_second_for_every_algorithm
         assert np.isfinite(r["M_tokens_per_s"]) and r["M_tokens_per_s"] > 0
     assert by_name["best_fit_decreasing"]["rows"] <= by_name["concatenative"]["rows"]
     assert "M_tokens_per_s" in format_table(rows)
+
+
+def test_files_bench_times_pack_write_and_read_of_the_same_rows():
+    steps = files_bench(n=300, pack_length=1024)
+    assert [r["step"] for r in steps] == ["pack", "write", "read and validate"]
+    tokens = sum(len(ids) for ids, _ in synthetic_conversations(300, 1024))
+    assert all(r["tokens"] == tokens and r["rows"] >= -(-tokens // 1024) and r["seconds"] > 0 for r in steps)
+    assert len({r["rows"] for r in steps}) == 1
 
 
 def test_synthetic_conversations_are_chat_sized_with_a_long_tail():

@@ -1,9 +1,12 @@
 """Packing quality and speed (`nopad bench --packing`): bins of every algorithm on the same
-long-tailed lengths, and rows built from the same conversations with each algorithm, in tokens/s."""
+long-tailed lengths, rows built from the same conversations with each algorithm, in tokens/s, and a
+packed file written and read back."""
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 import time
 
 import numpy as np
@@ -89,3 +92,32 @@ def rows_bench(n: int = 20_000, pack_length: int = 8192, seed: int = 0, repeats:
             }
         )
     return table
+
+
+def files_bench(n: int = 50_000, pack_length: int = 4096, seed: int = 0) -> list[dict[str, object]]:
+    """Pack ``n`` conversations with best fit, write the rows to a packed file and open it again
+    (every row validated). One row per step, with seconds and M tokens/s, from one run each."""
+    from nopad.packing.files import read_packed, write_packed
+    from nopad.packing.tokenizer import TokenizerIdentity
+
+    convs = synthetic_conversations(n, pack_length, seed)
+    tokens = sum(len(ids) for ids, _ in convs)
+    tokenizer = TokenizerIdentity("synthetic", "", 150_000)
+    timed: dict[str, float] = {}
+    start = time.perf_counter()
+    rows, _ = pack_conversations(convs, pack_length, algorithm="best_fit_decreasing")
+    timed["pack"] = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "packed.parquet")
+        start = time.perf_counter()
+        write_packed(path, rows, pack_length=pack_length, tokenizer=tokenizer, pad_token_id=0)
+        timed["write"] = time.perf_counter() - start
+        start = time.perf_counter()
+        opened = read_packed(path, tokenizer=tokenizer)
+        timed["read and validate"] = time.perf_counter() - start
+        if len(opened) != len(rows):
+            raise AssertionError(f"{len(opened)} rows read back out of {len(rows)} written")
+    return [
+        {"step": step, "rows": len(rows), "tokens": tokens, "seconds": t, "M_tokens_per_s": tokens / t / 1e6}
+        for step, t in timed.items()
+    ]
