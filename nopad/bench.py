@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad._batch import put_checked
 from nopad.compat import renamed_keyword
 from nopad.diagnostics import OpCounter
 from nopad.layout import IndexPlan, prepare_offsets, wrap_jagged
 from nopad.ops import unpad_input
-from nopad.padding import _put_checked, left_right_2_no_padding, no_padding_2_padding, plan_left_right
+from nopad.padding import left_right_2_no_padding, no_padding_2_padding, plan_left_right
 from nopad.synthetic import synthetic_batch
 
 
@@ -55,7 +56,7 @@ def bare_nested(data: TensorDict) -> TensorDict:
     offsets = prepare_offsets(mask.sum(-1))
     out = data.copy()
     for key in ("input_ids", "position_ids"):
-        _put_checked(out, key, wrap_jagged(data[key].flatten().index_select(0, indices), offsets))
+        put_checked(out, key, wrap_jagged(data[key].flatten().index_select(0, indices), offsets))
     out.set_non_tensor("max_seq_len", mask.shape[1])
     out.set_non_tensor("max_response_len", data["response_mask"].shape[1])
     out.set_non_tensor("indices", indices)
@@ -335,7 +336,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--packing",
         action="store_true",
-        help="also run the packing benchmarks: bins of 100,000 lengths, rows built from 20,000 conversations",
+        help="also run the packing benchmarks: bins of 100,000 lengths, rows built from 20,000 conversations, "
+        "a packed file of 50,000 written and read",
     )
     parser.add_argument("--engines", action="store_true", help="also run the Megatron THD preprocessing benchmark")
     parser.add_argument("--steps", action="store_true", help="also split padded -> nested at the largest B into steps")
@@ -388,11 +390,12 @@ def run(args: argparse.Namespace) -> int:
             for B, ref, ours, ratio in bench_thd(tuple(args.batch_sizes), device=args.device, repeats=args.repeats)
         ]
     if args.packing:
-        from nopad.packing.bench import CONVERSATION_MEDIAN, packing_bench, rows_bench
+        from nopad.packing.bench import CONVERSATION_MEDIAN, files_bench, packing_bench, rows_bench
 
         results["packing (100,000 lengths, capacity 8192)"] = packing_bench()
         title = f"packing rows built (20,000 conversations, median {CONVERSATION_MEDIAN} tokens, pack length 8192)"
         results[title] = rows_bench(repeats=max(1, min(args.repeats, 3)))
+        results["packed file (50,000 conversations, pack length 4096, best fit)"] = files_bench()
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -13,8 +13,9 @@ Companion per-token tensors (labels, loss masks, MoE routed_experts) go through 
     loss_mask = plan.shard(loss_mask_nested)
     experts = plan.shard_routed_experts(routed_experts_nested, num_experts=64)
 
-One plan = one host sync (the padded total and the longest padded segment, fetched together);
-every shard and the way back are a fixed number of tensor ops whatever the batch size.
+One plan = one host read (the batch's offsets, in one copy; none for a plan made from host lengths,
+see :func:`~nopad.parallel.thd.build_thd_plan`); every shard and the way back are a fixed number of
+tensor ops whatever the batch size.
 """
 
 from __future__ import annotations
