@@ -58,6 +58,37 @@ def test_a_host_plan_leaves_only_the_gathers_and_one_copy():
     assert made_on_host.syncs == 1 and made_on_host.by_op["aten.copy_.default"] == 3
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_counts_are_the_cpus_and_a_host_plan_never_waits_for_the_device():
+    from nopad.padding import plan_left_right
+
+    host = _standard_batch(64)
+    data = host.to("cuda")
+    on_cpu, on_cuda = _count(nopad.left_right_2_no_padding, host), _count(nopad.left_right_2_no_padding, data)
+    assert on_cuda.by_op == on_cpu.by_op and on_cuda.syncs == 1, (on_cpu.by_op, on_cuda.by_op)
+    expected = nopad.left_right_2_no_padding(host)
+    logp = torch.randn(expected["input_ids"].values().shape[0])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any call that waits for the GPU raises
+    try:
+        plan = plan_left_right(host["attention_mask"], host["response_mask"], device="cuda")
+        out = nopad.left_right_2_no_padding(data, plan=plan)
+        nested_logp = torch.nested.nested_tensor_from_jagged(
+            logp.to("cuda", non_blocking=True), out["input_ids"].offsets()
+        )
+        back = nopad.no_padding_2_padding(nested_logp, out)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for key in ("input_ids", "position_ids"):
+        assert torch.equal(out[key].values().cpu(), expected[key].values())
+        assert torch.equal(out[key].offsets().cpu(), expected[key].offsets())
+    want = nopad.no_padding_2_padding(
+        torch.nested.nested_tensor_from_jagged(logp, expected["input_ids"].offsets()), expected
+    )
+    assert torch.equal(back.cpu(), want)
+
+
 def _model_output(B):
     out = nopad.left_right_2_no_padding(_batch(B))
     ids = out["input_ids"]
