@@ -9,7 +9,6 @@ Host syncs are named in each docstring; everything else stays on the device.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -232,19 +231,28 @@ def wrap_jagged(
 
 def seqlen_records(min_seqlen: int, max_seqlen: int) -> dict[str, Tensor]:
     """The min / max length records a jagged tensor keeps, shared by every nested field with the same
-    offsets. No tensor op: each record is made once per length value (:func:`_seqlen_record`)."""
+    offsets. No tensor op once a length has been seen (:func:`_seqlen_record`)."""
     return {"min_seqlen": _seqlen_record(min_seqlen), "max_seqlen": _seqlen_record(max_seqlen)}
 
 
-@functools.lru_cache(maxsize=8192)
+_SEQLEN_RECORDS: dict[int, Tensor] = {}
+
+
 def _seqlen_record(n: int) -> Tensor:
     """torch's record of a length ``n``: an (n, 0) tensor that torch.compile treats as dynamic.
 
     It holds no storage and nothing ever writes to it, so one per value serves every batch: making
-    and marking it costs more (about 10 us a pair on a CPU) than the gather it describes.
+    and marking it costs more (about 10 us a pair on a CPU) than the gather it describes. Always a
+    CPU tensor, as torch makes it; one made under a tracing mode (a fake tensor) is not kept.
     """
-    record = torch.zeros(n, 0)
-    torch._dynamo.mark_dynamic(record, 0)
+    record = _SEQLEN_RECORDS.get(n)
+    if record is None:
+        record = torch.zeros(n, 0, device="cpu")
+        torch._dynamo.mark_dynamic(record, 0)
+        if type(record) is Tensor:
+            if len(_SEQLEN_RECORDS) >= 8192:  # bounded: a run that sees every length keeps the last ones
+                _SEQLEN_RECORDS.clear()
+            _SEQLEN_RECORDS[n] = record
     return record
 
 

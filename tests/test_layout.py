@@ -2,6 +2,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nopad
 from nopad import IndexPlan
@@ -156,6 +157,11 @@ def test_seqlen_records_are_marked_like_torchs_and_made_once_per_length():
         record, theirs = ours[key], public._metadata_cache[key]
         assert record is again[key] and record.shape == theirs.shape and record.numel() == 0
         assert record._dynamo_dynamic_indices == theirs._dynamo_dynamic_indices == {0}
+    with torch.device("meta"):  # a default device does not reach a record
+        assert nopad.layout.seqlen_records(2, 9)["max_seqlen"].device.type == "cpu"
+    with FakeTensorMode():  # a record made while tracing is a fake tensor: used, never kept
+        assert nopad.layout.seqlen_records(3, 11)["max_seqlen"] is not nopad.layout.seqlen_records(3, 11)["max_seqlen"]
+    assert type(nopad.layout.seqlen_records(3, 11)["max_seqlen"]) is torch.Tensor
 
 
 def test_jagged_values_is_the_values_tensor_and_keeps_every_gradient_path():
