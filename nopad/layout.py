@@ -236,6 +236,19 @@ def seqlen_records(min_seqlen: int, max_seqlen: int) -> dict[str, Tensor]:
 
 
 _SEQLEN_RECORDS: dict[int, Tensor] = {}
+_TRACING_MODES = tuple(
+    getattr(torch._C._TorchDispatchModeKey, name)
+    for name in ("FAKE", "PROXY", "FUNCTIONAL")
+    if hasattr(torch._C._TorchDispatchModeKey, name)
+)
+
+
+def _tracing() -> bool:
+    """Whether a tracing mode (fake tensors, make_fx, functionalisation) or torch.compile is active:
+    tensors made there belong to it, and real tensors kept from outside must not enter it."""
+    if torch.compiler.is_compiling():
+        return True
+    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
 
 
 def _seqlen_record(n: int) -> Tensor:
@@ -243,13 +256,14 @@ def _seqlen_record(n: int) -> Tensor:
 
     It holds no storage and nothing ever writes to it, so one per value serves every batch: making
     and marking it costs more (about 10 us a pair on a CPU) than the gather it describes. Always a
-    CPU tensor, as torch makes it; one made under a tracing mode (a fake tensor) is not kept.
+    CPU tensor, as torch makes it. Under a tracing mode each call makes its own, as torch does.
     """
-    record = _SEQLEN_RECORDS.get(n)
+    tracing = _tracing()
+    record = None if tracing else _SEQLEN_RECORDS.get(n)
     if record is None:
         record = torch.zeros(n, 0, device="cpu")
         torch._dynamo.mark_dynamic(record, 0)
-        if type(record) is Tensor:
+        if not tracing:
             if len(_SEQLEN_RECORDS) >= 8192:  # bounded: a run that sees every length keeps the last ones
                 _SEQLEN_RECORDS.clear()
             _SEQLEN_RECORDS[n] = record

@@ -159,9 +159,11 @@ def test_seqlen_records_are_marked_like_torchs_and_made_once_per_length():
         assert record._dynamo_dynamic_indices == theirs._dynamo_dynamic_indices == {0}
     with torch.device("meta"):  # a default device does not reach a record
         assert nopad.layout.seqlen_records(2, 9)["max_seqlen"].device.type == "cpu"
-    with FakeTensorMode():  # a record made while tracing is a fake tensor: used, never kept
-        assert nopad.layout.seqlen_records(3, 11)["max_seqlen"] is not nopad.layout.seqlen_records(3, 11)["max_seqlen"]
-    assert type(nopad.layout.seqlen_records(3, 11)["max_seqlen"]) is torch.Tensor
+    kept = nopad.layout.seqlen_records(3, 11)["max_seqlen"]
+    with FakeTensorMode():  # while tracing, each record is the mode's own: none kept, none handed in
+        traced = nopad.layout.seqlen_records(3, 11)["max_seqlen"]
+        assert traced is not kept and traced is not nopad.layout.seqlen_records(3, 11)["max_seqlen"]
+    assert nopad.layout.seqlen_records(3, 11)["max_seqlen"] is kept
 
 
 def test_jagged_values_is_the_values_tensor_and_keeps_every_gradient_path():
