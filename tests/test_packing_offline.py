@@ -46,6 +46,22 @@ def _real_tokens(rows):
 
 
 # ---- seed 002: the exact fill ------------------------------------------------------------------
+@pytest.mark.parametrize("order", ["as packed", "reversed", "one dropped", "one copied"])
+def test_columns_from_rows_equal_the_concatenation_and_share_the_packers_arrays_only_when_back_to_back(order):
+    rows, _ = pack_conversations(_conversations([5, 9, 3, 12, 7, 4]), 16)
+    picked = {
+        "as packed": rows,
+        "reversed": rows[::-1],
+        "one dropped": rows[:1] + rows[2:],
+        "one copied": [rows[0], {f: a.copy() for f, a in rows[1].items()}, *rows[2:]],
+    }[order]
+    cols = Columns.from_rows(picked)
+    for f in rows[0]:
+        assert np.array_equal(cols.values[f], np.concatenate([r[f] for r in picked]))
+        assert np.array_equal(cols.row(1)[f], picked[1][f])
+        assert np.shares_memory(cols.values[f], rows[0][f]) == (order == "as packed")
+
+
 def test_exact_fill_closes_the_pack_with_no_repeated_boundary():
     rows, report = pack_conversations(_conversations([6, 3]), 6)
     assert [r["packed_cu_seqlens"].tolist() for r in rows] == [[0, 6], [0, 3]]  # never [0, 6, 6]

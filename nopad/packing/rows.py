@@ -107,10 +107,13 @@ class Columns:
 
     @classmethod
     def from_rows(cls, rows: Sequence[Mapping[str, np.ndarray]]) -> Columns:
+        """Rows -> columns. Rows that are back-to-back views of one flat array per field (what
+        :meth:`rows` and the packer hand out) give views of that array, not a copy: read-only use."""
         values, offsets = {}, {}
         for f in ROW_FIELDS:
             parts = [np.asarray(r[f], dtype=np.int64) for r in rows]
-            values[f] = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            joined = _back_to_back(parts)
+            values[f] = joined if joined is not None else np.concatenate([np.zeros(0, dtype=np.int64), *parts])
             offsets[f] = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
         return cls(values, offsets)
 
@@ -122,6 +125,27 @@ class Columns:
             h.update(np.ascontiguousarray(self.offsets[f], dtype="<i8").data)  # hashed in place, not copied
             h.update(np.ascontiguousarray(self.values[f], dtype="<i8").data)
         return h.hexdigest()
+
+
+def _back_to_back(parts: Sequence[np.ndarray]) -> np.ndarray | None:
+    """``np.concatenate(parts)`` without the copy when the parts are consecutive 1-D slices of one
+    contiguous int64 array (each starts where the one before ends); None otherwise (and for no parts
+    at all, which the caller concatenates into an empty array)."""
+    if not parts or parts[0].base is None:
+        return None
+    base = parts[0].base
+    if not (isinstance(base, np.ndarray) and base.ndim == 1 and base.dtype == np.int64 and base.flags.c_contiguous):
+        return None
+    address = base.__array_interface__["data"][0]
+    start = parts[0].__array_interface__["data"][0]
+    end = start
+    for part in parts:
+        if part.base is not base or part.ndim != 1 or (part.strides != (8,) and len(part) > 1):
+            return None
+        if part.__array_interface__["data"][0] != end:
+            return None
+        end += 8 * len(part)
+    return base[(start - address) // 8 : (end - address) // 8]
 
 
 def _row_ids(lengths: np.ndarray, total: int) -> np.ndarray:
