@@ -36,7 +36,7 @@ from torch import Tensor
 
 from nopad._batch import check_choice, check_flag, check_real, check_real_dtype, get_field
 from nopad.errors import check_int, input_error
-from nopad.layout import IndexPlan, jagged_values, nested_offsets, to_host
+from nopad.layout import IndexPlan, jagged_values, nested_offsets, ragged_dim, to_host, wrap_jagged
 from nopad.layout import is_nested as _is_nested
 from nopad.padding import no_padding_2_padding
 
@@ -581,7 +581,12 @@ def _response_slice(model_output: Mapping[str, Tensor], key: str, data: TensorDi
         total = jagged_values(x).shape[0]
         if isinstance(indices, Tensor) and total != indices.shape[0]:
             raise input_error(field, None, f"{indices.shape[0]} tokens (the batch's total)", f"{total}")
-        same = _same_boundaries(x, field, data.get("input_ids", None), "data['input_ids']")
+        ids = data.get("input_ids", None)
+        same = _same_boundaries(x, field, ids, "data['input_ids']")
+        if _is_nested(ids) and nested_offsets(x) is not nested_offsets(ids):
+            # checked equal (or flagged, on a device): on the batch's own offsets, the way back finds its
+            # plan and does not compare them again (a second compare would also be a device sync)
+            x = wrap_jagged(jagged_values(x), nested_offsets(ids), ragged_dim(x))
         return _poison_unless(same, no_padding_2_padding(x, data, max_response_len=R))
     if x.dim() == 1:
         return no_padding_2_padding(x, data, max_response_len=R)

@@ -610,7 +610,8 @@ def test_an_output_on_an_equal_copy_of_the_offsets_costs_one_cpu_compare_and_the
     assert copy.offsets() is not data["input_ids"].offsets()
     with OpCounter() as counter:
         loss = L.ppo_loss(None, {"log_probs": copy}, data)[0]
-    # on the CPU: reads of CPU memory, not device syncs (the loss's own check, then no_padding_2_padding's)
+    # on the CPU: reads of CPU memory, not device syncs (the loss's own check; the way back then
+    # runs on the batch's offsets and does not compare again)
     assert 1 <= counter.by_op["aten.equal.default"] <= 2
     assert torch.equal(loss, L.ppo_loss(None, {"log_probs": shared}, data)[0])
 
