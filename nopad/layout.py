@@ -138,6 +138,15 @@ def range_steps(firsts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np
     return positions, steps
 
 
+def host_ranges(firsts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``np.concatenate([np.arange(f, f + n) for f, n in zip(firsts, lengths)])`` on the host: the numpy
+    twin of :func:`expand_ranges`, from the same :func:`range_steps`. Int64; no device."""
+    positions, steps = range_steps(np.asarray(firsts, dtype=np.int64), np.asarray(lengths, dtype=np.int64))
+    out = np.ones(int(np.sum(lengths)), dtype=np.int64)
+    out[positions] = steps
+    return np.cumsum(out, out=out)
+
+
 def expand_ranges(positions: Tensor, steps: Tensor, n: int) -> Tensor:
     """(n,) concatenated ranges from :func:`range_steps`: ones, each range's step at its start, summed.
 

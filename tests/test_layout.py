@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -148,6 +149,17 @@ def test_wrap_jagged_equals_torchs_public_constructor(shape, ragged_dim, seqlens
     assert torch.equal(grad_values.grad, torch.ones_like(grad_values))
 
 
+@given(st.lists(st.tuples(st.integers(-5, 40), st.integers(0, 6)), max_size=12))
+def test_concatenated_ranges_on_host_and_device_equal_the_loop(ranges):
+    firsts = np.array([f for f, _ in ranges], dtype=np.int64)
+    lengths = np.array([n for _, n in ranges], dtype=np.int64)
+    expected = [f + k for f, n in ranges for k in range(n)]
+    assert nopad.layout.host_ranges(firsts, lengths).tolist() == expected
+    positions, steps = nopad.layout.range_steps(firsts, lengths)
+    device = nopad.layout.expand_ranges(torch.from_numpy(positions), torch.from_numpy(steps), len(expected))
+    assert device.tolist() == expected
+
+
 def test_seqlen_records_are_marked_like_torchs_and_made_once_per_length():
     public = torch.nested.nested_tensor_from_jagged(
         torch.arange(7), torch.tensor([0, 1, 5, 7]), min_seqlen=1, max_seqlen=4
@@ -200,8 +212,6 @@ def test_block_causal_mask_with_a_window_and_without_causality_matches_a_naive_l
 
 @pytest.mark.parametrize("multiple", [1, 2, 3, 8, 16])
 def test_round_up_matches_a_naive_loop_for_ints_arrays_and_tensors(multiple):
-    import numpy as np
-
     from nopad.layout import round_up
 
     def naive(n):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nopad.errors import input_error
-from nopad.layout import round_up
+from nopad.layout import host_ranges, round_up
 from nopad.packing.algorithms import ALGORITHMS, bin_of_items
 from nopad.packing.rows import (
     TOKEN_FIELDS,
@@ -29,7 +29,6 @@ from nopad.packing.rows import (
     boundaries,
     concatenate_segments,
     restarting_positions,
-    runs,
     validate_columns,
 )
 
@@ -179,7 +178,7 @@ def _segments(lengths: np.ndarray, report: PackReport, overflow: str) -> _Segmen
         pieces = -(-lengths // step)
         report.split_pieces = int(pieces[too_long].sum())
     conversation = np.repeat(np.arange(len(lengths)), pieces)
-    start = runs(np.zeros_like(pieces), pieces) * step  # 0, step, 2 * step, ... inside each conversation
+    start = host_ranges(np.zeros_like(pieces), pieces) * step  # 0, step, 2 * step, ... inside each conversation
     length = np.minimum(lengths[conversation] - start, step)
     return _Segments(conversation, start, length, split=bool(report.split))
 
@@ -204,7 +203,7 @@ def _token_columns(
     token_mask = shifted[1:]
     target_ids = np.empty(total, dtype=np.int64)
     target_ids[:-1] = input_ids[1:]
-    no_label = runs(np.cumsum(padded) - padded + real - 1, padded - real + 1)
+    no_label = host_ranges(np.cumsum(padded) - padded + real - 1, padded - real + 1)
     token_mask[no_label] = 0
     target_ids[no_label] = pad
     position_ids = np.empty(total, dtype=np.int64)

@@ -53,13 +53,6 @@ def concatenate_segments(parts: Sequence[TokenSeq], spare: np.ndarray, fill: int
     np.concatenate(interleaved, out=out, casting="same_kind")
 
 
-def runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The indices ``starts[k], starts[k] + 1, ..., starts[k] + counts[k] - 1`` for every k, in order."""
-    total = int(counts.sum())
-    first_of_run = np.cumsum(counts) - counts
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - first_of_run, counts)
-
-
 def restarting_positions(padded: np.ndarray, out: np.ndarray) -> None:
     """0, 1, ..., padded[k] - 1 for every segment k, end to end into ``out`` (views of one arange)."""
     if len(padded):
