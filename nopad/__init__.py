@@ -37,7 +37,7 @@ from nopad.padding import (
     response_from_nested,
     response_to_nested,
 )
-from nopad.select import select_rows
+from nopad.rows import select_rows
 
 compat.install_module_finder()
 

@@ -142,7 +142,7 @@ def _as_real(value: Any) -> float | None:
     return float(value)
 
 
-def put_checked(out: TensorDict, key: str, value: Tensor) -> None:
+def put_checked(out: TensorDict, key: str, value: Any) -> None:
     """``out[key] = value`` for a value whose batch size and device the caller has checked already.
 
     tensordict would check them again, which on a nested value costs more than the gather that

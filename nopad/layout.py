@@ -398,6 +398,7 @@ class IndexPlan:
             min_seqlen=int(lengths.min()),
         )
         plan._host = (lengths, starts, response_width)
+        remember_host_lengths(offsets_d, lengths)
         if response_width is not None and source is not None and slot is not None:
             plan.responses = ResponseGather(len(lengths), response_width, total, source, slot)
             _RESPONSES[offsets_d] = plan.responses
@@ -774,6 +775,23 @@ _RESPONSES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 def response_gather(offsets: Tensor) -> ResponseGather | None:
     """The :class:`ResponseGather` planned with these very offsets (identity, not value), or None."""
     return _RESPONSES.get(offsets)
+
+
+# The host copy of the row lengths behind offsets that nopad laid out from host facts (a plan made on
+# the host, a reordering of rows): keyed by the offsets tensor itself, so any later reordering of the
+# same rows needs no device sync to learn them. Weak keys: it lives exactly as long as the offsets.
+_HOST_LENGTHS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def remember_host_lengths(offsets: Tensor, lengths: np.ndarray) -> None:
+    """Record ``lengths`` (host int64, (B,)) as the row lengths of ``offsets`` (B+1,). The caller
+    guarantees they are: every later :func:`known_host_lengths` trusts them."""
+    _HOST_LENGTHS[offsets] = lengths
+
+
+def known_host_lengths(offsets: Tensor) -> np.ndarray | None:
+    """The host row lengths recorded for these very offsets (identity, not value), or None."""
+    return _HOST_LENGTHS.get(offsets)
 
 
 def _cached_seqlen(nested: Tensor, attr: str) -> int | None:

@@ -32,7 +32,10 @@ CORE = {
     "nopad.layout",
     "nopad.padding",
     "nopad._batch",
-    "nopad.select",
+    "nopad.rows",
+    "nopad._rows",
+    "nopad.balance",
+    "nopad._partition",
     "nopad.diagnostics",
     "nopad.synthetic",
 }

@@ -6,6 +6,11 @@
                                  response_to_nested, build_attention_mask_from_nested,
                                  embeds_padding_2_no_padding
     verl.models.mcore.util       preprocess_thd_engine, postprocess_thd_engine
+    verl.utils.tensordict_utils  index_select_tensor_dict, chunk_tensordict, concat_nested_tensors,
+                                 concat_tensordict, pad_to_divisor, unpad  (make_iterator uses them)
+    verl.utils.seqlen_balancing  rearrange_micro_batches, restore_dynamic_batch,
+                                 get_seqlen_balanced_partitions, karmarkar_karp
+    verl.workers.engine.utils    postprocess_batch_func (the join of the micro-batches' outputs)
 
 Each replacement has verl's signature and verl's observable behaviour (in-place updates of the
 TensorDict, ``NonTensorData`` metadata, output dtypes, shapes and values, PackedSeqParams fields,
@@ -42,6 +47,7 @@ import torch
 from tensordict import NonTensorData, TensorDict
 from torch import Tensor
 
+import nopad.integrations._verl_rows as _rows
 import nopad.padding as _padding
 from nopad._batch import check_flag, get_field
 from nopad.engines.megatron import postprocess_thd, thd_plan
@@ -60,7 +66,28 @@ PADDING_NAMES = (
     "embeds_padding_2_no_padding",
 )
 THD_NAMES = ("preprocess_thd_engine", "postprocess_thd_engine")
-ROUTED = {PADDING_MODULE: PADDING_NAMES, MCORE_UTIL_MODULE: THD_NAMES}
+TENSORDICT_NAMES = (
+    "index_select_tensor_dict",
+    "chunk_tensordict",
+    "concat_nested_tensors",
+    "concat_tensordict",
+    "pad_to_divisor",
+    "unpad",
+)
+BALANCING_NAMES = (
+    "rearrange_micro_batches",
+    "restore_dynamic_batch",
+    "get_seqlen_balanced_partitions",
+    "karmarkar_karp",
+)
+ENGINE_NAMES = ("postprocess_batch_func",)
+ROUTED = {
+    PADDING_MODULE: PADDING_NAMES,
+    MCORE_UTIL_MODULE: THD_NAMES,
+    _rows.TENSORDICT_UTILS: TENSORDICT_NAMES,
+    _rows.SEQLEN_BALANCING: BALANCING_NAMES,
+    _rows.ENGINE_UTILS: ENGINE_NAMES,
+}
 
 
 # ---- the replacements, with verl's signatures ----------------------------------------------------
@@ -256,6 +283,16 @@ def postprocess_thd_engine(
     )
 
 
+def concat_tensordict(data: list[TensorDict]) -> TensorDict:
+    """verl's ``concat_tensordict``: one cat per field (batches without nested fields: verl's own)."""
+    return _rows.concat_tensordict(data, _original)
+
+
+def postprocess_batch_func(output_lst: list[dict], indices: list[list[int]] | None, data: TensorDict) -> dict:
+    """verl's ``postprocess_batch_func``: nested outputs joined and restored in one gather each."""
+    return _rows.postprocess_batch_func(output_lst, indices, data, _original)
+
+
 REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
     PADDING_MODULE: {
         "left_right_2_no_padding": left_right_2_no_padding,
@@ -269,6 +306,21 @@ REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
         "preprocess_thd_engine": preprocess_thd_engine,
         "postprocess_thd_engine": postprocess_thd_engine,
     },
+    _rows.TENSORDICT_UTILS: {
+        "index_select_tensor_dict": _rows.index_select_tensor_dict,
+        "chunk_tensordict": _rows.chunk_tensordict,
+        "concat_nested_tensors": _rows.concat_nested_tensors,
+        "concat_tensordict": concat_tensordict,
+        "pad_to_divisor": _rows.pad_to_divisor,
+        "unpad": _rows.unpad,
+    },
+    _rows.SEQLEN_BALANCING: {
+        "rearrange_micro_batches": _rows.rearrange_micro_batches,
+        "restore_dynamic_batch": _rows.restore_dynamic_batch,
+        "get_seqlen_balanced_partitions": _rows.get_seqlen_balanced_partitions,
+        "karmarkar_karp": _rows.karmarkar_karp,
+    },
+    _rows.ENGINE_UTILS: {"postprocess_batch_func": postprocess_batch_func},
 }
 
 

@@ -1,0 +1,345 @@
+"""Rows of TensorDict batches taken in a new order and cut into consecutive parts: THE reordering
+behind select, chunk, split, concatenate, pad, micro-batches and their restore.
+
+One host plan per call: which source row each output row reads (``rows``, into the concatenation
+of the source parts) and how many output rows each part gets (``sizes``). The lengths of nested
+rows come to the host once (one copy for every field, none when nopad laid the offsets out
+itself), all index arrays go to the device in one copy, and then each field costs a fixed number
+of ops whatever the batch size and the number of parts:
+
+    nested (B, j, *)      cat (several sources) + one gather of its tokens + one split into parts
+    nested (B, C, j)      the same, plus one copy per part (a part's values must be contiguous)
+    dense (B, *)          cat + one gather of its rows + one split
+    NonTensorData         shared (equal across sources), NonTensorStack: its items reordered
+
+Parts of a reordering are views of one reordered buffer; with rows in their own order (chunk, split)
+they are views of the source itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from nopad._batch import put_checked
+from nopad.errors import input_error
+from nopad.layout import (
+    device_to_host,
+    expand_ranges,
+    host_ranges,
+    host_to_device,
+    is_nested,
+    jagged_values,
+    known_host_lengths,
+    nested_offsets,
+    ragged_dim,
+    range_steps,
+    remember_host_lengths,
+    seqlen_records,
+    wrap_jagged,
+)
+
+NESTED, DENSE, SUB, DATA, STACK = "nested", "dense", "tensordict", "NonTensorData", "NonTensorStack"
+
+
+def kind_of(value: Any) -> str:
+    """Which of the five kinds of batch entry ``value`` is (see the module docstring)."""
+    name = type(value).__name__
+    if name in (DATA, STACK):
+        return name
+    if isinstance(value, TensorDict):
+        return SUB
+    if isinstance(value, Tensor):
+        return NESTED if is_nested(value) else DENSE
+    return DATA  # a value tensordict stores as metadata in some other wrapper
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Output row i reads source row ``rows[i]`` (of the sources concatenated); output part p holds
+    the next ``sizes[p]`` rows. Host int64 arrays; ``rows`` None keeps every source row in order."""
+
+    rows: np.ndarray | None
+    sizes: np.ndarray
+    source_rows: int
+
+    @classmethod
+    def of(cls, rows: np.ndarray | None, sizes: Sequence[int] | np.ndarray, source_rows: int) -> RowPlan:
+        sizes = np.asarray(sizes, dtype=np.int64)
+        if rows is not None and len(rows) == source_rows and np.array_equal(rows, np.arange(source_rows)):
+            rows = None  # every row in its own order: no gather at all
+        return cls(rows, sizes, source_rows)
+
+    @property
+    def count(self) -> int:
+        return int(self.sizes.sum())
+
+    @property
+    def starts(self) -> np.ndarray:
+        """(parts,) first output row of each part."""
+        return np.cumsum(self.sizes) - self.sizes
+
+    def pick(self, per_row: np.ndarray) -> np.ndarray:
+        """A host per-source-row array in output order."""
+        return per_row if self.rows is None else per_row[self.rows]
+
+
+def take(sources: Sequence[TensorDict], plan: RowPlan) -> list[TensorDict]:
+    """The parts of ``plan`` over ``sources`` (TensorDicts with a batch dim and the same entries).
+    At most one host sync: the lengths of nested rows nopad did not lay out itself."""
+    first = sources[0]
+    keys: list[str] = [str(key) for key in first.keys()]
+    kinds = {key: kind_of(first.get(key)) for key in keys}
+    _check_alike(sources, keys, kinds)
+    nested = [key for key in keys if kinds[key] == NESTED]
+    lengths = _host_lengths([nested_offsets(src.get(key)) for src in sources for key in nested])
+    device_rows, groups = _to_device(sources, nested, lengths, plan, any(kinds[k] == DENSE for k in keys))
+    parts = [TensorDict({}, batch_size=[int(size)], device=first.device) for size in plan.sizes.tolist()]
+    for key in keys:
+        values = [src.get(key) for src in sources]
+        pieces: Sequence[Any]
+        if kinds[key] == NESTED:
+            pieces = groups[tuple(id(nested_offsets(v)) for v in values)].cut(values)
+        elif kinds[key] == DENSE:
+            pieces = _dense_parts(values, device_rows, plan)
+        elif kinds[key] == SUB:
+            pieces = take(values, plan)
+        else:
+            for part, meta in zip(parts, _non_tensor_parts(values, plan)):
+                _set_meta(part, key, meta)
+            continue
+        for part, piece in zip(parts, pieces):
+            put_checked(part, key, piece)
+    return parts
+
+
+def _check_alike(sources: Sequence[TensorDict], keys: list[str], kinds: dict[str, str]) -> None:
+    for i, src in enumerate(sources):
+        if not isinstance(src, TensorDict) or src.batch_dims < 1:
+            got = f"{type(src).__name__} with batch size {list(getattr(src, 'batch_size', []))}"
+            raise input_error(f"batch {i}", None, "a TensorDict with a batch dim", got)
+        if i and sorted(src.keys()) != sorted(keys):
+            raise input_error(f"batch {i}", None, f"the keys of batch 0 {sorted(keys)}", f"{sorted(src.keys())}")
+        for key in keys if i else ():
+            value, value0 = src.get(key), sources[0].get(key)
+            if _family(kind_of(value)) != _family(kinds[key]):
+                raise input_error(f"batch {i}[{key!r}]", None, f"{kinds[key]} as in batch 0", kind_of(value))
+            if kinds[key] in (NESTED, DENSE):
+                _check_same_rows(value, value0, f"batch {i}[{key!r}]", kinds[key] == NESTED)
+
+
+def _family(kind: str) -> str:
+    """Metadata joins metadata: one value per batch (NonTensorData) and one per row (a stack) mix."""
+    return "metadata" if kind in (DATA, STACK) else kind
+
+
+def _check_same_rows(value: Tensor, value0: Tensor, field: str, nested: bool) -> None:
+    """The same dtype, device and per-row shape as batch 0's field: rows of both go in one tensor."""
+    if nested:
+        ragged = ragged_dim(value)
+        v, v0 = jagged_values(value), jagged_values(value0)
+        shape, shape0 = v.shape[: ragged - 1] + v.shape[ragged:], v0.shape[: ragged - 1] + v0.shape[ragged:]
+        if ragged != ragged_dim(value0):
+            raise input_error(field, None, f"the ragged dim at {ragged_dim(value0)} as in batch 0", f"{ragged}")
+    else:
+        v, v0, shape, shape0 = value, value0, value.shape[1:], value0.shape[1:]
+    if v.dtype != v0.dtype or v.device != v0.device or shape != shape0:
+        expected = f"rows of shape {tuple(shape0)}, {v0.dtype} on {v0.device} as in batch 0"
+        raise input_error(field, None, expected, f"rows of shape {tuple(shape)}, {v.dtype} on {v.device}")
+
+
+def _host_lengths(all_offsets: list[Tensor]) -> dict[int, np.ndarray]:
+    """id(offsets) -> host row lengths, for every distinct offsets tensor: recorded ones free, the
+    rest in ONE device->host copy (the sync of a call), then recorded."""
+    found: dict[int, np.ndarray] = {}
+    unknown: dict[int, Tensor] = {}
+    for offsets in all_offsets:
+        if id(offsets) in found or id(offsets) in unknown:
+            continue
+        host = known_host_lengths(offsets)
+        if host is None:
+            unknown[id(offsets)] = offsets
+        else:
+            found[id(offsets)] = host
+    if unknown:
+        tensors = list(unknown.values())
+        flat = torch.cat([o.to(torch.int64).diff() for o in tensors]) if len(tensors) > 1 else tensors[0].diff()
+        host = device_to_host(flat.to(torch.int64))
+        for offsets, lengths in zip(tensors, np.split(host, np.cumsum([len(o) - 1 for o in tensors])[:-1])):
+            found[id(offsets)] = lengths
+            remember_host_lengths(offsets, lengths)
+    return found
+
+
+class _TokenGroup:
+    """The nested fields that share their sources' offsets: their token gather and the parts' offsets."""
+
+    def __init__(self, lengths: np.ndarray, plan: RowPlan) -> None:
+        source_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=source_offsets[1:])
+        self.lengths = plan.pick(lengths)  # output row lengths
+        self.plan = plan
+        ends = np.cumsum(self.lengths)
+        self.total = int(ends[-1]) if len(ends) else 0
+        part_ends = np.cumsum(plan.sizes)
+        bounds = np.concatenate([[0], ends])[np.concatenate([[0], part_ends])]
+        self.tokens_per_part = np.diff(bounds)
+        # every part's offsets, rebased to 0, back to back: (rows + parts,)
+        at = host_ranges(plan.starts, plan.sizes + 1)
+        self.part_offsets = np.concatenate([[0], ends])[at] - np.repeat(bounds[:-1], plan.sizes + 1)
+        self.steps = None
+        if plan.rows is not None:
+            self.steps = range_steps(source_offsets[plan.rows], self.lengths)
+        self.token_index: Tensor | None = None
+        self.offsets: list[Tensor] = []
+
+    def host_arrays(self) -> list[np.ndarray]:
+        return [self.part_offsets, *(self.steps or ())]
+
+    def take_device(self, arrays: list[Tensor]) -> None:
+        part_offsets, *steps = arrays
+        self.offsets = list(part_offsets.split_with_sizes((self.plan.sizes + 1).tolist()))
+        if steps:
+            self.token_index = expand_ranges(steps[0], steps[1], self.total)
+        for offsets, lengths in zip(self.offsets, np.split(self.lengths, np.cumsum(self.plan.sizes)[:-1])):
+            remember_host_lengths(offsets, lengths)
+
+    def cut(self, values: list[Tensor]) -> list[Tensor]:
+        """The field's parts: its sources' tokens, gathered in output order, split into parts."""
+        ragged = ragged_dim(values[0])
+        dim = ragged - 1
+        flat = [jagged_values(v) for v in values]
+        tokens = flat[0] if len(flat) == 1 else torch.cat(flat, dim)
+        if self.token_index is not None:
+            tokens = tokens.index_select(dim, self.token_index.to(tokens.device))
+        sizes = self.tokens_per_part.tolist()
+        pieces = [tokens] if len(sizes) == 1 else list(tokens.split_with_sizes(sizes, dim))
+        if dim > 0 and len(sizes) > 1:  # a (C, t) slice of (C, total) is strided: parts must be contiguous
+            pieces = [p.contiguous() for p in pieces]
+        starts = self.plan.starts
+        return [
+            wrap_jagged(piece, offsets, ragged, **_seqlens(self.lengths[start : start + size]))
+            for piece, offsets, start, size in zip(pieces, self.offsets, starts.tolist(), self.plan.sizes.tolist())
+        ]
+
+
+def _seqlens(lengths: np.ndarray) -> dict[str, Any]:
+    """wrap_jagged's min / max length arguments for rows of these lengths (shared records: no op)."""
+    if len(lengths) == 0:
+        return {}
+    low, high = int(lengths.min()), int(lengths.max())
+    return {"min_seqlen": low, "max_seqlen": high, "records": seqlen_records(low, high)}
+
+
+def _to_device(
+    sources: Sequence[TensorDict],
+    nested: list[str],
+    lengths: dict[int, np.ndarray],
+    plan: RowPlan,
+    has_dense: bool,
+) -> tuple[Tensor | None, dict[tuple[int, ...], _TokenGroup]]:
+    """Every host index array of the call in ONE host->device copy: the dense fields' rows and, per
+    group of nested fields sharing offsets, their parts' offsets and token gather steps."""
+    groups: dict[tuple[int, ...], _TokenGroup] = {}
+    for key in nested:
+        ids = tuple(id(nested_offsets(src.get(key))) for src in sources)
+        if ids not in groups:
+            groups[ids] = _TokenGroup(np.concatenate([lengths[i] for i in ids]), plan)
+    arrays: list[np.ndarray] = []
+    if has_dense and plan.rows is not None:
+        arrays.append(plan.rows)
+    for group in groups.values():
+        arrays.extend(group.host_arrays())
+    if not arrays:
+        return None, groups
+    device = _device_of(sources[0], nested)
+    moved = list(host_to_device(np.concatenate(arrays), device).split_with_sizes([len(a) for a in arrays]))
+    device_rows = moved.pop(0) if has_dense and plan.rows is not None else None
+    for group in groups.values():
+        count = len(group.host_arrays())
+        group.take_device(moved[:count])
+        del moved[:count]
+    return device_rows, groups
+
+
+def _device_of(batch: TensorDict, nested: list[str]) -> torch.device:
+    if nested:
+        return nested_offsets(batch.get(nested[0])).device
+    for value in batch.values():
+        if isinstance(value, Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def _dense_parts(values: list[Tensor], rows: Tensor | None, plan: RowPlan) -> list[Tensor]:
+    tensor = values[0] if len(values) == 1 else torch.cat(values)
+    if rows is not None:
+        tensor = tensor.index_select(0, rows.to(tensor.device))
+    sizes = plan.sizes.tolist()
+    return [tensor] if len(sizes) == 1 else list(tensor.split_with_sizes(sizes))
+
+
+def _non_tensor_parts(values: list[Any], plan: RowPlan) -> list[Any]:
+    """Metadata of each part: one shared value (NonTensorData equal in every source), or the
+    per-row items of a NonTensorStack (or of sources whose NonTensorData differ) reordered."""
+    kinds = {kind_of(v) for v in values}
+    if kinds == {DATA}:
+        data = [v.data if kind_of(v) == DATA and hasattr(v, "data") else v for v in values]
+        if all(_same_value(d, data[0]) for d in data[1:]):
+            return [data[0]] * len(plan.sizes)
+        items = [d for d, src in zip(data, values) for _ in range(_rows_of(src))]
+    else:
+        items = [item for v in values for item in _stack_items(v)]
+    ordered = plan.pick(np.arange(len(items))).tolist()
+    starts = plan.starts.tolist()
+    return [
+        _stack([items[i] for i in ordered[start : start + size]]) for start, size in zip(starts, plan.sizes.tolist())
+    ]
+
+
+def _stack(items: list[Any]) -> Any:
+    from tensordict import NonTensorData, NonTensorStack
+
+    return NonTensorStack.from_list([NonTensorData(item) for item in items])  # type: ignore[misc]
+
+
+def _set_meta(part: TensorDict, key: str, meta: Any) -> None:
+    """Put a part's metadata: a per-row stack, or one value for the part. A stack of no rows, which
+    tensordict <= 0.10 cannot hold, goes in as the empty list (it joins other batches as no rows)."""
+    if kind_of(meta) != STACK:
+        part.set_non_tensor(key, meta)
+        return
+    try:
+        part.set(key, meta)
+    except IndexError:
+        if len(part) != 0:
+            raise
+        part.set_non_tensor(key, [])
+
+
+def _rows_of(value: Any) -> int:
+    shape = getattr(value, "batch_size", None)
+    return int(shape[0]) if shape else 1
+
+
+def _stack_items(value: Any) -> list[Any]:
+    if kind_of(value) == STACK:
+        return list(value.tolist())
+    return [value.data] * _rows_of(value)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, (Tensor, np.ndarray)) or isinstance(b, (Tensor, np.ndarray)):
+        return False  # compared by identity only: comparing values would read them
+    try:
+        return bool(a == b)
+    except Exception:
+        return False

@@ -1,0 +1,291 @@
+"""Rows of a batch: select, chunk, split, concatenate, pad, cut into token-budget micro-batches and
+put the outputs back in order, each a fixed number of tensor ops whatever the batch size.
+
+A batch is a TensorDict with a batch dim whose entries are padded (B, *) tensors, jagged nested
+(B, j, *) or (B, C, j) tensors (mrope position ids), sub-TensorDicts, ``NonTensorData`` (one value
+for the batch) or ``NonTensorStack`` (one value per row). Every operation below is one reordering
+of rows (:mod:`nopad._rows`): one gather per field with offsets from the permuted lengths, and a
+split into consecutive parts is views of that one reordered buffer. Nested fields keep their
+ragged dim, dtype and min / max length records; equal lengths stay nested.
+
+Host syncs: at most one per call, the lengths of nested rows; none when nopad laid those offsets
+out itself (a conversion, or an earlier call here), since it keeps their host copy.
+
+    micro, restore = micro_batches(batch, max_token_len=16_384)   # balanced token-budget parts
+    outputs = [model_step(m) for m in micro]                      # nested or padded outputs
+    log_probs = restore(outputs)                                  # in the batch's own row order
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from tensordict import TensorDict
+from torch import Tensor
+
+from nopad._batch import put_checked
+from nopad._rows import NESTED, RowPlan, kind_of, take
+from nopad.balance import Workload, micro_batch_partitions
+from nopad.errors import check_int, input_error
+from nopad.layout import jagged_values, known_host_lengths, nested_offsets, ragged_dim, remember_host_lengths
+
+__all__ = [
+    "RowRestore",
+    "cat_rows",
+    "chunk_rows",
+    "micro_batches",
+    "pad_rows",
+    "select_rows",
+    "split_rows",
+    "unpad_rows",
+]
+
+
+def _batch_size(data: Any, field: str = "data") -> int:
+    if not isinstance(data, TensorDict) or data.batch_dims < 1:
+        got = type(data).__name__
+        if isinstance(data, TensorDict):
+            got += f" with batch size {list(data.batch_size)}"
+        raise input_error(field, None, "a TensorDict with a batch dim", got)
+    return int(data.batch_size[0])
+
+
+def _row_index(index: Any, batch: int) -> np.ndarray:
+    """Rows named by a slice, ints, an int tensor or array, or a (B,) bool mask -> host int64 (n,).
+    A tensor on a device is read (one host sync)."""
+    if isinstance(index, slice):
+        return np.arange(batch, dtype=np.int64)[index]
+    if np.ndim(index) == 0:
+        raise input_error(
+            "index", None, "a slice, row indices or a bool mask (an int would drop the batch dim)", repr(index)
+        )
+    array = index.numpy(force=True) if isinstance(index, Tensor) else np.asarray(index)
+    if array.ndim != 1:
+        raise input_error("index", None, "a 1-D index of rows", f"shape {array.shape}")
+    if array.dtype == np.bool_:
+        if len(array) != batch:
+            raise input_error("index", None, f"a bool mask of {batch} rows", f"{len(array)} entries")
+        return np.flatnonzero(array).astype(np.int64)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise input_error("index", None, "integer row indices or a bool mask", f"values of dtype {array.dtype}")
+    bad = (array < -batch) | (array >= batch)
+    if bad.any():
+        where = int(np.flatnonzero(bad)[0])
+        raise input_error("index", where, f"a row in [-{batch}, {batch})", f"{array[where]}")
+    return np.where(array < 0, array + batch, array).astype(np.int64)
+
+
+def select_rows(data: TensorDict, index: Any) -> TensorDict:
+    """``data[index]`` for a slice, row indices (repeats allowed) or a (B,) bool mask: the rows in
+    ``index``'s order, every kind of field (see the module). An empty index gives a batch of 0 rows.
+    One gather per field; at most one host sync (nested lengths nopad does not know yet), plus one if
+    ``index`` is a tensor on a device."""
+    batch = _batch_size(data)
+    rows = _row_index(index, batch)
+    return take([data], RowPlan.of(rows, [len(rows)], batch))[0]
+
+
+def split_rows(data: TensorDict, sizes: Sequence[int]) -> list[TensorDict]:
+    """Consecutive parts of ``sizes`` rows each (every size >= 1, summing to B): views of ``data``."""
+    batch = _batch_size(data)
+    counts = [check_int(s, f"sizes[{i}]", low=1) for i, s in enumerate(sizes)]
+    if not counts or sum(counts) != batch:
+        raise input_error("sizes", None, f"part sizes >= 1 that sum to the batch's {batch} rows", f"{list(sizes)}")
+    return take([data], RowPlan.of(None, counts, batch))
+
+
+def chunk_rows(data: TensorDict, chunks: int) -> list[TensorDict]:
+    """``chunks`` consecutive parts of B / chunks rows (B must divide evenly): views of ``data``."""
+    batch = _batch_size(data)
+    n = check_int(chunks, "chunks", low=1)
+    if batch % n or batch == 0:
+        raise input_error("chunks", None, f"a divisor of the batch's {batch} rows", f"{n}")
+    return split_rows(data, [batch // n] * n)
+
+
+def cat_rows(batches: Sequence[TensorDict]) -> TensorDict:
+    """The rows of ``batches`` one after another. The batches must have the same entries, each of the
+    same kind, dtype, device and per-row shape; ``NonTensorData`` equal in all stays one value, and
+    values that differ become a per-row ``NonTensorStack`` (as ``torch.cat`` of TensorDicts does).
+    One cat per field."""
+    if isinstance(batches, TensorDict) or not isinstance(batches, Sequence) or not batches:
+        raise input_error("batches", None, "a non-empty list of TensorDicts", type(batches).__name__)
+    sizes = [_batch_size(b, f"batches[{i}]") for i, b in enumerate(batches)]
+    return take(list(batches), RowPlan.of(None, [sum(sizes)], sum(sizes)))[0]
+
+
+def pad_rows(data: TensorDict, divisor: int) -> tuple[TensorDict, int]:
+    """``data`` with rows repeated from its start until B is a multiple of ``divisor``, and how many
+    rows were added (verl's ``pad_to_divisor``; :func:`unpad_rows` takes them off). One gather per
+    field when rows are added; ``data`` itself when none are."""
+    batch = _batch_size(data)
+    d = check_int(divisor, "divisor", low=1)
+    if batch == 0:
+        raise input_error("data", None, "at least one row to repeat", "an empty batch")
+    pad = -batch % d
+    if pad == 0:
+        return data, 0
+    rows = np.concatenate([np.arange(batch), np.arange(pad) % batch]).astype(np.int64)
+    return take([data], RowPlan.of(rows, [len(rows)], batch))[0], pad
+
+
+def unpad_rows(data: TensorDict, pad: int) -> TensorDict:
+    """``data`` without its last ``pad`` rows (views); the inverse of :func:`pad_rows`."""
+    batch = _batch_size(data)
+    n = check_int(pad, "pad", low=0, high=batch)
+    if n == 0:
+        return data
+    return take([data], RowPlan.of(np.arange(batch - n, dtype=np.int64), [batch - n], batch))[0]
+
+
+class RowRestore:
+    """The way back from :func:`micro_batches`: outputs of the micro-batches, in their order, back
+    in the batch's own row order, in one gather per field.
+
+    ``partitions`` are the batch rows of each micro-batch (verl's ``batch_idx_list``).
+    """
+
+    def __init__(self, partitions: list[list[int]]) -> None:
+        self.partitions = partitions
+        self.order = np.array([row for p in partitions for row in p], dtype=np.int64)
+        self.inverse = np.empty_like(self.order)
+        self.inverse[self.order] = np.arange(len(self.order))
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.order)
+
+    def __call__(self, outputs: Any) -> Any:
+        """Outputs in the batch's row order. ``outputs`` is one output per micro-batch (a list) or
+        the micro-batches' outputs already joined in their order; an output is a nested or padded
+        tensor, a TensorDict, a dict of those, or a per-row list. Returns the same kind."""
+        parts = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        if isinstance(outputs, (list, tuple)) and len(parts) != len(self.partitions):
+            if not (parts and all(not isinstance(p, (Tensor, Mapping)) for p in parts)):
+                raise input_error(
+                    "outputs", None, f"{len(self.partitions)} outputs, one per micro-batch", f"{len(parts)}"
+                )
+            parts = [parts]  # a per-row list already joined
+        first = parts[0]
+        if isinstance(first, TensorDict):
+            return self._take(parts)
+        if isinstance(first, Tensor):
+            return self._take([_wrap(p, "outputs") for p in parts])["x"]
+        if isinstance(first, Mapping):
+            keys = list(first.keys())
+            joined = self._take([_wrap_all(p, keys) for p in parts])
+            return {key: joined.get(key) for key in keys}
+        items = [item for p in parts for item in p]
+        if len(items) != self.batch_size:
+            raise input_error("outputs", None, f"{self.batch_size} rows in all", f"{len(items)}")
+        return [items[i] for i in self.inverse.tolist()]
+
+    def _take(self, parts: list[TensorDict]) -> TensorDict:
+        rows = sum(_batch_size(p, "outputs") for p in parts)
+        if rows != self.batch_size:
+            raise input_error("outputs", None, f"{self.batch_size} rows in all (the batch's)", f"{rows}")
+        return take(parts, RowPlan.of(self.inverse, [rows], rows))[0]
+
+    def __repr__(self) -> str:
+        return f"RowRestore(rows={self.batch_size}, micro_batches={len(self.partitions)})"
+
+
+def _wrap(x: Any, field: str) -> TensorDict:
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        raise input_error(field, None, "a tensor with a batch dim", type(x).__name__)
+    td = TensorDict({}, batch_size=[x.size(0)], device=None)
+    put_checked(td, "x", x)
+    return td
+
+
+def _wrap_all(mapping: Mapping[str, Any], keys: list[str]) -> TensorDict:
+    if sorted(mapping.keys()) != sorted(keys):
+        raise input_error("outputs", None, f"every output with the keys {sorted(keys)}", f"{sorted(mapping.keys())}")
+    sizes = {key: v.size(0) for key, v in mapping.items() if isinstance(v, Tensor)}
+    batch = next(iter(sizes.values())) if sizes else len(next(iter(mapping.values())))
+    td = TensorDict({}, batch_size=[batch], device=None)
+    for key in keys:
+        value = mapping[key]
+        if isinstance(value, Tensor):
+            if value.size(0) != batch:
+                raise input_error(f"outputs[{key!r}]", None, f"{batch} rows like the other outputs", f"{value.size(0)}")
+            put_checked(td, key, value)
+        else:
+            td.set(key, value)
+    return td
+
+
+def batch_lengths(data: TensorDict) -> np.ndarray:
+    """(B,) host lengths of a batch's rows: its nested ``input_ids`` (free when nopad laid them out,
+    else one host sync), or the ones of a padded ``attention_mask`` (one host sync)."""
+    ids = data.get("input_ids", None) if "input_ids" in data.keys() else None
+    if ids is not None and kind_of(ids) == NESTED:
+        offsets = nested_offsets(ids)
+        known = known_host_lengths(offsets)
+        return known if known is not None else offsets.diff().numpy(force=True).astype(np.int64)
+    mask = data.get("attention_mask", None) if "attention_mask" in data.keys() else None
+    if isinstance(mask, Tensor) and mask.dim() == 2:
+        return (mask != 0).sum(-1).numpy(force=True).astype(np.int64)
+    raise input_error("data", None, "a nested input_ids or a padded (B, S) attention_mask", f"keys {list(data.keys())}")
+
+
+def micro_batches(
+    data: TensorDict,
+    max_token_len: int,
+    *,
+    dp_group: Any = None,
+    num_batches_divided_by: int | None = None,
+    min_num_micro_batch: int | None = None,
+    balance: bool = True,
+    force_group_size: int = 1,
+    workload: Workload | None = None,
+    lengths: Any = None,
+) -> tuple[list[TensorDict], RowRestore]:
+    """Cut ``data`` into balanced micro-batches of at most ``max_token_len`` tokens each, and the
+    :class:`RowRestore` that puts their outputs back: verl's ``rearrange_micro_batches`` (see
+    :func:`nopad.balance.micro_batch_partitions` for the options), with the micro-batches views of
+    one reordered batch (one gather per field). ``lengths``: the rows' lengths on the host, if the
+    caller has them (else read from nested ``input_ids`` or a padded ``attention_mask``)."""
+    batch = _batch_size(data)
+    row_lengths = batch_lengths(data) if lengths is None else _given_lengths(lengths, data)
+    partitions = micro_batch_partitions(
+        row_lengths,
+        max_token_len,
+        dp_group=dp_group,
+        num_batches_divided_by=num_batches_divided_by,
+        min_num_micro_batch=min_num_micro_batch,
+        balance=balance,
+        force_group_size=force_group_size,
+        workload=workload,
+    )
+    restore = RowRestore(partitions)
+    plan = RowPlan.of(restore.order, [len(p) for p in partitions], batch)
+    return take([data], plan), restore
+
+
+def _given_lengths(lengths: Any, data: TensorDict) -> np.ndarray:
+    """The caller's host lengths of the rows, checked where it is free: one per row, integers >= 0,
+    summing to nested ``input_ids``' token count, equal to its offsets when those are on the CPU.
+    Then recorded for those offsets, so the micro-batches need no sync (trusted on a device)."""
+    batch = int(data.batch_size[0])
+    array = lengths.numpy(force=True) if isinstance(lengths, Tensor) else np.asarray(lengths)
+    if array.shape != (batch,) or not np.issubdtype(array.dtype, np.integer) or (array < 0).any():
+        got = f"{array.dtype} of shape {array.shape}"
+        raise input_error("lengths", None, f"{batch} integers >= 0, one per row", got)
+    array = array.astype(np.int64)
+    ids = data.get("input_ids", None) if "input_ids" in data.keys() else None
+    if ids is not None and kind_of(ids) == NESTED and known_host_lengths(nested_offsets(ids)) is None:
+        offsets = nested_offsets(ids)
+        total = jagged_values(ids).shape[ragged_dim(ids) - 1]
+        if int(array.sum()) != total:
+            raise input_error("lengths", None, f"lengths summing to input_ids' {total} tokens", f"{int(array.sum())}")
+        actual = np.diff(offsets.numpy()) if offsets.device.type == "cpu" else array
+        if not np.array_equal(actual, array):
+            row = int(np.flatnonzero(actual != array)[0])
+            raise input_error("lengths", row, f"input_ids' length {int(actual[row])}", f"{array[row]}")
+        remember_host_lengths(offsets, array)
+    return array
