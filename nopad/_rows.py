@@ -28,7 +28,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import put_checked
-from nopad.errors import input_error
+from nopad.errors import check_int, input_error
 from nopad.layout import (
     device_to_host,
     expand_ranges,
@@ -42,6 +42,7 @@ from nopad.layout import (
     range_steps,
     remember_host_lengths,
     seqlen_records,
+    spread_over_tokens,
     wrap_jagged,
 )
 
@@ -90,20 +91,120 @@ class RowPlan:
         return per_row if self.rows is None else per_row[self.rows]
 
 
-def take(sources: Sequence[TensorDict], plan: RowPlan) -> list[TensorDict]:
+# ---- plans of the row operations, their arguments checked ---------------------------------------
+def batch_size_of(data: Any, field: str = "data") -> int:
+    """B of a TensorDict with a batch dim; anything else is refused naming ``field``."""
+    if not isinstance(data, TensorDict) or data.batch_dims < 1:
+        got = type(data).__name__
+        if isinstance(data, TensorDict):
+            got += f" with batch size {list(data.batch_size)}"
+        raise input_error(field, None, "a TensorDict with a batch dim", got)
+    return int(data.batch_size[0])
+
+
+def row_index(index: Any, batch: int) -> np.ndarray:
+    """Rows named by a slice, ints, an int tensor or array, or a (B,) bool mask -> host int64 (n,).
+    A tensor on a device is read (one host sync)."""
+    if isinstance(index, slice):
+        return np.arange(batch, dtype=np.int64)[index]
+    if np.ndim(index) == 0:
+        raise input_error(
+            "index", None, "a slice, row indices or a bool mask (an int would drop the batch dim)", repr(index)
+        )
+    array = index.numpy(force=True) if isinstance(index, Tensor) else np.asarray(index)
+    if array.ndim != 1:
+        raise input_error("index", None, "a 1-D index of rows", f"shape {array.shape}")
+    if array.dtype == np.bool_:
+        if len(array) != batch:
+            raise input_error("index", None, f"a bool mask of {batch} rows", f"{len(array)} entries")
+        return np.flatnonzero(array).astype(np.int64)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise input_error("index", None, "integer row indices or a bool mask", f"values of dtype {array.dtype}")
+    bad = (array < -batch) | (array >= batch)
+    if bad.any():
+        where = int(np.flatnonzero(bad)[0])
+        raise input_error("index", where, f"a row in [-{batch}, {batch})", f"{array[where]}")
+    return np.where(array < 0, array + batch, array).astype(np.int64)
+
+
+def select_plan(data: TensorDict, index: Any) -> RowPlan:
+    batch = batch_size_of(data)
+    rows = row_index(index, batch)
+    return RowPlan.of(rows, [len(rows)], batch)
+
+
+def split_plan(data: TensorDict, sizes: Sequence[int]) -> RowPlan:
+    batch = batch_size_of(data)
+    counts = [check_int(s, f"sizes[{i}]", low=1) for i, s in enumerate(sizes)]
+    if not counts or sum(counts) != batch:
+        raise input_error("sizes", None, f"part sizes >= 1 that sum to the batch's {batch} rows", f"{list(sizes)}")
+    return RowPlan.of(None, counts, batch)
+
+
+def chunk_plan(data: TensorDict, chunks: int) -> RowPlan:
+    batch = batch_size_of(data)
+    n = check_int(chunks, "chunks", low=1)
+    if batch % n or batch == 0:
+        raise input_error("chunks", None, f"a divisor of the batch's {batch} rows", f"{n}")
+    return RowPlan.of(None, [batch // n] * n, batch)
+
+
+def cat_plan(batches: Sequence[TensorDict]) -> RowPlan:
+    if isinstance(batches, TensorDict) or not isinstance(batches, Sequence) or not batches:
+        raise input_error("batches", None, "a non-empty list of TensorDicts", type(batches).__name__)
+    rows = sum(batch_size_of(b, f"batches[{i}]") for i, b in enumerate(batches))
+    return RowPlan.of(None, [rows], rows)
+
+
+def pad_plan(data: TensorDict, divisor: int) -> tuple[RowPlan | None, int]:
+    """Rows repeated from the start up to a multiple of ``divisor`` (None: none needed), and how many."""
+    batch = batch_size_of(data)
+    d = check_int(divisor, "divisor", low=1)
+    if batch == 0:
+        raise input_error("data", None, "at least one row to repeat", "an empty batch")
+    pad = -batch % d
+    if pad == 0:
+        return None, 0
+    rows = np.concatenate([np.arange(batch), np.arange(pad) % batch]).astype(np.int64)
+    return RowPlan.of(rows, [len(rows)], batch), pad
+
+
+def unpad_plan(data: TensorDict, pad: int) -> RowPlan | None:
+    """All rows but the last ``pad`` (None: pad is 0)."""
+    batch = batch_size_of(data)
+    n = check_int(pad, "pad", low=0, high=batch)
+    return None if n == 0 else RowPlan.of(np.arange(batch - n, dtype=np.int64), [batch - n], batch)
+
+
+def take(sources: Sequence[TensorDict], plan: RowPlan, *, reindex: bool = True) -> list[TensorDict]:
     """The parts of ``plan`` over ``sources`` (TensorDicts with a batch dim and the same entries).
-    At most one host sync: the lengths of nested rows nopad did not lay out itself."""
+    At most one host sync: the lengths of nested rows nopad did not lay out itself.
+
+    ``reindex``: the conversion's ``indices`` (where each token of nested ``input_ids`` sits in the
+    flattened padded ``attention_mask``) are laid out again for the parts' rows, as converting the
+    parts' padded rows would make them; otherwise shared like any other metadata (verl's way)."""
     first = sources[0]
     keys: list[str] = [str(key) for key in first.keys()]
     kinds = {key: kind_of(first.get(key)) for key in keys}
     _check_alike(sources, keys, kinds)
     nested = [key for key in keys if kinds[key] == NESTED]
     lengths = _host_lengths([nested_offsets(src.get(key)) for src in sources for key in nested])
-    device_rows, groups = _to_device(sources, nested, lengths, plan, any(kinds[k] == DENSE for k in keys))
-    parts = [TensorDict({}, batch_size=[int(size)], device=first.device) for size in plan.sizes.tolist()]
+    width = _conversion_width(sources, kinds) if reindex else None
+    device_rows, groups = _to_device(sources, nested, lengths, plan, any(kinds[k] == DENSE for k in keys), width)
+    parts = [
+        TensorDict({}, batch_size=[int(size), *first.batch_size[1:]], device=first.device)
+        for size in plan.sizes.tolist()
+    ]
     for key in keys:
         values = [src.get(key) for src in sources]
         pieces: Sequence[Any]
+        if key == "indices" and width is not None:
+            group = groups[tuple(id(nested_offsets(src.get("input_ids"))) for src in sources)]
+            for part, position in zip(parts, group.padded_positions([v.data for v in values], width)):
+                part.set_non_tensor(key, position)
+            continue
         if kinds[key] == NESTED:
             pieces = groups[tuple(id(nested_offsets(v)) for v in values)].cut(values)
         elif kinds[key] == DENSE:
@@ -117,6 +218,22 @@ def take(sources: Sequence[TensorDict], plan: RowPlan) -> list[TensorDict]:
         for part, piece in zip(parts, pieces):
             put_checked(part, key, piece)
     return parts
+
+
+def _conversion_width(sources: Sequence[TensorDict], kinds: dict[str, str]) -> int | None:
+    """S, when the sources carry a conversion's ``indices``: a (total,) integer tensor beside nested
+    ``input_ids`` of that many tokens and a padded (B, S) ``attention_mask``; else None."""
+    if kinds.get("indices") != DATA or kinds.get("input_ids") != NESTED or kinds.get("attention_mask") != DENSE:
+        return None
+    widths = set()
+    for src in sources:
+        indices, ids, mask = src.get("indices").data, src.get("input_ids"), src.get("attention_mask")
+        if not isinstance(indices, Tensor) or indices.dim() != 1 or indices.dtype.is_floating_point:
+            return None
+        if mask.dim() != 2 or ragged_dim(ids) != 1 or indices.shape[0] != jagged_values(ids).shape[0]:
+            return None
+        widths.add(mask.shape[1])
+    return widths.pop() if len(widths) == 1 else None
 
 
 def _check_alike(sources: Sequence[TensorDict], keys: list[str], kinds: dict[str, str]) -> None:
@@ -180,7 +297,7 @@ def _host_lengths(all_offsets: list[Tensor]) -> dict[int, np.ndarray]:
 class _TokenGroup:
     """The nested fields that share their sources' offsets: their token gather and the parts' offsets."""
 
-    def __init__(self, lengths: np.ndarray, plan: RowPlan) -> None:
+    def __init__(self, lengths: np.ndarray, plan: RowPlan, width: int | None = None) -> None:
         source_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=source_offsets[1:])
         self.lengths = plan.pick(lengths)  # output row lengths
@@ -196,17 +313,25 @@ class _TokenGroup:
         self.steps = None
         if plan.rows is not None:
             self.steps = range_steps(source_offsets[plan.rows], self.lengths)
+        self.row_starts: np.ndarray | None = None  # each output row's first padded slot in its part
+        if width is not None:
+            local_row = np.arange(plan.count) - np.repeat(plan.starts, plan.sizes)
+            self.row_starts = np.concatenate([np.concatenate([[0], ends]), local_row * width])
         self.token_index: Tensor | None = None
         self.offsets: list[Tensor] = []
+        self.row_starts_d: Tensor | None = None
 
     def host_arrays(self) -> list[np.ndarray]:
-        return [self.part_offsets, *(self.steps or ())]
+        extra = [] if self.row_starts is None else [self.row_starts]
+        return [self.part_offsets, *extra, *(self.steps or ())]
 
     def take_device(self, arrays: list[Tensor]) -> None:
-        part_offsets, *steps = arrays
+        part_offsets, *rest = arrays
+        if self.row_starts is not None:
+            self.row_starts_d = rest.pop(0)
         self.offsets = list(part_offsets.split_with_sizes((self.plan.sizes + 1).tolist()))
-        if steps:
-            self.token_index = expand_ranges(steps[0], steps[1], self.total)
+        if rest:
+            self.token_index = expand_ranges(rest[0], rest[1], self.total)
         for offsets, lengths in zip(self.offsets, np.split(self.lengths, np.cumsum(self.plan.sizes)[:-1])):
             remember_host_lengths(offsets, lengths)
 
@@ -228,6 +353,22 @@ class _TokenGroup:
             for piece, offsets, start, size in zip(pieces, self.offsets, starts.tolist(), self.plan.sizes.tolist())
         ]
 
+    def padded_positions(self, indices: list[Tensor], width: int) -> list[Tensor]:
+        """Each part's ``indices``: the column of every token in its padded row (``indices % width``,
+        which moving a row does not change), gathered like the tokens, plus its row's start in the
+        part's flattened (rows, width) layout. A fixed number of ops for all parts."""
+        assert self.row_starts_d is not None
+        positions = indices[0] if len(indices) == 1 else torch.cat(indices)
+        columns = positions.remainder(width)
+        if self.token_index is not None:
+            columns = columns.index_select(0, self.token_index.to(columns.device))
+        offsets, row_start = self.row_starts_d.to(columns.device).split_with_sizes(
+            [self.plan.count + 1, self.plan.count]
+        )
+        columns = columns + spread_over_tokens(row_start, offsets, self.total).to(columns.dtype)
+        sizes = self.tokens_per_part.tolist()
+        return [columns] if len(sizes) == 1 else list(columns.split_with_sizes(sizes))
+
 
 def _seqlens(lengths: np.ndarray) -> dict[str, Any]:
     """wrap_jagged's min / max length arguments for rows of these lengths (shared records: no op)."""
@@ -243,14 +384,17 @@ def _to_device(
     lengths: dict[int, np.ndarray],
     plan: RowPlan,
     has_dense: bool,
+    width: int | None = None,
 ) -> tuple[Tensor | None, dict[tuple[int, ...], _TokenGroup]]:
     """Every host index array of the call in ONE host->device copy: the dense fields' rows and, per
     group of nested fields sharing offsets, their parts' offsets and token gather steps."""
     groups: dict[tuple[int, ...], _TokenGroup] = {}
+    ids_of_input_ids = tuple(id(nested_offsets(src.get("input_ids"))) for src in sources) if width else None
     for key in nested:
         ids = tuple(id(nested_offsets(src.get(key))) for src in sources)
         if ids not in groups:
-            groups[ids] = _TokenGroup(np.concatenate([lengths[i] for i in ids]), plan)
+            reindexed = width if ids == ids_of_input_ids else None
+            groups[ids] = _TokenGroup(np.concatenate([lengths[i] for i in ids]), plan, reindexed)
     arrays: list[np.ndarray] = []
     if has_dense and plan.rows is not None:
         arrays.append(plan.rows)

@@ -341,7 +341,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--engines", action="store_true", help="also run the Megatron THD preprocessing benchmark")
     parser.add_argument("--steps", action="store_true", help="also split padded -> nested at the largest B into steps")
-    parser.add_argument("--all", action="store_true", help="conversions, steps, engines and packing")
+    parser.add_argument(
+        "--batches",
+        action="store_true",
+        help="also the rows of nested batches: mini-batch select, token-budget micro-batches, the join and "
+        "restore of outputs and the partition alone, against verl's utilities (a per-row loop without verl)",
+    )
+    parser.add_argument(
+        "--batch-rows",
+        type=int,
+        nargs="+",
+        default=[256, 1024, 4096],
+        metavar="B",
+        help="batch sizes of --batches (verl's side takes about a minute at 4096)",
+    )
+    parser.add_argument("--all", action="store_true", help="conversions, steps, engines, batches and packing")
     parser.add_argument(
         "--model",
         action="store_true",
@@ -374,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         return run_model(args)
     if args.all:
-        args.engines = args.packing = args.steps = True
+        args.engines = args.packing = args.steps = args.batches = True
     results: dict[str, list[dict]] = {}
     results["conversions"] = bench_conversions(
         args.batch_sizes, args.prompt_len, args.response_len, args.device, args.repeats, progress=not args.json
@@ -389,6 +403,11 @@ def run(args: argparse.Namespace) -> int:
             {"B": B, "loop_ms": ref, "nopad_ms": ours, "loop/nopad": ratio}
             for B, ref, ours, ratio in bench_thd(tuple(args.batch_sizes), device=args.device, repeats=args.repeats)
         ]
+    if args.batches:
+        from nopad.bench_rows import BUDGET, bench_rows
+
+        title = f"rows of nested batches (3 nested fields, lengths in [64, 4096), micro-batches of {BUDGET:,} tokens)"
+        results[title] = bench_rows(tuple(args.batch_rows), repeats=args.repeats, device=args.device)
     if args.packing:
         from nopad.packing.bench import CONVERSATION_MEDIAN, files_bench, packing_bench, rows_bench
 

@@ -26,9 +26,21 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import put_checked
-from nopad._rows import NESTED, RowPlan, kind_of, take
+from nopad._rows import (
+    NESTED,
+    RowPlan,
+    batch_size_of,
+    cat_plan,
+    chunk_plan,
+    kind_of,
+    pad_plan,
+    select_plan,
+    split_plan,
+    take,
+    unpad_plan,
+)
 from nopad.balance import Workload, micro_batch_partitions
-from nopad.errors import check_int, input_error
+from nopad.errors import input_error
 from nopad.layout import jagged_values, known_host_lengths, nested_offsets, ragged_dim, remember_host_lengths
 
 __all__ = [
@@ -43,68 +55,22 @@ __all__ = [
 ]
 
 
-def _batch_size(data: Any, field: str = "data") -> int:
-    if not isinstance(data, TensorDict) or data.batch_dims < 1:
-        got = type(data).__name__
-        if isinstance(data, TensorDict):
-            got += f" with batch size {list(data.batch_size)}"
-        raise input_error(field, None, "a TensorDict with a batch dim", got)
-    return int(data.batch_size[0])
-
-
-def _row_index(index: Any, batch: int) -> np.ndarray:
-    """Rows named by a slice, ints, an int tensor or array, or a (B,) bool mask -> host int64 (n,).
-    A tensor on a device is read (one host sync)."""
-    if isinstance(index, slice):
-        return np.arange(batch, dtype=np.int64)[index]
-    if np.ndim(index) == 0:
-        raise input_error(
-            "index", None, "a slice, row indices or a bool mask (an int would drop the batch dim)", repr(index)
-        )
-    array = index.numpy(force=True) if isinstance(index, Tensor) else np.asarray(index)
-    if array.ndim != 1:
-        raise input_error("index", None, "a 1-D index of rows", f"shape {array.shape}")
-    if array.dtype == np.bool_:
-        if len(array) != batch:
-            raise input_error("index", None, f"a bool mask of {batch} rows", f"{len(array)} entries")
-        return np.flatnonzero(array).astype(np.int64)
-    if array.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(array.dtype, np.integer):
-        raise input_error("index", None, "integer row indices or a bool mask", f"values of dtype {array.dtype}")
-    bad = (array < -batch) | (array >= batch)
-    if bad.any():
-        where = int(np.flatnonzero(bad)[0])
-        raise input_error("index", where, f"a row in [-{batch}, {batch})", f"{array[where]}")
-    return np.where(array < 0, array + batch, array).astype(np.int64)
-
-
 def select_rows(data: TensorDict, index: Any) -> TensorDict:
     """``data[index]`` for a slice, row indices (repeats allowed) or a (B,) bool mask: the rows in
     ``index``'s order, every kind of field (see the module). An empty index gives a batch of 0 rows.
     One gather per field; at most one host sync (nested lengths nopad does not know yet), plus one if
     ``index`` is a tensor on a device."""
-    batch = _batch_size(data)
-    rows = _row_index(index, batch)
-    return take([data], RowPlan.of(rows, [len(rows)], batch))[0]
+    return take([data], select_plan(data, index))[0]
 
 
 def split_rows(data: TensorDict, sizes: Sequence[int]) -> list[TensorDict]:
     """Consecutive parts of ``sizes`` rows each (every size >= 1, summing to B): views of ``data``."""
-    batch = _batch_size(data)
-    counts = [check_int(s, f"sizes[{i}]", low=1) for i, s in enumerate(sizes)]
-    if not counts or sum(counts) != batch:
-        raise input_error("sizes", None, f"part sizes >= 1 that sum to the batch's {batch} rows", f"{list(sizes)}")
-    return take([data], RowPlan.of(None, counts, batch))
+    return take([data], split_plan(data, sizes))
 
 
 def chunk_rows(data: TensorDict, chunks: int) -> list[TensorDict]:
     """``chunks`` consecutive parts of B / chunks rows (B must divide evenly): views of ``data``."""
-    batch = _batch_size(data)
-    n = check_int(chunks, "chunks", low=1)
-    if batch % n or batch == 0:
-        raise input_error("chunks", None, f"a divisor of the batch's {batch} rows", f"{n}")
-    return split_rows(data, [batch // n] * n)
+    return take([data], chunk_plan(data, chunks))
 
 
 def cat_rows(batches: Sequence[TensorDict]) -> TensorDict:
@@ -112,34 +78,21 @@ def cat_rows(batches: Sequence[TensorDict]) -> TensorDict:
     same kind, dtype, device and per-row shape; ``NonTensorData`` equal in all stays one value, and
     values that differ become a per-row ``NonTensorStack`` (as ``torch.cat`` of TensorDicts does).
     One cat per field."""
-    if isinstance(batches, TensorDict) or not isinstance(batches, Sequence) or not batches:
-        raise input_error("batches", None, "a non-empty list of TensorDicts", type(batches).__name__)
-    sizes = [_batch_size(b, f"batches[{i}]") for i, b in enumerate(batches)]
-    return take(list(batches), RowPlan.of(None, [sum(sizes)], sum(sizes)))[0]
+    return take(list(batches), cat_plan(batches))[0]
 
 
 def pad_rows(data: TensorDict, divisor: int) -> tuple[TensorDict, int]:
     """``data`` with rows repeated from its start until B is a multiple of ``divisor``, and how many
     rows were added (verl's ``pad_to_divisor``; :func:`unpad_rows` takes them off). One gather per
     field when rows are added; ``data`` itself when none are."""
-    batch = _batch_size(data)
-    d = check_int(divisor, "divisor", low=1)
-    if batch == 0:
-        raise input_error("data", None, "at least one row to repeat", "an empty batch")
-    pad = -batch % d
-    if pad == 0:
-        return data, 0
-    rows = np.concatenate([np.arange(batch), np.arange(pad) % batch]).astype(np.int64)
-    return take([data], RowPlan.of(rows, [len(rows)], batch))[0], pad
+    plan, pad = pad_plan(data, divisor)
+    return (data, 0) if plan is None else (take([data], plan)[0], pad)
 
 
 def unpad_rows(data: TensorDict, pad: int) -> TensorDict:
     """``data`` without its last ``pad`` rows (views); the inverse of :func:`pad_rows`."""
-    batch = _batch_size(data)
-    n = check_int(pad, "pad", low=0, high=batch)
-    if n == 0:
-        return data
-    return take([data], RowPlan.of(np.arange(batch - n, dtype=np.int64), [batch - n], batch))[0]
+    plan = unpad_plan(data, pad)
+    return data if plan is None else take([data], plan)[0]
 
 
 class RowRestore:
@@ -185,7 +138,7 @@ class RowRestore:
         return [items[i] for i in self.inverse.tolist()]
 
     def _take(self, parts: list[TensorDict]) -> TensorDict:
-        rows = sum(_batch_size(p, "outputs") for p in parts)
+        rows = sum(batch_size_of(p, "outputs") for p in parts)
         if rows != self.batch_size:
             raise input_error("outputs", None, f"{self.batch_size} rows in all (the batch's)", f"{rows}")
         return take(parts, RowPlan.of(self.inverse, [rows], rows))[0]
@@ -250,7 +203,7 @@ def micro_batches(
     :func:`nopad.balance.micro_batch_partitions` for the options), with the micro-batches views of
     one reordered batch (one gather per field). ``lengths``: the rows' lengths on the host, if the
     caller has them (else read from nested ``input_ids`` or a padded ``attention_mask``)."""
-    batch = _batch_size(data)
+    batch = batch_size_of(data)
     row_lengths = batch_lengths(data) if lengths is None else _given_lengths(lengths, data)
     partitions = micro_batch_partitions(
         row_lengths,

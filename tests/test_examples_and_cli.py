@@ -164,3 +164,34 @@ def test_bench_model_reports_an_out_of_memory_run_as_missing_not_infinite(monkey
     assert padded["contender"] == "padded sdpa" and padded["fwd_bwd_ms"] is None
     assert all(r["x_padded_fwd_bwd"] is None for r in rows) and all(r["fwd_ms"] > 0 for r in rows)
     json.dumps(rows, allow_nan=False)  # valid JSON: no Infinity, no NaN
+
+
+def test_bench_batches_times_nopad_against_a_contender_that_gives_the_same_rows(capsys):
+    """`nopad bench --batches`: every row's contender (verl's utilities, or the per-row loop) made the
+    same micro-batches, outputs and partitions as nopad; nopad's side is sync-free on its own offsets."""
+    argv = ["bench", "--batches", "--batch-rows", "12", "40", "--batch-sizes", "4", "--repeats", "1", "--json"]
+    assert main(argv) == 0
+    results = json.loads(capsys.readouterr().out)
+    (rows,) = [v for k, v in results.items() if k.startswith("rows of nested batches")]
+    assert [r["B"] for r in rows] == [12] * 5 + [40] * 5
+    assert all(r["identical"] and r["nopad_ms"] > 0 for r in rows)
+    assert all(r["syncs"] in (0, None) for r in rows)
+
+
+def test_the_per_row_loop_of_the_batches_bench_cuts_what_nopad_cuts():
+    import torch
+
+    from nopad.balance import balanced_partitions
+    from nopad.bench_rows import loop_join_restore, loop_micro_batches, loop_partitions, nested_rows_batch
+    from nopad.rows import micro_batches
+
+    td = nested_rows_batch(40, seed=3)
+    micro, restore = micro_batches(td, 16_384)
+    loop_micro, loop_parts = loop_micro_batches(td, 16_384)
+    assert loop_parts == restore.partitions
+    for ours, theirs in zip(micro, loop_micro):
+        assert torch.equal(ours["input_ids"].values(), theirs["input_ids"].values())
+    outputs = [m["input_ids"] for m in micro]
+    assert torch.equal(loop_join_restore(outputs, loop_parts).values(), restore(outputs).values())
+    for values in ([5, 5, 1, 9], [3, 3, 3, 3, 0, 7], list(range(20))):
+        assert loop_partitions(values, 3) == balanced_partitions(values, 3, False)

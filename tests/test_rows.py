@@ -20,7 +20,7 @@ from nopad.rows import (
     split_rows,
     unpad_rows,
 )
-from tests.batches import make_batch
+from tests.batches import batch_shapes, make_batch
 from tests.rows_batches import (
     assert_rows,
     check_nested_fields,
@@ -154,17 +154,47 @@ def test_metadata_that_differs_between_joined_batches_becomes_per_row():
     assert cat_rows([a, nested_batch([1], seed=3)]).get("temperature").data == 0.7
 
 
-def test_select_of_a_converted_batch_keeps_every_field_and_the_way_back():
+CONVERTED = ("input_ids", "position_ids", "routed_experts", "teacher_logprobs", "teacher_ids")
+
+
+def _assert_as_converted(got: TensorDict, padded_rows: TensorDict) -> None:
+    """``got`` equals converting ``padded_rows``: every nested field, the padded ones and ``indices``."""
+    want = nopad.left_right_2_no_padding(padded_rows)
+    for key in CONVERTED:
+        assert torch.equal(got[key].values(), want[key].values()), key
+        assert torch.equal(got[key].offsets(), want[key].offsets()), key
+    for key in ("attention_mask", "response_mask", "loss_mask"):
+        assert torch.equal(got[key], want[key]), key
+    assert torch.equal(got.get_non_tensor("indices"), want.get_non_tensor("indices"))
+    assert got.get_non_tensor("max_seq_len") == want.get_non_tensor("max_seq_len")
+
+
+@given(shape=batch_shapes(), mrope=st.sampled_from([0, 4]), picks=st.data())
+def test_rows_of_a_converted_batch_are_the_conversion_of_those_padded_rows(shape, mrope, picks):
+    prompt_lens, resp_lens, P, R = shape
+    padded = make_batch(prompt_lens, resp_lens, P, R, mrope=mrope)
+    B = len(prompt_lens)
+    out = nopad.left_right_2_no_padding(padded)
+    rows = picks.draw(st.lists(st.integers(0, B - 1), min_size=1, max_size=2 * B))
+    _assert_as_converted(select_rows(out, rows), select_rows(padded, rows))
+    micro, restore = micro_batches(out, max(max(p + r for p, r in zip(prompt_lens, resp_lens)), 1) + 3)
+    for part, part_rows in zip(micro, restore.partitions):
+        _assert_as_converted(part, select_rows(padded, part_rows))
+    _assert_as_converted(restore(micro), padded)
+    _assert_as_converted(cat_rows([out, select_rows(out, rows)]), cat_rows([padded, select_rows(padded, rows)]))
+    padded_out, pad = pad_rows(out, 3)
+    _assert_as_converted(padded_out, pad_rows(padded, 3)[0])
+    _assert_as_converted(unpad_rows(padded_out, pad), padded)
+
+
+def test_the_way_back_of_a_selected_converted_batch_is_the_conversion_of_its_rows():
     data = make_batch([3, 2, 1, 4], [2, 0, 3, 1], 4, 4, mrope=4)
     out = nopad.left_right_2_no_padding(data)
-    picked = select_rows(out, [3, 0])
-    again = nopad.left_right_2_no_padding(select_rows(data, [3, 0]))
-    for key in ("input_ids", "position_ids", "routed_experts", "teacher_logprobs", "teacher_ids"):
-        assert torch.equal(picked[key].values(), again[key].values()) and torch.equal(
-            picked[key].offsets(), again[key].offsets()
-        )
+    picked, again = select_rows(out, [3, 0]), nopad.left_right_2_no_padding(select_rows(data, [3, 0]))
     logp = torch.nested.nested_tensor_from_jagged(picked["input_ids"].values().float(), picked["input_ids"].offsets())
     assert torch.equal(nopad.no_padding_2_padding(logp, picked), nopad.no_padding_2_padding(logp, again))
+    flat = logp.values()  # a flat (total,) output: its total is checked against the rows' own
+    assert torch.equal(nopad.no_padding_2_padding(flat, picked), nopad.no_padding_2_padding(logp, again))
 
 
 # ---- the "no loops" contract ----------------------------------------------------------------------

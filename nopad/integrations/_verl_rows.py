@@ -20,12 +20,22 @@ from torch import Tensor
 
 from nopad._batch import get_field, put_checked
 from nopad._partition import fits, karmarkar_karp_arrays, order_partitions
-from nopad._rows import NESTED, RowPlan, kind_of, take
+from nopad._rows import (
+    NESTED,
+    RowPlan,
+    cat_plan,
+    chunk_plan,
+    kind_of,
+    pad_plan,
+    select_plan,
+    take,
+    unpad_plan,
+)
 from nopad.balance import Workload, balanced_partitions
 from nopad.balance import karmarkar_karp as _karmarkar_karp
 from nopad.errors import check_int, input_error
 from nopad.layout import is_nested, ragged_dim
-from nopad.rows import RowRestore, batch_lengths, cat_rows, chunk_rows, pad_rows, select_rows, unpad_rows
+from nopad.rows import RowRestore, batch_lengths
 
 TENSORDICT_UTILS = "verl.utils.tensordict_utils"
 SEQLEN_BALANCING = "verl.utils.seqlen_balancing"
@@ -47,12 +57,12 @@ def index_select_tensor_dict(batch: TensorDict | None, indices: Tensor | list[in
         return None
     if (indices.dim() if isinstance(indices, Tensor) else np.ndim(indices)) != 1:
         raise input_error("indices", None, "a 1-D tensor or list of row indices", f"shape {np.shape(indices)}")
-    return _without_device(select_rows(batch, indices))
+    return _without_device(take([batch], select_plan(batch, indices), reindex=False)[0])
 
 
 def chunk_tensordict(td: TensorDict, chunks: int) -> tuple[TensorDict, ...]:
     """verl's ``chunk_tensordict``: ``chunks`` equal consecutive parts (views), (B, C, j) fields included."""
-    return tuple(chunk_rows(td, chunks))
+    return tuple(take([td], chunk_plan(td, chunks), reindex=False))
 
 
 def concat_nested_tensors(tensors: list[Tensor]) -> Tensor:
@@ -61,7 +71,7 @@ def concat_nested_tensors(tensors: list[Tensor]) -> Tensor:
         if not is_nested(tensor):
             raise input_error(f"tensors[{i}]", None, "a jagged nested tensor", type(tensor).__name__)
     parts = [_one_field(t) for t in tensors]
-    return cat_rows(parts).get("x")
+    return take(parts, cat_plan(parts))[0].get("x")
 
 
 def _one_field(x: Tensor) -> TensorDict:
@@ -74,19 +84,21 @@ def concat_tensordict(data: list[TensorDict], original: Original) -> TensorDict:
     """verl's ``concat_tensordict``: one cat per field; batches without nested fields go to verl's."""
     if not data or not any(kind_of(v) == NESTED for v in data[0].values()):
         return original(TENSORDICT_UTILS, "concat_tensordict")(data)
-    return cat_rows(data)
+    return take(data, cat_plan(data), reindex=False)[0]
 
 
 def pad_to_divisor(data: TensorDict, size_divisor: int) -> tuple[TensorDict, int]:
     """verl's ``pad_to_divisor``: rows repeated from the start to a multiple of ``size_divisor``."""
     if isinstance(data, TensorDict) and data.batch_dims >= 1 and len(data) == 0:
         return data, 0
-    return pad_rows(data, size_divisor)
+    plan, pad = pad_plan(data, size_divisor)
+    return (data, 0) if plan is None else (take([data], plan, reindex=False)[0], pad)
 
 
 def unpad(data: TensorDict, pad_size: int) -> TensorDict:
     """verl's ``unpad``: ``data`` without its last ``pad_size`` rows."""
-    return unpad_rows(data, pad_size)
+    plan = unpad_plan(data, pad_size)
+    return data if plan is None else take([data], plan, reindex=False)[0]
 
 
 def karmarkar_karp(seqlen_list: list[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
@@ -144,7 +156,7 @@ def rearrange_micro_batches(
     row_work = Workload()(lengths) if use_dynamic_bsz_balance else None
     rows = order_partitions(partitions, group, row_work)
     order = np.array([r for p in rows for r in p], dtype=np.int64)
-    micro = take([batch], RowPlan.of(order, [len(p) for p in rows], len(lengths)))
+    micro = take([batch], RowPlan.of(order, [len(p) for p in rows], len(lengths)), reindex=False)
     return [_without_device(m) for m in micro], rows
 
 
@@ -220,6 +232,6 @@ def postprocess_batch_func(
         if use_dynamic_bsz:
             joined[key] = _restore(indices or [])(fields).get("x")
         else:
-            joined[key] = cat_rows(fields).get("x")
+            joined[key] = take(fields, cat_plan(fields))[0].get("x")
     result["model_output"] = joined
     return result
