@@ -304,3 +304,26 @@ def test_an_empty_selection_is_a_batch_of_zero_rows():
     assert empty.batch_size == torch.Size([0]) and empty["input_ids"].values().shape == (0,)
     assert empty["position_ids"].values().shape == (4, 0)
     assert cat_rows([empty, data])["input_ids"].offsets().tolist() == [0, 3, 5]
+
+
+def test_gradients_flow_back_through_restore_and_select():
+    data = nested_batch([3, 5, 2, 4])
+    micro, restore = micro_batches(data, 8)
+    weights = torch.randn(data["log_probs"].values().shape[0], requires_grad=True)
+    outputs = []
+    for m, rows in zip(micro, restore.partitions):
+        # each micro-batch's output uses the weights of its own rows' tokens
+        picked = select_rows(
+            TensorDict({"w": nopad.IndexPlan.from_nested(data["log_probs"]).to_nested(weights)}, batch_size=[4]), rows
+        )["w"]
+        outputs.append(torch.nested.nested_tensor_from_jagged(picked.values() * 2, m["log_probs"].offsets()))
+    back = restore(outputs)
+    back.values().sum().backward()
+    assert torch.equal(weights.grad, torch.full_like(weights, 2.0))
+
+
+def test_a_batch_with_a_second_batch_dim_keeps_it():
+    data = TensorDict({"x": torch.arange(24).view(4, 3, 2)}, batch_size=[4, 3])
+    picked = select_rows(data, [2, 0])
+    assert picked.batch_size == torch.Size([2, 3]) and torch.equal(picked["x"], data["x"][[2, 0]])
+    assert [p.batch_size for p in chunk_rows(data, 2)] == [torch.Size([2, 3])] * 2
