@@ -113,16 +113,20 @@ class RowRestore:
         return len(self.order)
 
     def __call__(self, outputs: Any) -> Any:
-        """Outputs in the batch's row order. ``outputs`` is one output per micro-batch (a list) or
-        the micro-batches' outputs already joined in their order; an output is a nested or padded
-        tensor, a TensorDict, a dict of those, or a per-row list. Returns the same kind."""
-        parts = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-        if isinstance(outputs, (list, tuple)) and len(parts) != len(self.partitions):
-            if not (parts and all(not isinstance(p, (Tensor, Mapping)) for p in parts)):
-                raise input_error(
-                    "outputs", None, f"{len(self.partitions)} outputs, one per micro-batch", f"{len(parts)}"
-                )
-            parts = [parts]  # a per-row list already joined
+        """Outputs in the batch's row order, of the kind they came in.
+
+        ``outputs``: a list with one output per micro-batch, each a nested or padded tensor, a
+        TensorDict, a dict of those, or a list of per-row Python values; or one tensor, TensorDict
+        or dict already joined in micro-batch order (as ``cat_rows`` or verl's join leaves it)."""
+        parts: list[Any]
+        if isinstance(outputs, (Tensor, Mapping)):
+            parts = [outputs]
+        elif isinstance(outputs, (list, tuple)) and len(outputs) == len(self.partitions):
+            parts = list(outputs)
+        else:
+            got = f"a list of {len(outputs)}" if isinstance(outputs, (list, tuple)) else type(outputs).__name__
+            expected = f"a list of {len(self.partitions)} outputs (one per micro-batch) or one joined output"
+            raise input_error("outputs", None, expected, got)
         first = parts[0]
         if isinstance(first, TensorDict):
             return self._take(parts)
@@ -132,9 +136,13 @@ class RowRestore:
             keys = list(first.keys())
             joined = self._take([_wrap_all(p, keys) for p in parts])
             return {key: joined.get(key) for key in keys}
+        if not all(isinstance(p, (list, tuple)) for p in parts):
+            kinds = sorted({type(p).__name__ for p in parts})
+            raise input_error("outputs", None, "tensors, TensorDicts, dicts or per-row lists", f"{kinds}")
+        for p, rows in zip(parts, self.partitions):
+            if len(p) != len(rows):
+                raise input_error("outputs", None, f"per-row lists of {len(rows)} as the micro-batch", f"{len(p)}")
         items = [item for p in parts for item in p]
-        if len(items) != self.batch_size:
-            raise input_error("outputs", None, f"{self.batch_size} rows in all", f"{len(items)}")
         return [items[i] for i in self.inverse.tolist()]
 
     def _take(self, parts: list[TensorDict]) -> TensorDict:

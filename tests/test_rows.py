@@ -281,7 +281,9 @@ def test_a_converted_batch_is_cut_and_restored_without_a_host_sync():
         (lambda d: micro_batches(d, 40, lengths=[1, 2, 3]), "4 integers >= 0, one per row"),
         (lambda d: micro_batches(d, 40, lengths=[1, 2, 3, 4]), "lengths summing to input_ids' 16 tokens"),
         (lambda d: micro_batches(d, 40, lengths=[7, 1, 4, 4]), "lengths row 0: expected input_ids' length 3"),
-        (lambda d: RowRestore([[0, 1], [2, 3]])([d]), "2 outputs, one per micro-batch"),
+        (lambda d: RowRestore([[0, 1], [2, 3]])([d]), "a list of 2 outputs (one per micro-batch) or one joined"),
+        (lambda d: RowRestore([[0, 1], [2, 3]])([[1], [2, 3]]), "per-row lists of 2 as the micro-batch, got 1"),
+        (lambda d: RowRestore([[0, 1], [2, 3]])(["ab", "cd"]), "tensors, TensorDicts, dicts or per-row lists"),
     ],
 )
 def test_bad_rows_input_is_refused_naming_what_was_expected(call, words):
