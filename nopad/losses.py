@@ -34,8 +34,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import check_choice, check_flag, check_real, check_real_dtype, get_field
-from nopad.errors import check_int, input_error
+from nopad._batch import check_choice, check_real, check_real_dtype, get_field
+from nopad.errors import check_flag, check_int, input_error
 from nopad.layout import IndexPlan, jagged_values, nested_offsets, ragged_dim, to_host, wrap_jagged
 from nopad.layout import is_nested as _is_nested
 from nopad.padding import no_padding_2_padding

@@ -25,8 +25,7 @@ from typing import Any
 
 from torch import Tensor
 
-from nopad._batch import check_flag
-from nopad.errors import input_error
+from nopad.errors import check_flag, input_error
 from nopad.layout import check_nested, is_nested, jagged_values, nested_offsets, wrap_jagged
 from nopad.parallel.cp import CpLayout, check_cp_args, gather_cp_flat, unshard_index
 from nopad.parallel.thd import (

@@ -43,9 +43,9 @@ from tensordict import NonTensorData, TensorDict
 from torch import Tensor
 
 import nopad.padding as _padding
-from nopad._batch import check_flag, get_field
+from nopad._batch import get_field
 from nopad.engines.megatron import postprocess_thd, thd_plan
-from nopad.errors import input_error
+from nopad.errors import check_flag, input_error
 from nopad.layout import is_nested
 
 SUPPORTED_VERSIONS = ("0.9.1",)
