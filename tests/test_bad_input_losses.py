@@ -858,3 +858,24 @@ def test_ppo_loss_checks_its_config_and_figures_once(monkeypatch):
     monkeypatch.setattr(L, "_checked_figures", counting_figures)
     L.ppo_loss(config, {"log_probs": out, "entropy": out.exp()}, data)
     assert calls == {"clip": 1, "figures": 1}
+
+
+def test_packed_logprobs_reads_the_micro_batch_temperature_as_prepare_model_inputs_does():
+    """It ignored micro["temperature"] (its own default 1.0 won); the padded reference now reads the
+    padded batch's the same way, so the two agree on one TensorDict."""
+    from nopad.padding import left_right_2_no_padding, no_padding_2_padding
+    from tests.models import tiny_llama
+
+    model = tiny_llama()
+    padded = make_padded_batch(3, 4, 3, seed=2)
+    micro = left_right_2_no_padding(padded)
+    with torch.no_grad():
+        explicit = packed_logprobs(model, micro, 0.5)
+        micro.set_non_tensor("temperature", 0.5)
+        from_batch = packed_logprobs(model, micro)
+        padded.set_non_tensor("temperature", 0.5)
+        reference = padded_logprobs(model, padded)
+        plain = packed_logprobs(model, micro, 1.0)
+    assert torch.equal(from_batch.values(), explicit.values())
+    assert not torch.equal(plain.values(), explicit.values())
+    assert (no_padding_2_padding(from_batch, micro) - reference).abs().max() < 1e-5

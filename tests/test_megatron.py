@@ -216,7 +216,7 @@ def test_postprocess_op_count_is_independent_of_batch_size_and_sync_free():
     assert small.by_op == large.by_op and small.ops > 0
 
 
-def test_postprocess_itself_is_sync_free():
+def test_postprocess_itself_is_sync_free(device_path):
     ids = encoded_ids([3, 5, 8])
     tokens, params, _ = preprocess_thd(ids)
     with OpCounter() as counter:
@@ -274,7 +274,7 @@ BAD_INPUT = [
         r"packed_seq_params.cu_seqlens_q_padded: expected shape \(3,\), got \(2,\)",
     ),
     (
-        lambda: postprocess_thd(torch.zeros(1, 2), _params(2), _ids(2), cp_size=2),
+        lambda: postprocess_thd(torch.zeros(1, 2), preprocess_thd(_ids(2), cp_size=2)[1], _ids(2), cp_size=2),
         "cp_size: expected torch.distributed to be initialised for cp_size=2",
     ),
     (

@@ -250,6 +250,11 @@ class ThdPlan:
     def batch_size(self) -> int:
         return self._host_lengths.shape[0]
 
+    @property
+    def host_cu_seqlens(self) -> np.ndarray:
+        """(B+1,) int64 numpy: the padded boundaries as the plan derived them on the host."""
+        return self._host_cu
+
     # ---- per-slot tensors ----------------------------------------------------------------------
     @functools.cached_property
     def segment(self) -> Tensor:
