@@ -53,12 +53,17 @@ def check_flag(value: Any, field: str) -> bool:
 def bounds(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
     """The words of a range for a message: " >= 1", " in (0, 1]", ... ("" when unbounded)."""
     if low is not None and high is not None:
-        return f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        return f" in {'(' if low_open else '['}{_number(low)}, {_number(high)}{')' if high_open else ']'}"
     if low is not None:
-        return f" {'>' if low_open else '>='} {low:g}"
+        return f" {'>' if low_open else '>='} {_number(low)}"
     if high is not None:
-        return f" {'<' if high_open else '<='} {high:g}"
+        return f" {'<' if high_open else '<='} {_number(high)}"
     return ""
+
+
+def _number(value: float) -> str:
+    """An int as its digits (2147483647, not 2.14748e+09); a float as :g shows it."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def check_integer_tensor(x: object, field: str) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from nopad.errors import in_file, input_error
+from nopad.errors import check_int, in_file, input_error
 from nopad.packing.collate import check_row_arrays, negative_id_error
 from nopad.packing.rows import ROW_FIELDS, Columns, Row, validate_columns
 from nopad.packing.tokenizer import MAX_TOKEN_ID, TokenizerIdentity
@@ -68,10 +68,14 @@ def write_packed(
     """Validate ``rows`` and the settings, and write them to ``path``; returns the metadata written.
 
     The settings pass the very checks :func:`read_packed` applies, so a written file always opens.
+    They are ints by :func:`nopad.errors.check_int` (numpy ints are stored as the ints they are).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    pack_length, alignment = check_int(pack_length, "pack_length", low=1), check_int(alignment, "alignment", low=1)
+    tp_size, cp_size = check_int(tp_size, "tp_size", low=1), check_int(cp_size, "cp_size", low=1)
+    pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
     check_row_arrays(rows)
     cols = Columns.from_rows(rows)
     meta = {
@@ -448,6 +452,9 @@ def check_packed(path: str | os.PathLike[str], *, tokenizer: TokenizerIdentity |
     missing file raises FileNotFoundError.
     """
     path = os.fspath(path)
+    if tokenizer is not None and not isinstance(tokenizer, TokenizerIdentity):
+        expected = "a TokenizerIdentity (e.g. load_tokenizer(...).identity) or None"
+        raise input_error("tokenizer", None, expected, type(tokenizer).__name__)
     try:
         meta = _load_metadata(path)
     except ValueError as e:

@@ -135,7 +135,9 @@ def _host_int64(x: Tensor) -> np.ndarray:
 
 # ---- the plan ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Sizes:
+class ThdSizes:
+    """A THD plan's checked settings (:func:`thd_sizes`) and the multiples derived from them."""
+
     tp_size: int
     cp_size: int
     cp_rank: int
@@ -168,7 +170,7 @@ class ThdPlan:
         lengths: np.ndarray,
         source_starts: np.ndarray,
         source_len: int,
-        sizes: _Sizes,
+        sizes: ThdSizes,
         device: torch.device,
         batch_offsets: Tensor | None = None,
     ):
@@ -445,7 +447,14 @@ def _shown(values: np.ndarray, most: int = 8) -> str:
     return str(items) if len(items) <= most else f"{str(items[:most])[:-1]}, ... ({len(items)} in all)]"
 
 
-def _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket) -> _Sizes:
+def thd_sizes(
+    tp_size: Any = 1,
+    cp_size: Any = 1,
+    cp_rank: Any = 0,
+    cp_layout: Any = "zigzag",
+    use_fp8_padding: Any = False,
+    pad_to_length_bucket: Any = None,
+) -> ThdSizes:
     """THE check of a THD plan's settings (ValueError naming the argument), made once per plan, and
     the segment and total multiples derived from them."""
     tp_size, cp_size, cp_rank, cp_layout = check_cp_args(tp_size, cp_size, cp_rank, cp_layout)
@@ -458,14 +467,14 @@ def _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_
         total_multiple = math.lcm(align, fp8_total)
     if pad_to_length_bucket is not None:
         total_multiple = math.lcm(total_multiple, pad_to_length_bucket)
-    return _Sizes(tp_size, cp_size, cp_rank, cp_layout, align, total_multiple)
+    return ThdSizes(tp_size, cp_size, cp_rank, cp_layout, align, total_multiple)
 
 
 def _checked_plan(
     lengths: np.ndarray,
     source_starts: np.ndarray | None,
     source_len: int | None,
-    sizes: _Sizes,
+    sizes: ThdSizes,
     device: torch.device,
     field: str,
     batch_offsets: Tensor | None = None,
@@ -521,7 +530,7 @@ def build_thd_plan(
     source, and for out-of-range sizes, rank, layout or bucket. Lengths and starts are integers (a
     float, bool or string is refused, never rounded).
     """
-    sizes = _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
+    sizes = thd_sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
     field = field if isinstance(field, str) else "lengths"
     lengths = as_lengths(lengths, field)
     source_len = check_optional_int(source_len, "source_len", low=0)
@@ -553,12 +562,19 @@ def thd_plan(
     The plan lives on the values' device; offsets already on the host cost no device sync at all.
     Shard the batch's companions (labels, loss masks, routed experts) with the returned plan.
     """
-    sizes = _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)  # before the batch
+    sizes = thd_sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)  # before the batch
     check_nested(input_ids_nested, "input_ids")
     offsets = nested_offsets(input_ids_nested)
     if offsets.dim() != 1 or offsets.shape[0] < 2:
         got = f"{offsets.dtype} of shape {(max(offsets.shape[0] - 1, 0),)}"
         raise input_error("input_ids", None, "a non-empty 1-D integer tensor", got)
+    return plan_of_nested(input_ids_nested, sizes)
+
+
+def plan_of_nested(input_ids_nested: Tensor, sizes: ThdSizes) -> ThdPlan:
+    """:func:`thd_plan` of checked settings (:func:`thd_sizes`) and a checked jagged nested batch.
+    ONE host read (of the offsets)."""
+    offsets = nested_offsets(input_ids_nested)
     host = _host_int64(offsets)
     device = jagged_values(input_ids_nested).device  # sequences are read back to back from the first token
     return _checked_plan(host[1:] - host[:-1], None, None, sizes, device, "input_ids", offsets)
