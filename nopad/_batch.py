@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -39,8 +39,10 @@ def get_field(batch: Any, key: str, default: Any = None) -> Any:
         if isinstance(value, Tensor):  # ``.data`` of a nested tensor would build a new one (tens of us)
             return value
         value = batch.get_non_tensor(key)
-    else:
+    elif isinstance(batch, Mapping) or hasattr(batch, "get"):
         value = batch.get(key, None)
+    else:
+        raise input_error("data", None, "a micro batch: a TensorDict or a dict of fields", type(batch).__name__)
     value = one_value(value, f"data[{key!r}]")
     return default if value is None else value
 

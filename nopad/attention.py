@@ -414,6 +414,8 @@ def nopad_varlen_attention(
             "without a KV cache (nopad_varlen does not serve generation)",
             f"shape {tuple(key.shape)}",
         )
+    if sliding_window is not None:  # a window of 0 masks every score: NaN attention, not an error
+        sliding_window = check_int(sliding_window, "sliding_window", low=1)
     sinks = kwargs.get("s_aux")
     causal = kwargs.get("is_causal")
     needs = Needs(

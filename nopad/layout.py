@@ -30,6 +30,9 @@ def to_host(*scalars: Tensor) -> list[int]:
     """Fetch several 0-d device tensors in ONE device->host copy (one host sync)."""
     if not scalars:
         return []
+    if not all(isinstance(s, Tensor) and s.numel() == 1 for s in scalars):
+        got = [tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__ for s in scalars]
+        raise input_error("scalars", None, "0-d (one-element) tensors", f"{got}")
     as_int64 = [s if s.dim() == 0 and s.dtype == torch.int64 else s.reshape(()).to(torch.int64) for s in scalars]
     return torch.stack(as_int64).tolist()  # one device->host copy: tolist moves the stack in one go
 
@@ -322,6 +325,7 @@ def gather_rows(values: Tensor, src_start: Tensor, lo: Tensor | None, hi: Tensor
     ``lo=None`` means 0. A dense gather over B * width slots: no sync, no Python loop, autograd
     flows to ``values``.
     """
+    width = check_int(width, "width", low=0)
     n, rows = values.shape[0], src_start.shape[0]
     if n == 0:  # nothing to gather from (every row empty)
         return values.new_zeros((rows, width, *values.shape[1:]))
@@ -810,6 +814,8 @@ class IndexPlan:
 
     def split(self, values: Tensor) -> list[Tensor]:
         """(total, *) -> one tensor per row. One sync; for inspection, not for a hot path."""
+        if values.shape[0] != self.total:
+            raise input_error("values", None, f"{self.total} tokens on dim 0", f"shape {tuple(values.shape)}")
         return list(values.split(self.lengths.tolist()))
 
     # ---- checks -------------------------------------------------------------------------

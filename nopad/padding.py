@@ -23,6 +23,7 @@ from nopad.errors import (
     check_flag,
     check_int,
     check_integer_tensor,
+    check_mask,
     free_to_read,
     input_error,
     mask_error,
@@ -533,6 +534,7 @@ def _embeds_to_nested(embeds: Tensor, mask: Tensor, field: str) -> tuple[Tensor,
             f"(batch, seqlen, dim) embeds with a {tuple(embeds.shape[:2])} mask",
             f"embeds {tuple(embeds.shape)}, mask {tuple(mask.shape)}",
         )
+    check_mask(mask, f"{field}_mask")
     plan = IndexPlan.from_mask(mask)
     return plan.nest(embeds), plan.nest(mask.bool())
 

@@ -721,3 +721,46 @@ def test_nested_responses_define_the_response_as_verl_reads_them():
     for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
         assert torch.equal(got[i, :r], torch.arange(p, p + r, dtype=torch.float)), i
         assert not got[i, r:].any()
+
+
+CASES_MORE = [
+    Case(
+        "weak message",
+        "to_host of a tensor that is not a scalar",
+        lambda: (torch.tensor([1, 2]),),
+        nopad.to_host,
+        r"scalars: expected 0-d \(one-element\) tensors, got \[\(2,\)\]",
+    ),
+    Case(
+        "weak message",
+        "a negative width to gather_rows",
+        lambda: (torch.arange(5.0), torch.tensor([0, 3]), None, torch.tensor([3, 2])),
+        lambda *args: nopad.gather_rows(*args, -1),
+        r"width: expected an int >= 0, got -1",
+    ),
+    Case(
+        "weak message",
+        "split of values of another total",
+        lambda: (torch.arange(4),),
+        lambda values: nopad.IndexPlan.from_lengths([3, 2]).split(values),
+        r"values: expected 5 tokens on dim 0, got shape \(4,\)",
+    ),
+    Case(
+        "mask not 0/1",
+        "embeds with a mask of 2s, named",
+        lambda: (
+            TensorDict({"prompt_embeds": torch.zeros(2, 3, 4), "prompt_embeds_mask": torch.full((2, 3), 2)}, [2]),
+        ),
+        nopad.embeds_padding_2_no_padding,
+        r"prompt_embeds_mask row 0: expected a 0/1 mask .*got 2",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES_MORE, ids=[f"{c.kind}: {c.name}" for c in CASES_MORE])
+def test_more_bad_input_is_refused_with_what_to_fix(case):
+    args = case.make()
+    before = [_freeze(a) for a in args]
+    with pytest.raises(ValueError, match=case.words):
+        case.call(*args)
+    assert all(_same(b, a) for b, a in zip(before, args))

@@ -879,3 +879,22 @@ def test_packed_logprobs_reads_the_micro_batch_temperature_as_prepare_model_inpu
     assert torch.equal(from_batch.values(), explicit.values())
     assert not torch.equal(plain.values(), explicit.values())
     assert (no_padding_2_padding(from_batch, micro) - reference).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (
+            lambda: prepare_model_inputs([1, 2]),
+            r"data: expected a micro batch: a TensorDict or a dict of fields, got list",
+        ),
+        (
+            lambda: __import__("nopad.bench").bench.bench_conversions(batch_sizes=(2,), repeats=0),
+            r"repeats: expected an int >= 1, got 0",
+        ),
+    ],
+    ids=["micro-batch-a-list", "bench-repeats-0"],
+)
+def test_weak_messages_of_the_engines_and_the_bench_are_replaced(call, words):
+    with pytest.raises(ValueError, match=words):
+        call()

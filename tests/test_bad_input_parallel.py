@@ -246,3 +246,14 @@ def test_a_thd_plan_checks_its_parallel_sizes_once(monkeypatch):
     preprocess_thd(_ids(5, 3, 8), cp_size=2, cp_rank=1)
     build_thd_plan(torch.tensor([5, 3, 8]), cp_size=2, cp_rank=1)
     assert len(calls) == 2  # one per plan (before: three, in build_thd_plan, _sizes and cp_alignment)
+
+
+def test_a_sliding_window_of_0_is_refused_not_turned_into_nan_attention():
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    q = torch.randn(1, 2, 5, 4)
+    with pytest.raises(ValueError, match=r"sliding_window: expected an int >= 1, got 0"):
+        nopad_varlen_attention(Layer(), q, q, q, None, sliding_window=0)
+    out, _ = nopad_varlen_attention(Layer(), q, q, q, None, sliding_window=2)
+    assert not out.isnan().any()
