@@ -257,3 +257,10 @@ def test_a_sliding_window_of_0_is_refused_not_turned_into_nan_attention():
         nopad_varlen_attention(Layer(), q, q, q, None, sliding_window=0)
     out, _ = nopad_varlen_attention(Layer(), q, q, q, None, sliding_window=2)
     assert not out.isnan().any()
+
+
+def test_source_index_takes_need_roll_as_a_real_bool():
+    plan = thd_plan(_ids(5, 3))
+    with pytest.raises(ValueError, match=r"need_roll: expected True or False \(a bool\), got 'false' \(str\)"):
+        plan.source_index("false")
+    assert torch.equal(plan.source_index(np.bool_(True)), plan.source_index(True))

@@ -148,7 +148,12 @@ def metadata_checksum(meta: Mapping[str, Any]) -> str:
 
 # ---- metadata checks: each returns the problems it finds, so a reader can list them all ----------
 def _is_int(value: object, low: int, high: int = MAX_TOKEN_ID) -> bool:
-    return type(value) is int and low <= value <= high  # bool is refused: True is not a length
+    """Whether a stored value passes the one int rule (:func:`nopad.errors.check_int`) in [low, high]."""
+    try:
+        check_int(value, "metadata", low=low, high=high)  # bool is refused: True is not a length
+    except ValueError:
+        return False
+    return True
 
 
 def _int_text(low: int, high: int = MAX_TOKEN_ID) -> str:

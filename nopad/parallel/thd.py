@@ -287,7 +287,7 @@ class ThdPlan:
         has none and, like padding, reads 0 (:meth:`shard` puts ``pad_value`` there: nopad's one
         convention for the label slot no loss trains on).
         """
-        return self._source(need_roll)[0]
+        return self._source(check_flag(need_roll, "need_roll"))[0]
 
     def _source(self, need_roll: bool) -> tuple[Tensor, Tensor]:
         """(source index, skip) for every local slot, computed once per ``need_roll``: skip is True
