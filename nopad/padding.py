@@ -158,7 +158,7 @@ def plan_left_right(
 ) -> IndexPlan:
     """Plan of a left-padded-prompt / right-padded-response batch, validated. ONE host sync.
 
-    attention_mask (B, S), response_mask (B, R) with R < S; any nonzero counts as a one. Raises
+    attention_mask (B, S), response_mask (B, R) with R < S, both 0/1 masks. Raises
     ValueError naming the row when a row is not one contiguous run across column S - R or has an
     empty prompt but a response. Only the shape of ``response_mask`` is read unless
     ``check_response_mask``: then a row that marks response tokens attention_mask calls padding
@@ -174,6 +174,12 @@ def plan_left_right(
     and the response mask's with ``check_response_mask``.
     """
     check_response_mask = check_flag(check_response_mask, "check_response_mask")
+    _check_masks(attention_mask, response_mask)
+    return _plan_left_right(attention_mask, response_mask, check_response_mask, device)
+
+
+def _check_masks(attention_mask: Any, response_mask: Any) -> None:
+    """The two masks' types, dtypes and shapes: (B, S) and (B, R) with R < S and B >= 1. Host facts."""
     for name, mask in (("attention_mask", attention_mask), ("response_mask", response_mask)):
         if not isinstance(mask, Tensor) or _is_nested(mask) or mask.dtype.is_complex:
             got = (
@@ -191,6 +197,13 @@ def plan_left_right(
         raise input_error("response_mask", None, f"shape ({B}, R) with R < seqlen {S}", f"{tuple(response_mask.shape)}")
     if B == 0:
         raise input_error("attention_mask", None, "at least one row", "an empty batch")
+
+
+def _plan_left_right(
+    attention_mask: Tensor, response_mask: Tensor, check_response_mask: bool, device: torch.device | str | None
+) -> IndexPlan:
+    """:func:`plan_left_right` of checked arguments: the row facts, their checks and the plan."""
+    S, R = attention_mask.shape[1], response_mask.shape[-1]
     facts, not_masks = _row_facts(attention_mask, response_mask, S - R, check_response_mask)
     if not_masks:
         raise mask_error(*not_masks[0])
@@ -293,8 +306,10 @@ def left_right_2_no_padding(
     check_integer_tensor(input_ids, "input_ids")
     check_integer_tensor(position_ids, "position_ids")
     B, S = input_ids.shape
-    if tuple(attention_mask.shape) != (B, S):
-        raise input_error("attention_mask", None, f"shape {(B, S)} like input_ids", f"{tuple(attention_mask.shape)}")
+    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (B, S):
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise input_error("attention_mask", None, f"shape {(B, S)} like input_ids", f"{shape}")
+    _check_masks(attention_mask, response_mask)
     mrope = position_ids.dim() == 3
     if (
         position_ids.shape[0] != B
@@ -305,11 +320,9 @@ def left_right_2_no_padding(
         raise input_error("position_ids", None, f"shape ({B}, {S}) or ({B}, 3|4, {S})", f"{tuple(position_ids.shape)}")
 
     if plan is None:
-        plan = plan_left_right(attention_mask, response_mask, check_response_mask=check_response_mask)
+        plan = _plan_left_right(attention_mask, response_mask, check_response_mask, None)
     elif not isinstance(plan, IndexPlan) or plan.batch_size != B or plan.width != S or plan.responses is None:
         raise input_error("plan", None, f"plan_left_right of this batch: {B} rows of width {S}", f"{plan!r}")
-    elif response_mask.dim() != 2 or response_mask.shape[0] != B or response_mask.shape[1] >= S:
-        raise input_error("response_mask", None, f"shape ({B}, R) with R < seqlen {S}", f"{tuple(response_mask.shape)}")
     elif plan.responses.width != response_mask.shape[1]:
         expected = f"plan_left_right of this batch: responses of width {response_mask.shape[1]}"
         raise input_error("plan", None, expected, f"a plan of responses of width {plan.responses.width}")
