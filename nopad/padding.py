@@ -281,7 +281,9 @@ def left_right_2_no_padding(
     this very mask tensor; a mask on the CPU, read from host memory). A plan made from a CPU copy
     of a device mask is not compared with the device mask: that would cost the sync it saves.
 
-    ``fields`` names per-token fields to nest besides the standard ones; each must be in ``data``.
+    ``check_response_mask`` applies where the plan is made: with a ``plan`` it is refused (pass it
+    to :func:`plan_left_right`), never ignored. ``fields`` names per-token fields to nest besides the
+    standard ones; each must be in ``data``.
     """
     if not isinstance(data, TensorDict):
         raise input_error("data", None, "a TensorDict", type(data).__name__)
@@ -321,6 +323,9 @@ def left_right_2_no_padding(
 
     if plan is None:
         plan = _plan_left_right(attention_mask, response_mask, check_response_mask, None)
+    elif check_response_mask:  # the masks are read where the plan is made: the flag would be ignored here
+        expected = "check_response_mask=False with a plan (pass it to plan_left_right, which reads the masks)"
+        raise input_error("check_response_mask", None, expected, "True")
     elif not isinstance(plan, IndexPlan) or plan.batch_size != B or plan.width != S or plan.responses is None:
         raise input_error("plan", None, f"plan_left_right of this batch: {B} rows of width {S}", f"{plan!r}")
     elif plan.responses.width != response_mask.shape[1]:

@@ -725,6 +725,16 @@ def test_nested_responses_define_the_response_as_verl_reads_them():
 
 CASES_MORE = [
     Case(
+        "flag",
+        "check_response_mask with a plan made elsewhere",
+        lambda: (_batch(),),
+        lambda data: nopad.left_right_2_no_padding(
+            data, plan=nopad.plan_left_right(data["attention_mask"], data["response_mask"]), check_response_mask=True
+        ),
+        r"check_response_mask: expected check_response_mask=False with a plan \(pass it to plan_left_right, which "
+        r"reads the masks\), got True",
+    ),
+    Case(
         "weak message",
         "to_host of a tensor that is not a scalar",
         lambda: (torch.tensor([1, 2]),),
