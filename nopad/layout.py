@@ -449,10 +449,8 @@ class IndexPlan:
             min_seqlen=int(lengths.min()),
         )
         plan._host = (lengths, starts, response_width)
-        plan._end = int((starts + lengths).max()) if len(lengths) else 0
         if response_width is not None and source is not None and slot is not None:
-            longest = int(response_lens.max()) if len(lengths) else 0
-            plan.responses = ResponseGather(len(lengths), response_width, total, source, slot, longest)
+            plan.responses = ResponseGather(len(lengths), response_width, total, source, slot, response_lens)
             _RESPONSES[offsets_d] = plan.responses
         return plan
 
@@ -871,6 +869,9 @@ class IndexPlan:
         from the host-known end of the longest run, or the CPU lengths (a read of host memory);
         device lengths with no host record are not read for it."""
         end = self._end
+        if end is None and self._host is not None:  # from_runs: the host arrays it was laid out from
+            host_lengths, host_starts, _ = self._host
+            end = self._end = int((host_starts + host_lengths).max()) if len(host_lengths) else 0
         if end is None and self.batch_size and free_to_read(self.lengths):
             ends = self.lengths if self.starts is None else self.lengths + self.starts.to(self.lengths.device)
             end = self._end = int(ends.max())
@@ -911,10 +912,19 @@ class ResponseGather:
     Built once by :meth:`IndexPlan.from_runs`, so the way back is four ops.
     """
 
-    def __init__(self, batch: int, width: int, total: int, source: Tensor, slot: Tensor, longest: int = 0) -> None:
+    def __init__(
+        self, batch: int, width: int, total: int, source: Tensor, slot: Tensor, lengths: np.ndarray | None = None
+    ) -> None:
         self.batch, self.width, self.total = batch, width, total
         self.source, self.slot = source, slot
-        self.longest = longest  # the longest response, known on the host
+        self._lengths = lengths  # each row's response length, on the host
+
+    @property
+    def longest(self) -> int:
+        """The longest response (host arithmetic on the plan's own lengths; the width when unknown)."""
+        if self._lengths is None:
+            return self.width
+        return int(self._lengths.max()) if len(self._lengths) else 0
 
     def unpad(self, values: Tensor) -> Tensor:
         """(total, *) -> (B, R, *), zero where a row has no response token. Four ops, no sync; autograd

@@ -70,49 +70,46 @@ def _row_facts(
     the masks that are not 0/1 masks (:func:`nopad.errors.check_mask`), as (mask, field). The sync.
 
     One weighted sum per row (integer, so exact; no BLAS, whose thread pool stalls on a busy host).
-    Whether each mask is a 0/1 mask travels in the same read: an integer mask's min and max (its
-    values are then the ones themselves), a float mask's count of entries neither 0 nor 1.
+    Whether each mask is a 0/1 mask travels in the same read, as two numbers: an integer mask's min
+    and max (its values then serve as the ones themselves: no comparison pass), a float mask's 0 and
+    count of entries neither 0 nor 1; a bool mask needs none.
     """
     masks = [(attention_mask, "attention_mask")] + ([(response_mask, "response_mask")] if check_response_mask else [])
-    ranges = [_range_of(mask) for mask, _ in masks]
-    # an integer mask checked to hold only 0 and 1 is its own ones: no comparison pass
-    ones = attention_mask if attention_mask.dtype.is_floating_point is False else attention_mask != 0
+    ones = attention_mask if not attention_mask.dtype.is_floating_point else attention_mask != 0
     width = ones.shape[1]
     packed = _fits_one_int64(width)
     if packed:
-        facts = (ones * _row_fact_weights(width, prompt_width, ones.device)).sum(-1, keepdim=True)
+        columns = [(ones * _row_fact_weights(width, prompt_width, ones.device)).sum(-1)]
     else:  # rows longer than ~65,000 tokens: the three sums apart
         cols = torch.arange(width, device=ones.device)
         moment = torch.where(cols < prompt_width, -cols, cols - prompt_width)
-        facts = torch.stack([ones.sum(-1), ones[:, :prompt_width].sum(-1), (ones * moment).sum(-1)], 1).to(torch.int64)
+        columns = [ones.sum(-1), ones[:, :prompt_width].sum(-1), (ones * moment).sum(-1)]
     if check_response_mask:
-        real = ones[:, prompt_width:] != 0
-        marked_padding = (response_mask != 0) & ~real
-        facts = torch.cat([facts, marked_padding.sum(-1, keepdim=True)], 1)
-    extra = [r for r in ranges if r is not None]
-    host = device_to_host(torch.cat([facts.flatten(), *extra]) if extra else facts)
-    if extra:
-        host, tail = host[: facts.numel()].reshape(facts.shape), host[facts.numel() :].tolist()
-    bad = []
-    for (mask, field), r in zip(masks, ranges):
-        if r is not None:
-            low, high, *tail = tail  # a float mask's (0, count of non-0/1 entries) passes as (0, 0) only
-            if low < 0 or high > (0 if mask.dtype.is_floating_point else 1):
-                bad.append((mask, field))
+        columns.append(((response_mask != 0) & (ones[:, prompt_width:] == 0)).sum(-1))
+    checked = [(mask, field) for mask, field in masks if mask.dtype != torch.bool and mask.numel()]
+    rows = columns[0] if len(columns) == 1 else torch.stack(columns, 1).flatten()
+    if rows.dtype != torch.int64:
+        rows = rows.to(torch.int64)
+    host = device_to_host(torch.cat([rows, *(_bounds(mask) for mask, _ in checked)]) if checked else rows)
+    count = rows.shape[0]
+    bad = [
+        (mask, field)  # a float mask's (0, count of non-0/1) passes as (0, 0) only
+        for k, (mask, field) in enumerate(checked)
+        if host[count + 2 * k] < 0 or host[count + 2 * k + 1] > (0 if mask.dtype.is_floating_point else 1)
+    ]
     if bad:
         return None, bad
-    return (_unpack_row_facts(host, width) if packed else host), []
+    facts = host[:count].reshape(-1, len(columns))
+    return (_unpack_row_facts(facts, width) if packed else facts), []
 
 
-def _range_of(mask: Tensor) -> Tensor | None:
-    """Two int64 device values that say whether ``mask`` holds only 0 and 1, or None (bool, empty):
-    an integer mask's (min, max), in [0, 1] for a 0/1 mask; a float mask's (0, entries neither 0 nor 1),
-    (0, 0) for a 0/1 mask. No sync."""
-    if mask.dtype == torch.bool or mask.numel() == 0:
-        return None
+def _bounds(mask: Tensor) -> Tensor:
+    """(2,) int64 on the mask's device: an integer mask's (min, max), in [0, 1] for a 0/1 mask; a
+    float mask's (0, entries neither 0 nor 1), (0, 0) for a 0/1 mask. No sync."""
     if mask.dtype.is_floating_point:
         return torch.stack([mask.new_zeros((), dtype=torch.int64), not_01(mask).sum()])
-    return torch.stack(torch.aminmax(mask)).to(torch.int64)
+    bounds = torch.stack(torch.aminmax(mask))
+    return bounds if bounds.dtype == torch.int64 else bounds.to(torch.int64)
 
 
 def _unpack_row_facts(host: Any, width: int) -> Any:
@@ -417,10 +414,9 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
         raise input_error("tensor", None, "a nested tensor ragged on dim 1", f"ragged dim {ragged_dim(tensor)}")
     offsets = _check_belongs_to_batch(tensor, values, data)
     way_back = response_gather(offsets) if offsets is not None else None
-    given_responses = _is_nested(data.get("responses", None)) or _is_nested(data.get("prompts", None))
-    if way_back is not None and not given_responses:  # nested responses define their own lengths
+    if way_back is not None and not _has_nested(data, "responses", "prompts"):  # those define their own lengths
         width = max_response_len if max_response_len is not None else _metadata_width(data)
-        if width is not None and width < way_back.longest:
+        if width is not None and width < way_back.width and width < way_back.longest:
             raise _cut(width, way_back.longest)
         if width in (None, way_back.width):
             return way_back.unpad(values)
@@ -442,6 +438,12 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
         width = to_host(resp_lens.max())[0]
     ends, resp_lens = ends.to(values.device), resp_lens.to(values.device)
     return gather_rows(values, ends - resp_lens - 1, None, resp_lens, width)
+
+
+def _has_nested(data: TensorDict, *keys: str) -> bool:
+    """Whether ``data`` holds any of ``keys`` as a nested tensor (a membership test first: cheap)."""
+    present = data.keys()
+    return any(key in present and _is_nested(data.get(key)) for key in keys)
 
 
 def _cut(width: int, longest: int) -> ValueError:
