@@ -2,14 +2,15 @@
 and the flags, numbers and options of a public entry point; and putting checked fields back.
 
 Every check here runs on the host, on Python values and tensor shapes and dtypes: none reads a
-tensor's values, so none adds a host sync.
+tensor's values, so none adds a host sync. THE int, flag and mask checks (``check_int``,
+``check_flag``, ``check_mask``) live in :mod:`nopad.errors`, below every module.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -38,8 +39,10 @@ def get_field(batch: Any, key: str, default: Any = None) -> Any:
         if isinstance(value, Tensor):  # ``.data`` of a nested tensor would build a new one (tens of us)
             return value
         value = batch.get_non_tensor(key)
-    else:
+    elif isinstance(batch, Mapping) or hasattr(batch, "get"):
         value = batch.get(key, None)
+    else:
+        raise input_error("data", None, "a micro batch: a TensorDict or a dict of fields", type(batch).__name__)
     value = one_value(value, f"data[{key!r}]")
     return default if value is None else value
 
@@ -87,14 +90,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 # ---- checks of the arguments of a public entry point --------------------------------------------
-def check_flag(value: Any, field: str) -> bool:
-    """A real boolean (``bool`` or numpy's ``bool_``), never a string or a number: ``"false"`` is
-    truthy in Python, so a flag read from text would silently turn the feature on."""
-    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
-        return bool(value)
-    raise input_error(field, None, "True or False (a bool)", f"{value!r} ({type(value).__name__})")
-
-
+# (THE int, flag and mask checks live in nopad.errors, below every module: check_int, check_flag, check_mask)
 def check_choice(value: Any, field: str, choices: Collection[str]) -> str:
     """One of ``choices`` (strings); anything else names them."""
     if not isinstance(value, str) or value not in choices:

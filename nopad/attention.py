@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nopad.errors import input_error
-from nopad.layout import IndexPlan, block_causal_mask
+from nopad.errors import check_int, free_to_read, input_error
+from nopad.layout import IndexPlan, block_causal_mask, to_host
 from nopad.parallel.ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
 
 IMPLEMENTATION = "nopad_varlen"
@@ -317,9 +317,20 @@ class _PerForward:
 _from_mask, _from_boundaries, _from_positions = _PerForward(), _PerForward(), _PerForward()
 
 
-def _given_boundaries(cu: Tensor, cu_k: Tensor | None, max_length: Any, device: torch.device) -> tuple[Tensor, int]:
-    if cu.dim() != 1 or cu.shape[0] < 2:
-        raise input_error("cu_seq_lens_q", None, "(sequences + 1,) boundaries", f"shape {tuple(cu.shape)}")
+def _given_boundaries(
+    cu: Any, cu_k: Tensor | None, max_length: Any, total: int, device: torch.device
+) -> tuple[Tensor, int]:
+    """Checked ``cu_seq_lens_q`` (and ``_k``, ``max_length_q``) as int32 boundaries on ``device``.
+
+    The boundaries must start at 0, never go down and end at the ``total`` tokens of the flattened
+    row, and ``max_length_q`` must hold the longest sequence: a kernel given others attends across
+    sequences, reads past the row or drops its tail. Checked where free: boundaries on the CPU are
+    read (host memory), and without ``max_length_q`` the one read that finds the longest sequence
+    carries the other checks too. Device boundaries with ``max_length_q`` given are not read.
+    """
+    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.shape[0] < 2 or cu.dtype.is_floating_point:
+        got = f"shape {tuple(cu.shape)}, dtype {cu.dtype}" if isinstance(cu, Tensor) else type(cu).__name__
+        raise input_error("cu_seq_lens_q", None, "(sequences + 1,) integer boundaries", got)
     if cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
         raise input_error(
             "cu_seq_lens_k",
@@ -327,8 +338,24 @@ def _given_boundaries(cu: Tensor, cu_k: Tensor | None, max_length: Any, device: 
             "the same boundaries as cu_seq_lens_q (self-attention)",
             f"{cu_k.tolist()} vs {cu.tolist()}",
         )
-    longest = int(cu.diff().max()) if max_length is None else int(max_length)  # a sync only when not given
-    return cu.to(device=device, dtype=torch.int32), longest
+    if max_length is not None and not isinstance(max_length, Tensor):
+        max_length = check_int(max_length, "max_length_q", low=0)
+    steps = cu.diff()
+    if max_length is None or free_to_read(cu):  # a read made anyway, or free: every check in it
+        first, last, lowest, longest = to_host(cu[0], cu[-1], steps.min(), steps.max())
+        if first != 0 or last != total or lowest < 0:
+            expected = f"boundaries rising from 0 to the row's {total} tokens"
+            raise input_error("cu_seq_lens_q", None, expected, f"{_shown(cu)}")
+        if max_length is not None and int(max_length) < longest:
+            expected = f"the longest sequence, {longest} tokens (a shorter max length cuts it)"
+            raise input_error("max_length_q", None, expected, f"{int(max_length)}")
+        max_length = longest if max_length is None else max_length
+    return cu.to(device=device, dtype=torch.int32), int(max_length)
+
+
+def _shown(cu: Tensor) -> str:
+    values = cu.tolist()
+    return str(values) if len(values) <= 10 else f"{str(values[:8])[:-1]}, ..., {values[-1]}]"
 
 
 def _boundaries(batch: int, length: int, device: torch.device, kwargs: dict) -> tuple[Tensor, int]:
@@ -338,7 +365,8 @@ def _boundaries(batch: int, length: int, device: torch.device, kwargs: dict) -> 
         cu_k, max_length = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_q")
         sources = (cu, cu_k, max_length if isinstance(max_length, Tensor) else None)
         given: Tensor = cu
-        return _from_boundaries.get(sources, lambda: _given_boundaries(given, cu_k, max_length, device))
+        total = batch * length
+        return _from_boundaries.get(sources, lambda: _given_boundaries(given, cu_k, max_length, total, device))
     position_ids = kwargs.get("position_ids")
     if position_ids is not None and position_ids.shape[-1] == length and position_ids.numel() == batch * length:
         plan = _from_positions.get((position_ids,), lambda: IndexPlan.from_position_ids(position_ids))
@@ -372,7 +400,8 @@ def nopad_varlen_attention(
 
     Boundaries, in this order: a (B, T) padding mask (rows unpadded, one sequence each);
     ``cu_seq_lens_q`` (+ ``max_length_q``) from the model kwargs, as
-    :func:`nopad.engines.fsdp.prepare_model_inputs` passes them; packed ``position_ids``
+    :func:`nopad.engines.fsdp.prepare_model_inputs` passes them (checked to rise from 0 to B * T,
+    with the max length holding the longest: see :func:`_given_boundaries`); packed ``position_ids``
     (a sequence starts where they do not count up by one, as HF's padding-free collators make
     them; one host sync per forward); else every row is one sequence.
     """
@@ -385,6 +414,8 @@ def nopad_varlen_attention(
             "without a KV cache (nopad_varlen does not serve generation)",
             f"shape {tuple(key.shape)}",
         )
+    if sliding_window is not None:  # a window of 0 masks every score: NaN attention, not an error
+        sliding_window = check_int(sliding_window, "sliding_window", low=1)
     sinks = kwargs.get("s_aux")
     causal = kwargs.get("is_causal")
     needs = Needs(

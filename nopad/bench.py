@@ -19,6 +19,7 @@ from torch import Tensor
 from nopad._batch import put_checked
 from nopad.compat import renamed_keyword
 from nopad.diagnostics import OpCounter
+from nopad.errors import check_int
 from nopad.layout import IndexPlan, prepare_offsets, wrap_jagged
 from nopad.ops import unpad_input
 from nopad.padding import left_right_2_no_padding, no_padding_2_padding, plan_left_right
@@ -113,7 +114,15 @@ def bench_conversions(
     repeats: int = 5,
     progress: bool = False,
 ) -> list[dict]:
-    """Rows of {conversion, B, nopad_ms, loop_ms, gather_ms, loop/nopad, nopad/gather}."""
+    """Rows of {conversion, B, nopad_ms, loop_ms, gather_ms, loop/nopad, nopad/gather}.
+
+    Batch sizes, widths and repeats are ints >= 1 (repeats=0 timed nothing: every time inf)."""
+    batch_sizes = [check_int(b, "batch_sizes", low=1) for b in batch_sizes]
+    prompt_width, resp_width = (
+        check_int(prompt_width, "prompt_width", low=1),
+        check_int(resp_width, "resp_width", low=1),
+    )
+    repeats = check_int(repeats, "repeats", low=1)
     rows = []
     iterator = batch_sizes
     if progress:

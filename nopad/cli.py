@@ -55,6 +55,8 @@ def output_problems(args: argparse.Namespace) -> list[str]:
         folder = os.path.dirname(os.path.abspath(path)) if isinstance(path, str) else None
         if folder is not None and not os.path.isdir(folder):
             problems.append(f"{_option(dest)}: expected a file in an existing folder, got {path!r}")
+        elif isinstance(path, str) and os.path.isdir(path):
+            problems.append(f"{_option(dest)}: expected a file to write, got the folder {path!r}")
     return problems
 
 

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from nopad.errors import input_error
-from nopad.ops import index_put_first_axis
+from nopad.errors import check_flag, check_int, check_mask, check_optional_int, free_to_read, input_error
+from nopad.ops import put_rows
 
 try:  # holds torch's constructor of jagged tensors, the one its own unpickler and view op call
     from torch.nested._internal import nested_tensor as _njt
@@ -30,6 +30,9 @@ def to_host(*scalars: Tensor) -> list[int]:
     """Fetch several 0-d device tensors in ONE device->host copy (one host sync)."""
     if not scalars:
         return []
+    if not all(isinstance(s, Tensor) and s.numel() == 1 for s in scalars):
+        got = [tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__ for s in scalars]
+        raise input_error("scalars", None, "0-d (one-element) tensors", f"{got}")
     as_int64 = [s if s.dim() == 0 and s.dtype == torch.int64 else s.reshape(()).to(torch.int64) for s in scalars]
     return torch.stack(as_int64).tolist()  # one device->host copy: tolist moves the stack in one go
 
@@ -92,8 +95,45 @@ def check_nested(x: object, field: str, *, ragged_dim: int | None = 1, value_dim
 
 
 def prepare_offsets(lengths: Tensor) -> Tensor:
-    """(B,) lengths -> (B+1,) int64 offsets (cu_seqlens) starting at 0. No sync."""
+    """(B,) integer lengths -> (B+1,) int64 offsets (cu_seqlens) starting at 0. No sync.
+
+    A float or bool tensor is refused (it would be cut to integers); the values are not read."""
+    if not isinstance(lengths, Tensor) or not _is_integer(lengths.dtype):
+        got = f"dtype {lengths.dtype}" if isinstance(lengths, Tensor) else type(lengths).__name__
+        raise input_error("lengths", None, "an integer tensor", got)
     return torch.nn.functional.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def as_lengths(lengths: Any, field: str, *, non_empty: bool = True) -> Tensor:
+    """THE reading of a (B,) integer argument (lengths, offsets, starts): a 1-D tensor of an integer
+    dtype, or a sequence / numpy array of integers, as an int64 tensor (on the tensor's device).
+
+    Nothing is rounded or converted: floats (3.7), bools and strings are refused, and so are unsigned
+    values past int64. Reads no tensor values (no sync)."""
+    if isinstance(lengths, Tensor):
+        if is_nested(lengths) or not _is_integer(lengths.dtype):
+            got = "a nested tensor" if is_nested(lengths) else f"dtype {lengths.dtype}"
+            raise input_error(field, None, "a 1-D tensor or sequence of integers", got)
+        tensor = lengths
+    else:
+        try:
+            array = np.asarray(lengths)
+        except (TypeError, ValueError):
+            array = np.asarray(None)
+        if array.dtype.kind not in "iu" and not (array.dtype.kind == "f" and array.size == 0):
+            got = f"{type(lengths).__name__} of dtype {array.dtype}" if array.ndim else type(lengths).__name__
+            raise input_error(field, None, "a 1-D tensor or sequence of integers (nothing is rounded)", got)
+        if array.dtype.kind == "u" and array.size and array.max() > np.iinfo(np.int64).max:
+            raise input_error(field, None, "integers below 2**63", f"{int(array.max())}")
+        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    if tensor.dim() != 1 or (non_empty and tensor.shape[0] == 0):
+        expected = "a non-empty 1-D tensor" if non_empty else "a 1-D tensor"
+        raise input_error(field, None, expected, f"shape {tuple(tensor.shape)}")
+    return tensor.to(torch.int64)
 
 
 def round_up(n: Any, multiple: Any) -> Any:
@@ -109,7 +149,7 @@ def spread_over_tokens(per_row: Tensor, offsets: Tensor, total: int, *, plus_pos
     first token and one cumsum carries it on. An empty row's change lands where the next row's
     does, so the two add up and empty rows need no care. No sync (``total`` is given).
     """
-    step = int(plus_position)
+    step = int(check_flag(plus_position, "plus_position"))
     change = torch.diff(per_row, prepend=per_row.new_full((1,), step))
     tokens = per_row.new_full((total + 1,), step)  # the extra slot takes trailing empty rows
     return tokens.index_add_(0, offsets[:-1].to(per_row.device), change).cumsum_(0)[:total]
@@ -285,6 +325,7 @@ def gather_rows(values: Tensor, src_start: Tensor, lo: Tensor | None, hi: Tensor
     ``lo=None`` means 0. A dense gather over B * width slots: no sync, no Python loop, autograd
     flows to ``values``.
     """
+    width = check_int(width, "width", low=0)
     n, rows = values.shape[0], src_start.shape[0]
     if n == 0:  # nothing to gather from (every row empty)
         return values.new_zeros((rows, width, *values.shape[1:]))
@@ -337,11 +378,21 @@ class IndexPlan:
         self._host: tuple[np.ndarray, np.ndarray, int | None] | None = None  # from_runs' own input
         self._seqlen_cache: dict[str, Tensor] | None = None
         self.responses: ResponseGather | None = None
+        # where the longest run of real tokens ends (max of starts + lengths), when known on the host;
+        # right-padded plans know it as their max length
+        self._end: int | None = max_seqlen if starts is None or max_seqlen is None else None
+        self._nested_offsets: Tensor | None = None  # the offsets of the nested tensor this plan was read from
+        self._source_mask: Any = None  # (weakref to the mask, its version) of plan_left_right
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
     def from_mask(cls, mask: Tensor) -> IndexPlan:
-        """Any (B, S) 0/1 mask, holes allowed. One sync (``nonzero``)."""
+        """Any (B, S) 0/1 mask (:func:`nopad.errors.check_mask`), holes allowed. One sync (``nonzero``).
+
+        The mask's values are checked where that is free: a bool mask needs nothing, a CPU mask is
+        read (host memory); a non-bool mask on a device is not read for the check (it would be a
+        second sync): there any nonzero entry counts as a one."""
+        check_mask(mask, "mask")
         if mask.dim() != 2:
             raise input_error("mask", None, "a (batch, seqlen) tensor", f"shape {tuple(mask.shape)}")
         indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
@@ -372,7 +423,7 @@ class IndexPlan:
         np.cumsum(lengths, out=offsets[1:])
         total = int(offsets[-1])
         firsts, spans = [rows * width + starts], [lengths]
-        response_total = 0
+        response_total, response_lens = 0, np.zeros(0, dtype=np.int64)
         if response_width is not None:
             response_lens = np.maximum(starts + lengths - (width - response_width), 0)
             prompt_lens = lengths - response_lens
@@ -400,7 +451,7 @@ class IndexPlan:
         plan._host = (lengths, starts, response_width)
         remember_host_lengths(offsets_d, lengths)
         if response_width is not None and source is not None and slot is not None:
-            plan.responses = ResponseGather(len(lengths), response_width, total, source, slot)
+            plan.responses = ResponseGather(len(lengths), response_width, total, source, slot, response_lens)
             _RESPONSES[offsets_d] = plan.responses
         return plan
 
@@ -417,34 +468,59 @@ class IndexPlan:
     ) -> IndexPlan:
         """Rows whose real tokens are one run starting at ``starts`` (default 0: right padding).
 
-        One sync fetching total, max and min length together, unless ``total`` is given.
-        ``width`` defaults to the max length.
+        ``lengths`` and ``starts`` are integers (a tensor of an integer dtype or a sequence of ints:
+        3.7 is refused, not cut to 3). One sync fetching total, max and min length together, unless
+        ``total`` is given. ``width`` defaults to the max length; every run must end within it
+        (checked on the host: free when the lengths are fetched or live on the CPU; given ``total``
+        and device lengths, the caller vouches for them and for ``total``).
         """
-        lengths = torch.as_tensor(lengths, dtype=torch.int64)
-        if lengths.dim() != 1 or lengths.shape[0] == 0:
-            raise input_error("lengths", None, "a non-empty 1-D tensor", f"shape {tuple(lengths.shape)}")
-        if total is None:
-            total, max_seqlen, min_seqlen = to_host(lengths.sum(), lengths.max(), lengths.min())
-            if min_seqlen < 0:
-                raise input_error("lengths", None, "lengths >= 0", f"min length {min_seqlen}")
+        lengths = as_lengths(lengths, "lengths")
+        width = check_optional_int(width, "width", low=0)
+        total = check_optional_int(total, "total", low=0)
+        max_seqlen = check_optional_int(max_seqlen, "max_seqlen", low=0)
+        min_seqlen = check_optional_int(min_seqlen, "min_seqlen", low=0)
+        if starts is not None:
+            starts = as_lengths(starts, "starts").to(lengths.device)
+            if starts.shape != lengths.shape:
+                raise input_error(
+                    "starts", None, f"shape {tuple(lengths.shape)} like lengths", f"{tuple(starts.shape)}"
+                )
+        end: int | None = None  # where the longest run of real tokens ends, when known on the host
+        ends = lengths if starts is None else lengths + starts
+        if total is None or free_to_read(lengths):  # host facts: fetched (one sync), or read for free
+            first = (lengths if starts is None else torch.minimum(lengths, starts)).min()
+            count, longest, shortest, end, lowest = to_host(
+                lengths.sum(), lengths.max(), lengths.min(), ends.max(), first
+            )
+            if lowest < 0:
+                _refuse_negative(lengths, starts)
+            if total is not None and total != count:
+                raise input_error("total", None, f"the sum of the lengths, {count}", f"{total}")
+            total, max_seqlen, min_seqlen = count, longest, shortest
+        elif starts is None:
+            end = max_seqlen
         if width is None:
-            width = max_seqlen if max_seqlen is not None else to_host(lengths.max())[0]
-        if starts is None:
-            starts = torch.zeros_like(lengths)
-        return cls(
+            width = end if end is not None else to_host(ends.max())[0]
+        elif end is not None and end > width:
+            raise input_error("width", None, f">= {end}, where the longest run of real tokens ends", f"{width}")
+        plan = cls(
             lengths,
             prepare_offsets(lengths),
             total=total,
             width=width,
-            starts=starts,
+            starts=torch.zeros_like(lengths) if starts is None else starts,
             max_seqlen=max_seqlen,
             min_seqlen=min_seqlen,
         )
+        plan._end = end
+        return plan
 
     @classmethod
     def from_offsets(cls, offsets: Tensor, *, width: int | None = None) -> IndexPlan:
-        """(B+1,) cu_seqlens -> plan of right-padded rows. One sync (total, max, min)."""
-        offsets = torch.as_tensor(offsets, dtype=torch.int64)
+        """(B+1,) integer cu_seqlens -> plan of right-padded rows. One sync (total, max, min).
+
+        ``width``, when given, must hold the longest row (checked in the same sync)."""
+        offsets = as_lengths(offsets, "offsets")
         if offsets.dim() != 1 or offsets.shape[0] < 2:
             raise input_error(
                 "offsets", None, "a 1-D tensor of batch+1 >= 2 boundaries", f"shape {tuple(offsets.shape)}"
@@ -452,7 +528,20 @@ class IndexPlan:
         first, total, max_len, min_len = to_host(offsets[0], offsets[-1], offsets.diff().max(), offsets.diff().min())
         if first != 0 or min_len < 0:
             raise input_error("offsets", None, "boundaries starting at 0 that never go down", f"{offsets.tolist()}")
-        return cls.from_lengths(offsets.diff(), width=width, total=total, max_seqlen=max_len, min_seqlen=min_len)
+        width = check_optional_int(width, "width", low=0)
+        if width is not None and max_len > width:
+            raise input_error("width", None, f">= {max_len}, the longest row", f"{width}")
+        lengths = offsets.diff()
+        width = max_len if width is None else width
+        return cls(
+            lengths,
+            offsets,
+            total=total,
+            width=width,
+            starts=torch.zeros_like(lengths),
+            max_seqlen=max_len,
+            min_seqlen=min_len,
+        )
 
     @classmethod
     def from_position_ids(cls, position_ids: Tensor) -> IndexPlan:
@@ -492,15 +581,24 @@ class IndexPlan:
 
     @classmethod
     def from_nested(cls, nested: Tensor, *, width: int | None = None) -> IndexPlan:
-        """Plan of a jagged nested tensor's rows (right padding). No sync if width is given."""
+        """Plan of a jagged nested tensor's rows (right padding). No sync if width is given.
+
+        ``width`` must hold the longest row: checked on the host from the longest length the nested
+        tensor records (nopad's all do), or from CPU offsets; device offsets without a record are not
+        read for it (a sync): the caller vouches for the width then."""
         if not is_nested(nested):
-            raise input_error(
-                "tensor", None, "a jagged nested tensor", f"a dense tensor of shape {tuple(nested.shape)}"
+            got = (
+                f"a dense tensor of shape {tuple(nested.shape)}"
+                if isinstance(nested, Tensor)
+                else type(nested).__name__
             )
-        offsets = nested_offsets(nested).to(torch.int64)
+            raise input_error("tensor", None, "a jagged nested tensor", got)
+        width = check_optional_int(width, "width", low=0)
+        source = nested_offsets(nested)
+        offsets = source.to(torch.int64)
         total = jagged_values(nested).shape[ragged_dim(nested) - 1]
         lengths = offsets.diff()
-        return cls(
+        plan = cls(
             lengths,
             offsets,
             total=total,
@@ -509,6 +607,11 @@ class IndexPlan:
             max_seqlen=_cached_seqlen(nested, "_maybe_max_seqlen"),
             min_seqlen=_cached_seqlen(nested, "_maybe_min_seqlen"),
         )
+        plan._end = plan._max_seqlen
+        plan._nested_offsets = source
+        if width is not None:
+            plan._check_fits(width, "width")
+        return plan
 
     # ---- derived quantities -------------------------------------------------------------
     @property
@@ -566,6 +669,8 @@ class IndexPlan:
         convention for that slot; the FSDP, Megatron (``need_roll``) and packing paths all produce it.
         No sync.
         """
+        if values.shape[0] != self.total:
+            raise input_error("values", None, f"{self.total} tokens on dim 0", f"shape {tuple(values.shape)}")
         last = self.last_token_mask.to(values.device).view(-1, *([1] * (values.dim() - 1)))
         pad = torch.as_tensor(pad_value, dtype=values.dtype, device=values.device)
         return torch.where(last, pad, values.roll(-1, 0))
@@ -583,6 +688,8 @@ class IndexPlan:
     def token_index(self, row_start: Tensor) -> Tensor:
         """(total,) ``row_start[b] + k`` for the k-th token of row b: where each token sits in a
         flat buffer whose row b begins at ``row_start[b]``. No sync."""
+        if row_start.shape != (self.batch_size,):
+            raise input_error("row_start", None, f"shape ({self.batch_size},)", f"{tuple(row_start.shape)}")
         shift = row_start.to(self.offsets.device) - self.offsets[:-1]
         return spread_over_tokens(shift, self.offsets, self.total, plus_position=True)
 
@@ -599,14 +706,17 @@ class IndexPlan:
         min / max lengths are already host ints. On the host side this materialises the indices.
         """
         device = torch.device(device)
+        non_blocking = check_flag(non_blocking, "non_blocking")
         if self.device == device:
             return self
         if self._host is not None:  # rebuilt from its host arrays: a few (B,) values cross, not the indices
             host_lengths, host_starts, response_width = self._host
             assert self.width is not None  # from_runs always records it
-            return IndexPlan.from_runs(
+            moved = IndexPlan.from_runs(
                 host_lengths, host_starts, width=self.width, device=device, response_width=response_width
             )
+            moved._source_mask = self._source_mask
+            return moved
         parts = [self.lengths, self.offsets]
         if self.starts is not None:
             parts.append(self.starts)
@@ -642,13 +752,18 @@ class IndexPlan:
         No sync when the width is known. ``width`` may differ from the plan's only for
         right-padded plans (``starts`` all 0), e.g. to pad nested rows to a chosen width.
         """
-        if values.shape[0] != self.total:
-            raise input_error("values", None, f"{self.total} tokens on dim 0", f"shape {tuple(values.shape)}")
+        if not isinstance(values, Tensor) or values.dim() < 1 or values.shape[0] != self.total:
+            got = f"shape {tuple(values.shape)}" if isinstance(values, Tensor) else type(values).__name__
+            raise input_error("values", None, f"{self.total} tokens on dim 0", got)
+        if width is not None:
+            width = check_int(width, "width", low=0)
+            if width != self.width and self.starts is not None:
+                self._check_fits(width, "width")
         width = self._width(width)
         if self.starts is None:
             if width != self.width:
                 raise input_error("width", None, f"the mask's width {self.width}", f"{width}")
-            flat = index_put_first_axis(values, self.indices, self.batch_size * width)
+            flat = put_rows(values, self.indices, self.batch_size * width)
             return flat.view(self.batch_size, width, *values.shape[1:])
         return gather_rows(values, self.offsets[:-1] - self.starts, self.starts, self.starts + self.lengths, width)
 
@@ -657,6 +772,9 @@ class IndexPlan:
 
         Every field of the plan shares one offsets tensor and one pair of min / max length records.
         """
+        if not isinstance(values, Tensor) or values.dim() < ragged_dim or values.shape[ragged_dim - 1] != self.total:
+            got = f"shape {tuple(values.shape)}" if isinstance(values, Tensor) else type(values).__name__
+            raise input_error("values", None, f"{self.total} tokens on dim {ragged_dim - 1}", got)
         if self._seqlen_cache is None and self._max_seqlen is not None and self._min_seqlen is not None:
             self._seqlen_cache = seqlen_records(self._min_seqlen, self._max_seqlen)
         return wrap_jagged(
@@ -684,13 +802,19 @@ class IndexPlan:
         return self.to_nested(values, ragged_dim=seq_dim)
 
     def unnest(self, nested: Tensor, width: int | None = None) -> Tensor:
-        """Nested (B, j, *) or (B, C, j) -> padded (B, width, *) or (B, C, width)."""
+        """Nested (B, j, *) or (B, C, j) -> padded (B, width, *) or (B, C, width).
+
+        ``nested`` must have this plan's rows: checked by identity of its offsets (free), or on the
+        CPU by value; device offsets that are another tensor are not read (the caller's contract)."""
+        self.check_rows(nested, "nested")
         ragged = ragged_dim(nested)
         values = jagged_values(nested).movedim(ragged - 1, 0)
         return self.unpack(values, width).movedim(1, ragged)
 
     def split(self, values: Tensor) -> list[Tensor]:
         """(total, *) -> one tensor per row. One sync; for inspection, not for a hot path."""
+        if values.shape[0] != self.total:
+            raise input_error("values", None, f"{self.total} tokens on dim 0", f"shape {tuple(values.shape)}")
         return list(values.split(self.lengths.tolist()))
 
     # ---- checks -------------------------------------------------------------------------
@@ -717,7 +841,44 @@ class IndexPlan:
                 raise input_error("lengths", row, expected, f"length {int(lengths[row])}, start {int(starts[row])}")
         return self
 
+    def check_rows(self, nested: Tensor, field: str) -> None:
+        """Refuse a nested tensor whose rows are not this plan's, where that is free: its offsets are
+        the plan's own (or the ones it was read from) by identity, or live on the CPU and are compared
+        by value (host memory, no device sync). Other offsets on a device are not read: a host sync
+        would be the price, so the caller vouches for them."""
+        if not is_nested(nested):
+            got = (
+                f"a dense tensor of shape {tuple(nested.shape)}"
+                if isinstance(nested, Tensor)
+                else type(nested).__name__
+            )
+            raise input_error(field, None, "a jagged nested tensor", got)
+        offsets = nested_offsets(nested)
+        if offsets is self.offsets or offsets is self._nested_offsets:
+            return
+        expected = f"the plan's {self.batch_size} rows of {self.total} tokens"
+        total = jagged_values(nested).shape[ragged_dim(nested) - 1]
+        if offsets.shape[0] != self.batch_size + 1 or total != self.total:
+            raise input_error(field, None, expected, f"{offsets.shape[0] - 1} rows of {total} tokens")
+        if free_to_read(offsets, self.offsets):
+            if not torch.equal(offsets.to(torch.int64), self.offsets):
+                raise input_error(field, None, f"{expected} and their boundaries", "other boundaries (another batch?)")
+
     # ---- internals ----------------------------------------------------------------------
+    def _check_fits(self, width: int, field: str) -> None:
+        """Refuse a padded width that would cut a row (its gather would read past the row's end):
+        from the host-known end of the longest run, or the CPU lengths (a read of host memory);
+        device lengths with no host record are not read for it."""
+        end = self._end
+        if end is None and self._host is not None:  # from_runs: the host arrays it was laid out from
+            host_lengths, host_starts, _ = self._host
+            end = self._end = int((host_starts + host_lengths).max()) if len(host_lengths) else 0
+        if end is None and self.batch_size and free_to_read(self.lengths):
+            ends = self.lengths if self.starts is None else self.lengths + self.starts.to(self.lengths.device)
+            end = self._end = int(ends.max())
+        if end is not None and end > width:
+            raise input_error(field, None, f">= {end}, where the longest run of real tokens ends", f"{width}")
+
     def _width(self, width: int | None) -> int:
         if width is not None:
             return width
@@ -752,9 +913,19 @@ class ResponseGather:
     Built once by :meth:`IndexPlan.from_runs`, so the way back is four ops.
     """
 
-    def __init__(self, batch: int, width: int, total: int, source: Tensor, slot: Tensor) -> None:
+    def __init__(
+        self, batch: int, width: int, total: int, source: Tensor, slot: Tensor, lengths: np.ndarray | None = None
+    ) -> None:
         self.batch, self.width, self.total = batch, width, total
         self.source, self.slot = source, slot
+        self._lengths = lengths  # each row's response length, on the host
+
+    @property
+    def longest(self) -> int:
+        """The longest response (host arithmetic on the plan's own lengths; the width when unknown)."""
+        if self._lengths is None:
+            return self.width
+        return int(self._lengths.max()) if len(self._lengths) else 0
 
     def unpad(self, values: Tensor) -> Tensor:
         """(total, *) -> (B, R, *), zero where a row has no response token. Four ops, no sync; autograd
@@ -792,6 +963,14 @@ def remember_host_lengths(offsets: Tensor, lengths: np.ndarray) -> None:
 def known_host_lengths(offsets: Tensor) -> np.ndarray | None:
     """The host row lengths recorded for these very offsets (identity, not value), or None."""
     return _HOST_LENGTHS.get(offsets)
+
+
+def _refuse_negative(lengths: Tensor, starts: Tensor | None) -> None:
+    """The error for a negative length or start, naming the first such row (an error path: it reads)."""
+    for field, values in (("lengths", lengths), ("starts", starts)):
+        if values is not None and bool((values < 0).any()):
+            row = int((values < 0).nonzero()[0])
+            raise input_error(field, row, "a value >= 0", f"{int(values[row])}")
 
 
 def _cached_seqlen(nested: Tensor, attr: str) -> int | None:

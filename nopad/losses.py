@@ -16,17 +16,23 @@ No host syncs: metrics are returned as detached 0-d tensors (call ``.item()`` or
 
 Bad input is refused before any work, on the host: every option is a real bool, one of its
 documented strings or a finite number in range, and every tensor has the shape and dtype it must.
-Values that live on a device are never read for a check; where one could still be wrong (a
-tensor figure below 1, an output whose sequence boundaries differ from the batch's but are a
-different tensor on a GPU) the loss turns NaN instead of silently taking another value.
+Each public function checks its arguments once, and what it calls trusts them (``ppo_loss`` checks
+its config once, in :meth:`LossConfig.from_any`, and its figures once for all its aggregations).
+Every mask is a 0/1 mask (:func:`nopad.errors.check_mask`): a mask of 2, 0.5 or -1 is refused,
+never read as 1 nor as a weight (verl's masked sums would weight by it; weights have their own
+input, ``rollout_is_weights``). Values that live on a device are never read for a check; where one
+could still be wrong (a tensor figure below 1, a mask that is not 0/1, an output whose sequence
+boundaries differ from the batch's but are a different tensor on a GPU) the loss turns NaN instead
+of silently taking another value. On the CPU the same checks read host memory and refuse.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +40,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import check_choice, check_flag, check_real, check_real_dtype, get_field
-from nopad.errors import check_int, input_error
+from nopad._batch import check_choice, check_real, check_real_dtype, get_field
+from nopad.errors import check_flag, check_int, check_mask, check_optional_int, input_error, mask_error, mask_flag
 from nopad.layout import IndexPlan, jagged_values, nested_offsets, ragged_dim, to_host, wrap_jagged
 from nopad.layout import is_nested as _is_nested
 from nopad.padding import no_padding_2_padding
@@ -55,7 +61,8 @@ class LossConfig:
     dual-clip bound for negative advantages (must be > 1). ``loss_scale_factor`` is the divisor of
     ``seq-mean-token-sum-norm`` (default: the padded response width).
 
-    Checked on construction and again by :meth:`from_any` (a field may be set afterwards):
+    Checked on construction and again by :meth:`from_any` (a field may be set afterwards), once per
+    loss call:
     ``use_kl_loss`` a real bool; ``loss_agg_mode`` / ``kl_loss_type`` one of their names; every
     ratio, coefficient and factor a finite number: clip ratios >= 0 (the low one <= 1, so that
     1 - low stays a ratio), ``clip_ratio_c`` > 1, ``entropy_coeff`` / ``kl_loss_coef`` /
@@ -88,29 +95,79 @@ class LossConfig:
         _check_scale(self.loss_scale_factor, "config.loss_scale_factor")
         return self
 
+    def clip_bounds(self) -> tuple[float, float]:
+        """(low, high): the clip ratios in use, each defaulting to ``clip_ratio``."""
+        low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+        high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+        return float(low), float(high)
+
     @classmethod
     def from_any(cls, config: Any) -> LossConfig:
-        """A LossConfig, a dict, or any object with these attributes (verl ActorConfig, omegaconf)."""
+        """A LossConfig, a mapping (dict, omegaconf DictConfig), or an object with these attributes
+        (verl's ActorConfig / CriticConfig); None for the defaults.
+
+        Keys that are not fields are left alone (verl's configs carry many), except one that nearly
+        spells a field (``clip_ratio_hgih``, ``Loss_Agg_Mode``): it is refused, since its value would
+        be ignored silently. A list, a string or a number is not a config.
+        """
         if isinstance(config, cls):
             return config.validate()
         if config is None:
             return cls()
-        loss_mode = _read(_read(config, "policy_loss"), "loss_mode")
+        keys = _config_keys(config) or []
+        fields = [field.name for field in dataclasses.fields(cls)]
+        for key in keys:
+            near = _near_miss(key, (*fields, "policy_loss"))
+            if near is not None:
+                raise input_error(f"config key {key!r}", None, f"{near!r} (a near-miss would be ignored)", repr(key))
+        policy = _read(config, "policy_loss")
+        if policy is not None and (isinstance(policy, (str, bytes, numbers.Number)) or _config_keys(policy) is None):
+            raise input_error("config.policy_loss", None, "a config with loss_mode ('vanilla')", repr(policy))
+        loss_mode = _read(policy, "loss_mode")
         if loss_mode not in (None, "vanilla"):
             raise input_error(
                 "config.policy_loss.loss_mode", None, "'vanilla' (the PPO loss nopad implements)", repr(loss_mode)
             )
-        values = {field.name: _read(config, field.name) for field in dataclasses.fields(cls)}
+        values = {name: _read(config, name) for name in fields}
         return cls(**{name: value for name, value in values.items() if value is not None})
+
+
+def _config_keys(config: Any) -> list[str] | None:
+    """The keys (or attribute names) of a config: a mapping's keys, an object's ``vars``; refuses
+    what cannot be a config (a string, a sequence, a number). None for an object without ``vars``."""
+    if _is_mapping(config):
+        return [str(k) for k in config.keys()]
+    if isinstance(config, (str, bytes, Sequence, numbers.Number)) or isinstance(config, Tensor):
+        expected = "a LossConfig, a dict or a config object with its fields (verl's ActorConfig)"
+        raise input_error("config", None, expected, f"{type(config).__name__} {config!r:.60}")
+    try:
+        return [str(k) for k in vars(config)]
+    except TypeError:
+        return None
+
+
+def _is_mapping(config: Any) -> bool:
+    return isinstance(config, Mapping) or (hasattr(config, "keys") and hasattr(config, "get"))
 
 
 def _read(config: Any, key: str) -> Any:
     """config[key] for a mapping (dict, omegaconf DictConfig), else the attribute; None if absent."""
     if config is None:
         return None
-    if isinstance(config, Mapping) or (hasattr(config, "keys") and hasattr(config, "get")):
+    if _is_mapping(config):
         return config.get(key, None)
     return getattr(config, key, None)
+
+
+def _near_miss(key: str, known: Sequence[str]) -> str | None:
+    """The field ``key`` nearly spells (case, separators, one or two letters off), else None."""
+    if key in known or key.startswith("_"):
+        return None
+    plain = key.lower().replace("-", "_")
+    for name in known:
+        if plain == name or difflib.SequenceMatcher(None, plain, name).ratio() >= 0.9:
+            return name
+    return None
 
 
 def global_batch_info(response_mask: Tensor, dp_group=None) -> dict[str, int]:
@@ -119,8 +176,10 @@ def global_batch_info(response_mask: Tensor, dp_group=None) -> dict[str, int]:
     Call it once per mini batch, before splitting it into micro batches, and put the three figures
     into every micro batch (``data.set_non_tensor(key, value)``). ``global_batch_size`` counts the
     rows with at least one loss token: fully masked rows are excluded from sequence means.
-    One host sync, plus one all_reduce when torch.distributed is initialised.
+    One host sync, plus one all_reduce when torch.distributed is initialised. ``response_mask`` is a
+    0/1 mask, checked in the same read (this rank's; another rank checks its own).
     """
+    only_01 = mask_flag(response_mask, "response_mask")
     if response_mask.dim() != 2:
         raise input_error("response_mask", None, "shape (batch, response_len)", f"{tuple(response_mask.shape)}")
     mask = response_mask.bool()
@@ -129,7 +188,9 @@ def global_batch_info(response_mask: Tensor, dp_group=None) -> dict[str, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         dp_size = torch.distributed.get_world_size(dp_group)
         torch.distributed.all_reduce(figures, group=dp_group)
-    num_tokens, num_seqs = to_host(figures[0], figures[1])
+    num_tokens, num_seqs, *ok = to_host(figures[0], figures[1], *([only_01] if only_01 is not None else []))
+    if ok and not ok[0]:
+        raise mask_error(response_mask, "response_mask")
     return {"dp_size": dp_size, "batch_num_tokens": num_tokens, "global_batch_size": num_seqs}
 
 
@@ -161,10 +222,21 @@ def agg_loss(
 
     The figures are ints >= 1 (or None); a figure given as a 0-d tensor is not read (a sync): one
     below 1 makes the loss NaN rather than a sum. ``loss_scale_factor`` is a finite number > 0.
+    ``loss_mask`` is a 0/1 mask (:func:`nopad.errors.check_mask`): on the CPU a 2, 0.5 or -1 is
+    refused; on a device it is not read, and such a mask makes the loss NaN.
     """
     _check_agg_mode(loss_agg_mode, "loss_agg_mode")
     check_real_dtype(loss_mat, "loss_mat")
     _check_same_shape(loss_mask, "loss_mask", loss_mat, "loss_mat")
+    only_01 = check_mask(loss_mask, "loss_mask")
+    figures = _checked_figures(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    return _poison_unless(only_01, _aggregate(loss_mat, loss_mask.bool(), loss_agg_mode, **figures))
+
+
+def _checked_figures(
+    loss_agg_mode: str, dp_size: Any, batch_num_tokens: Any, global_batch_size: Any, loss_scale_factor: Any
+) -> dict[str, Any]:
+    """THE check of the global figures (once per loss call, for every aggregation it makes)."""
     dp_size = check_int(dp_size, "dp_size", low=1)
     batch_num_tokens = _check_figure(batch_num_tokens, "batch_num_tokens")
     global_batch_size = _check_figure(global_batch_size, "global_batch_size")
@@ -179,7 +251,24 @@ def agg_loss(
             "(see nopad.losses.global_batch_info)",
             "None",
         )
-    mask = loss_mask.bool()
+    return {
+        "dp_size": dp_size,
+        "batch_num_tokens": batch_num_tokens,
+        "global_batch_size": global_batch_size,
+        "loss_scale_factor": loss_scale_factor,
+    }
+
+
+def _aggregate(
+    loss_mat: Tensor,
+    mask: Tensor,
+    loss_agg_mode: str,
+    dp_size: int,
+    batch_num_tokens: int | Tensor | None,
+    global_batch_size: int | Tensor | None,
+    loss_scale_factor: float | None,
+) -> Tensor:
+    """:func:`agg_loss` of checked arguments and a bool ``mask``."""
     row_sums = torch.where(mask, loss_mat, 0.0).sum(-1)
     if loss_agg_mode == "token-mean":
         return row_sums.sum() / _count(batch_num_tokens, mask.sum()) * dp_size
@@ -190,14 +279,19 @@ def agg_loss(
         row_sums = row_sums / row_tokens.clamp(min=1)
     loss = row_sums.sum() / _count(global_batch_size, (row_tokens > 0).sum()) * dp_size
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        loss = loss / (loss_scale_factor if loss_scale_factor is not None else loss_mask.shape[-1])
+        loss = loss / (loss_scale_factor if loss_scale_factor is not None else mask.shape[-1])
     return loss
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` where ``mask`` is set; 0 for an empty mask. No sync."""
+    """Mean of ``values`` where the 0/1 ``mask`` is set; 0 for an empty mask. No sync (a device mask
+    that is not 0/1 gives NaN; on the CPU it is refused)."""
     _check_same_shape(mask, "mask", check_real_dtype(values, "values"), "values")
-    mask = mask.bool()
+    only_01 = check_mask(mask, "mask")
+    return _poison_unless(only_01, _masked_mean(values, mask.bool()))
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
 
 
@@ -227,6 +321,7 @@ def compute_policy_loss(
     Metrics (means over this micro batch's masked tokens, detached): actor/pg_clipfrac,
     actor/ppo_kl, actor/pg_clipfrac_lower. Inputs under a zero mask must be finite here (their
     gradient is 0 * d(...)); :func:`ppo_loss` zeroes the rollout's padding before calling this.
+    ``response_mask`` is a 0/1 mask (see :func:`agg_loss`).
     """
     low, high = _check_clip(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
     _check_mask(response_mask, "response_mask")
@@ -239,6 +334,34 @@ def compute_policy_loss(
         if x is not None:
             _check_same_shape(x, name, response_mask, "response_mask")
             check_real_dtype(x, name, floating=True)
+    only_01 = check_mask(response_mask, "response_mask")
+    figures = _checked_figures(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    _check_agg_mode(loss_agg_mode, "loss_agg_mode")
+    loss, metrics = _policy_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask.bool(),
+        loss_agg_mode,
+        (low, high, clip_ratio_c),
+        rollout_is_weights,
+        figures,
+    )
+    return _poison_unless(only_01, loss), {k: _poison_unless(only_01, v) for k, v in metrics.items()}
+
+
+def _policy_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str,
+    clip: tuple[float, float, float],
+    rollout_is_weights: Tensor | None,
+    figures: dict[str, Any],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`compute_policy_loss` of checked arguments, a bool mask and the (low, high, c) clip bounds."""
+    low, high, clip_ratio_c = clip
     log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -249,14 +372,12 @@ def compute_policy_loss(
     pg_losses = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
-    loss = agg_loss(
-        pg_losses, response_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor
-    )
+    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, **figures)
     with torch.no_grad():
         metrics = {
-            "actor/pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
-            "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
-            "actor/pg_clipfrac_lower": masked_mean(((clip_loss > dual_bound) & negative).float(), response_mask),
+            "actor/pg_clipfrac": _masked_mean((clipped > unclipped).float(), response_mask),
+            "actor/ppo_kl": _masked_mean(-log_ratio, response_mask),
+            "actor/pg_clipfrac_lower": _masked_mean(((clip_loss > dual_bound) & negative).float(), response_mask),
         }
     return loss, metrics
 
@@ -287,6 +408,11 @@ def kl_penalty(
     check_real_dtype(logprob, "logprob", floating=True)
     _check_same_shape(ref_logprob, "ref_logprob", logprob, "logprob")
     check_real_dtype(ref_logprob, "ref_logprob", floating=True)
+    return _kl(logprob, ref_logprob, kind)
+
+
+def _kl(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
+    """:func:`kl_penalty` of checked arguments."""
     value = _kl_value(logprob, ref_logprob, kind.removesuffix("+"))
     if not kind.endswith("+") or kind in ("k2+", "mse+"):
         return value
@@ -323,26 +449,36 @@ def compute_value_loss(
 
     All tensors (B, R); ``values`` are the rollout's old value estimates. The clip fraction is the
     masked mean, over this micro batch, of tokens where the clipped term is the larger (detached).
+    ``response_mask`` is a 0/1 mask (see :func:`agg_loss`).
     """
     _check_mask(response_mask, "response_mask")
     cliprange_value = check_real(cliprange_value, "cliprange_value", low=0)
     for name, x in (("vpreds", vpreds), ("returns", returns), ("values", values)):
         _check_same_shape(x, name, response_mask, "response_mask")
         check_real_dtype(x, name, floating=True)
+    _check_agg_mode(loss_agg_mode, "loss_agg_mode")
+    only_01 = check_mask(response_mask, "response_mask")
+    figures = _checked_figures(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    loss, clipfrac = _value_loss(vpreds, returns, values, response_mask.bool(), cliprange_value, loss_agg_mode, figures)
+    return _poison_unless(only_01, loss), _poison_unless(only_01, clipfrac)
+
+
+def _value_loss(
+    vpreds: Tensor,
+    returns: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str,
+    figures: dict[str, Any],
+) -> tuple[Tensor, Tensor]:
+    """:func:`compute_value_loss` of checked arguments and a bool mask."""
     vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     unclipped = (vpreds - returns).square()
     clipped = (vpred_clipped - returns).square()
-    loss = 0.5 * agg_loss(
-        torch.maximum(unclipped, clipped),
-        response_mask,
-        loss_agg_mode,
-        dp_size,
-        batch_num_tokens,
-        global_batch_size,
-        loss_scale_factor,
-    )
+    loss = 0.5 * _aggregate(torch.maximum(unclipped, clipped), response_mask, loss_agg_mode, **figures)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
+        clipfrac = _masked_mean((clipped > unclipped).float(), response_mask)
     return loss, clipfrac
 
 
@@ -367,37 +503,37 @@ def ppo_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
     naming both; on a device without reading them, the comparison turning the loss NaN when they
     differ. The metadata figures read as :func:`nopad._batch.get_field` unwraps them.
     """
-    cfg = LossConfig.from_any(config)
+    cfg = LossConfig.from_any(config)  # the config's one check in this call
     _check_inputs(model_output, data)
-    response_mask = _response_mask(data)
-    figures = _figures(data, cfg)
+    response_mask, only_01 = _response_mask(data)
+    figures = _figures(data, cfg, cfg.loss_agg_mode)  # checked once for the three aggregations below
     log_prob = _response_slice(model_output, "log_probs", data, response_mask)
-    pg_loss, metrics = compute_policy_loss(
+    low, high = cfg.clip_bounds()
+    pg_loss, metrics = _policy_loss(
         _field(data, "old_log_probs", response_mask),
         log_prob,
         _field(data, "advantages", response_mask),
         response_mask,
         cfg.loss_agg_mode,
-        clip_ratio=cfg.clip_ratio,
-        clip_ratio_low=cfg.clip_ratio_low,
-        clip_ratio_high=cfg.clip_ratio_high,
-        clip_ratio_c=cfg.clip_ratio_c,
-        rollout_is_weights=_optional_field(data, "rollout_is_weights", response_mask),
-        **figures,
+        (low, high, float(cfg.clip_ratio_c)),
+        _optional_field(data, "rollout_is_weights", response_mask),
+        figures,
     )
     metrics["actor/pg_loss"] = pg_loss.detach()
     loss = pg_loss
     if model_output.get("entropy", None) is not None:
         entropy = _response_slice(model_output, "entropy", data, response_mask)
-        entropy_loss = agg_loss(entropy, response_mask, cfg.loss_agg_mode, **figures)
+        entropy_loss = _aggregate(entropy, response_mask, cfg.loss_agg_mode, **figures)
         loss = loss - cfg.entropy_coeff * entropy_loss
         metrics["actor/entropy_loss"] = entropy_loss.detach()
     if cfg.use_kl_loss:
-        kld = kl_penalty(log_prob, _field(data, "ref_log_prob", response_mask), kl_penalty=cfg.kl_loss_type)
-        kl_loss = agg_loss(kld, response_mask, cfg.loss_agg_mode, **figures)
+        kld = _kl(log_prob, _field(data, "ref_log_prob", response_mask), cfg.kl_loss_type)
+        kl_loss = _aggregate(kld, response_mask, cfg.loss_agg_mode, **figures)
         loss = loss + cfg.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()  # verl's ppo_loss names these two without the actor/ prefix
         metrics["kl_coef"] = kl_loss.new_tensor(cfg.kl_loss_coef)
+    if only_01 is not None:  # a device mask that is not 0/1: NaN, never a plausible number
+        loss, metrics = _poison_unless(only_01, loss), {k: _poison_unless(only_01, v) for k, v in metrics.items()}
     return loss, metrics
 
 
@@ -409,22 +545,24 @@ def value_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict
     """
     cfg = LossConfig.from_any(config)
     _check_inputs(model_output, data)
-    response_mask = _response_mask(data)
+    response_mask, only_01 = _response_mask(data)
     vpreds = _response_slice(model_output, "values", data, response_mask)
-    vf_loss, clipfrac = compute_value_loss(
+    vf_loss, clipfrac = _value_loss(
         vpreds,
         _field(data, "returns", response_mask),
         _field(data, "values", response_mask),
         response_mask,
-        cfg.cliprange_value,
+        float(cfg.cliprange_value),
         cfg.loss_agg_mode,
-        **_figures(data, cfg),
+        _figures(data, cfg, cfg.loss_agg_mode),
     )
     metrics = {
         "critic/vf_loss": vf_loss.detach(),
         "critic/vf_clipfrac": clipfrac,
-        "critic/vpred_mean": masked_mean(vpreds.detach(), response_mask),
+        "critic/vpred_mean": _masked_mean(vpreds.detach(), response_mask),
     }
+    if only_01 is not None:
+        vf_loss, metrics = _poison_unless(only_01, vf_loss), {k: _poison_unless(only_01, v) for k, v in metrics.items()}
     return vf_loss, metrics
 
 
@@ -442,33 +580,40 @@ def sft_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
     """
     cfg = LossConfig.from_any(config)
     _check_inputs(model_output, data)
-    figures = _figures(data, cfg)
-    figures.pop("global_batch_size")
+    figures = _figures(data, cfg, "token-mean")
+    figures["global_batch_size"] = None  # token-mean: the sequence count plays no part
     log_probs = _output(model_output, "log_probs")
     loss_mask = data.get("loss_mask", None)
     if _is_nested(log_probs) and _is_nested(loss_mask):
         field = "model_output['log_probs']"
         check_real_dtype(log_probs, field, floating=True)
         same = _same_boundaries(log_probs, field, loss_mask, "data['loss_mask']")
-        mask = shifted_loss_mask(loss_mask)
+        only_01 = check_mask(jagged_values(loss_mask), "data['loss_mask']")
+        mask = _shifted(loss_mask)
         if log_probs.values().shape[0] != mask.shape[0]:
             raise input_error(
                 field, None, f"{mask.shape[0]} tokens like data['loss_mask']", f"{log_probs.values().shape[0]}"
             )
         values = _poison_unless(same, log_probs.values())
-        loss = agg_loss(-values.unsqueeze(0), mask.unsqueeze(0), "token-mean", **figures)
-        return loss, {}
-    response_mask = _response_mask(data)
+        loss = _aggregate(-values.unsqueeze(0), mask.unsqueeze(0), "token-mean", **figures)
+        return _poison_unless(only_01, loss), {}
+    response_mask, only_01 = _response_mask(data)
     log_prob = _response_slice(model_output, "log_probs", data, response_mask)
-    return agg_loss(-log_prob, response_mask, "token-mean", **figures), {}
+    return _poison_unless(only_01, _aggregate(-log_prob, response_mask, "token-mean", **figures)), {}
 
 
 def shifted_loss_mask(loss_mask: Tensor) -> Tensor:
     """Nested (B, j) token mask -> flat (total,) mask of the positions whose NEXT token is learned.
 
     Position t gets loss_mask[t + 1] of the same sequence; each sequence's last position gets 0,
-    so no label crosses a sequence boundary. No sync.
+    so no label crosses a sequence boundary. No sync. ``loss_mask`` is a 0/1 mask: on the CPU a 2
+    or 0.5 is refused; on a device it is not read (any nonzero entry then counts as a one).
     """
+    check_mask(jagged_values(loss_mask) if _is_nested(loss_mask) else loss_mask, "loss_mask")
+    return _shifted(loss_mask)
+
+
+def _shifted(loss_mask: Tensor) -> Tensor:
     plan = IndexPlan.from_nested(loss_mask)
     values = loss_mask.values().bool()
     return torch.roll(values, -1, 0) & ~plan.last_token_mask
@@ -524,25 +669,28 @@ def _poison_unless(same: Tensor | None, x: Tensor) -> Tensor:
     return torch.where(same.to(x.device), x, torch.full((), float("nan"), dtype=x.dtype, device=x.device))
 
 
-def _figures(data: TensorDict, cfg: LossConfig) -> dict[str, Any]:
-    """The global-batch figures a micro batch carries (verl's config.global_batch_info)."""
-    return {
-        "dp_size": get_field(data, "dp_size", 1),
-        "batch_num_tokens": get_field(data, "batch_num_tokens"),
-        "global_batch_size": get_field(data, "global_batch_size"),
-        "loss_scale_factor": cfg.loss_scale_factor,
-    }
+def _figures(data: TensorDict, cfg: LossConfig, loss_agg_mode: str) -> dict[str, Any]:
+    """The global-batch figures a micro batch carries (verl's config.global_batch_info), checked once."""
+    return _checked_figures(
+        loss_agg_mode,
+        get_field(data, "dp_size", 1),
+        get_field(data, "batch_num_tokens"),
+        get_field(data, "global_batch_size"),
+        cfg.loss_scale_factor,
+    )
 
 
-def _response_mask(data: TensorDict) -> Tensor:
+def _response_mask(data: TensorDict) -> tuple[Tensor, Tensor | None]:
+    """The micro batch's (B, R) response mask as bools, checked to be a 0/1 mask: on the CPU now; on a
+    device as the returned 0-d flag, which the loss folds in (NaN when it is not)."""
     mask = data.get("response_mask", None)
     if _is_nested(mask):  # verl also keeps rollout fields nested (B, j_r); they are padded to R here
-        width = get_field(data, "max_response_len")
+        width = check_optional_int(get_field(data, "max_response_len"), "data['max_response_len']", low=0)
         mask = IndexPlan.from_nested(mask, width=width).unnest(mask, width)
     if not isinstance(mask, Tensor) or _is_nested(mask) or mask.dim() != 2:
         actual = "missing" if mask is None else f"{type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}"
         raise input_error("data['response_mask']", None, "a padded (batch, response_len) tensor", actual)
-    return mask.bool()
+    return mask.bool(), check_mask(mask, "data['response_mask']")
 
 
 def _field(data: TensorDict, key: str, response_mask: Tensor) -> Tensor:

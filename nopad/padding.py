@@ -8,6 +8,7 @@ the last ``R`` columns, right-padded, so each row's real tokens are one run that
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,7 +18,18 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import get_field, put_checked
-from nopad.errors import check_int, check_integer_tensor, input_error
+from nopad.errors import (
+    MASK_WORDS,
+    check_flag,
+    check_int,
+    check_integer_tensor,
+    check_mask,
+    free_to_read,
+    input_error,
+    mask_error,
+    mask_flag,
+    not_01,
+)
 from nopad.layout import (
     IndexPlan,
     device_to_host,
@@ -51,25 +63,53 @@ def _fits_one_int64(width: int) -> bool:
     return width + base * width + base**2 * (width * width // 2 + 1) < 2**63
 
 
-def _row_facts(attention_mask: Tensor, response_mask: Tensor, prompt_width: int, check_response_mask: bool) -> Any:
-    """(B, 3 or 4) int64 numpy: ones, prompt ones, signed moment [, response tokens on padding]. The sync.
+def _row_facts(
+    attention_mask: Tensor, response_mask: Tensor, prompt_width: int, check_response_mask: bool
+) -> tuple[Any, list[tuple[Tensor, str]]]:
+    """(B, 3 or 4) int64 numpy: ones, prompt ones, signed moment [, response tokens on padding], and
+    the masks that are not 0/1 masks (:func:`nopad.errors.check_mask`), as (mask, field). The sync.
 
     One weighted sum per row (integer, so exact; no BLAS, whose thread pool stalls on a busy host).
+    Whether each mask is a 0/1 mask travels in the same read, as two numbers: an integer mask's min
+    and max (its values then serve as the ones themselves: no comparison pass), a float mask's 0 and
+    count of entries neither 0 nor 1; a bool mask needs none.
     """
-    ones = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+    masks = [(attention_mask, "attention_mask")] + ([(response_mask, "response_mask")] if check_response_mask else [])
+    ones = attention_mask if not attention_mask.dtype.is_floating_point else attention_mask != 0
     width = ones.shape[1]
     packed = _fits_one_int64(width)
     if packed:
-        facts = (ones * _row_fact_weights(width, prompt_width, ones.device)).sum(-1, keepdim=True)
+        columns = [(ones * _row_fact_weights(width, prompt_width, ones.device)).sum(-1)]
     else:  # rows longer than ~65,000 tokens: the three sums apart
         cols = torch.arange(width, device=ones.device)
         moment = torch.where(cols < prompt_width, -cols, cols - prompt_width)
-        facts = torch.stack([ones.sum(-1), ones[:, :prompt_width].sum(-1), (ones * moment).sum(-1)], 1)
+        columns = [ones.sum(-1), ones[:, :prompt_width].sum(-1), (ones * moment).sum(-1)]
     if check_response_mask:
-        marked_padding = (response_mask != 0) & ~ones[:, prompt_width:]
-        facts = torch.cat([facts, marked_padding.sum(-1, keepdim=True)], 1)
-    host = device_to_host(facts)
-    return _unpack_row_facts(host, width) if packed else host
+        columns.append(((response_mask != 0) & (ones[:, prompt_width:] == 0)).sum(-1))
+    checked = [(mask, field) for mask, field in masks if mask.dtype != torch.bool and mask.numel()]
+    rows = columns[0] if len(columns) == 1 else torch.stack(columns, 1).flatten()
+    if rows.dtype != torch.int64:
+        rows = rows.to(torch.int64)
+    host = device_to_host(torch.cat([rows, *(_bounds(mask) for mask, _ in checked)]) if checked else rows)
+    count = rows.shape[0]
+    bad = [
+        (mask, field)  # a float mask's (0, count of non-0/1) passes as (0, 0) only
+        for k, (mask, field) in enumerate(checked)
+        if host[count + 2 * k] < 0 or host[count + 2 * k + 1] > (0 if mask.dtype.is_floating_point else 1)
+    ]
+    if bad:
+        return None, bad
+    facts = host[:count].reshape(-1, len(columns))
+    return (_unpack_row_facts(facts, width) if packed else facts), []
+
+
+def _bounds(mask: Tensor) -> Tensor:
+    """(2,) int64 on the mask's device: an integer mask's (min, max), in [0, 1] for a 0/1 mask; a
+    float mask's (0, entries neither 0 nor 1), (0, 0) for a 0/1 mask. No sync."""
+    if mask.dtype.is_floating_point:
+        return torch.stack([mask.new_zeros((), dtype=torch.int64), not_01(mask).sum()])
+    bounds = torch.stack(torch.aminmax(mask))
+    return bounds if bounds.dtype == torch.int64 else bounds.to(torch.int64)
 
 
 def _unpack_row_facts(host: Any, width: int) -> Any:
@@ -115,7 +155,7 @@ def plan_left_right(
 ) -> IndexPlan:
     """Plan of a left-padded-prompt / right-padded-response batch, validated. ONE host sync.
 
-    attention_mask (B, S), response_mask (B, R) with R < S; any nonzero counts as a one. Raises
+    attention_mask (B, S), response_mask (B, R) with R < S, both 0/1 masks. Raises
     ValueError naming the row when a row is not one contiguous run across column S - R or has an
     empty prompt but a response. Only the shape of ``response_mask`` is read unless
     ``check_response_mask``: then a row that marks response tokens attention_mask calls padding
@@ -125,7 +165,28 @@ def plan_left_right(
     where every row is checked and the plan is laid out; a few (B,) arrays go back in one copy.
     A mask on the CPU (the rollout's) costs no device sync at all: pass ``device`` to build the
     plan for a batch that lives there.
+
+    Both masks are 0/1 masks (:func:`nopad.errors.check_mask`: bool, or integers or floats that
+    are only 0 and 1); the attention mask's values are checked in the same read, on every device,
+    and the response mask's with ``check_response_mask``.
     """
+    check_response_mask = check_flag(check_response_mask, "check_response_mask")
+    _check_masks(attention_mask, response_mask)
+    return _plan_left_right(attention_mask, response_mask, check_response_mask, device)
+
+
+def _check_masks(attention_mask: Any, response_mask: Any) -> None:
+    """The two masks' types, dtypes and shapes: (B, S) and (B, R) with R < S and B >= 1. Host facts."""
+    for name, mask in (("attention_mask", attention_mask), ("response_mask", response_mask)):
+        if not isinstance(mask, Tensor) or _is_nested(mask) or mask.dtype.is_complex:
+            got = (
+                "a nested tensor"
+                if _is_nested(mask)
+                else f"dtype {mask.dtype}"
+                if isinstance(mask, Tensor)
+                else type(mask).__name__
+            )
+            raise input_error(name, None, f"a dense {MASK_WORDS}", got)
     if attention_mask.dim() != 2:
         raise input_error("attention_mask", None, "shape (batch, seqlen)", f"{tuple(attention_mask.shape)}")
     (B, S), R = attention_mask.shape, response_mask.shape[-1]
@@ -133,16 +194,51 @@ def plan_left_right(
         raise input_error("response_mask", None, f"shape ({B}, R) with R < seqlen {S}", f"{tuple(response_mask.shape)}")
     if B == 0:
         raise input_error("attention_mask", None, "at least one row", "an empty batch")
-    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
-        raise input_error("attention_mask", None, "an integer or bool mask", f"dtype {attention_mask.dtype}")
-    facts = _row_facts(attention_mask, response_mask, S - R, check_response_mask)
+
+
+def _plan_left_right(
+    attention_mask: Tensor, response_mask: Tensor, check_response_mask: bool, device: torch.device | str | None
+) -> IndexPlan:
+    """:func:`plan_left_right` of checked arguments: the row facts, their checks and the plan."""
+    S, R = attention_mask.shape[1], response_mask.shape[-1]
+    facts, not_masks = _row_facts(attention_mask, response_mask, S - R, check_response_mask)
+    if not_masks:
+        raise mask_error(*not_masks[0])
     failure = _first_bad_row(facts, S - R)
     if failure is not None:
         field, row, expected = failure
         raise input_error(field, row, expected, f"attention_mask {attention_mask[row].tolist()}")
     lengths, starts = facts[:, 0], (S - R) - facts[:, 1]
     target = attention_mask.device if device is None else torch.device(device)
-    return IndexPlan.from_runs(lengths, starts, width=S, device=target, response_width=R)
+    plan = IndexPlan.from_runs(lengths, starts, width=S, device=target, response_width=R)
+    plan._source_mask = (weakref.ref(attention_mask), attention_mask._version)  # known as this mask's for free
+    return plan
+
+
+def _check_plan_of(plan: IndexPlan, attention_mask: Tensor) -> None:
+    """Refuse a plan that is not ``attention_mask``'s, where that is free: made from this very mask
+    (identity and version: nothing to read), or the mask lives on the CPU (its ones are compared with
+    the plan's, a read of host memory). A device mask is not read: the caller vouches for the plan."""
+    source = plan._source_mask
+    if source is not None and source[0]() is attention_mask and source[1] == attention_mask._version:
+        return
+    if not free_to_read(attention_mask, plan.indices):
+        return
+    ones = attention_mask != 0
+    facts = [ones.sum(), ones.flatten().index_select(0, plan.indices).all()]
+    flag = mask_flag(attention_mask, "attention_mask")
+    count, planned, *only_01 = to_host(*facts, *([flag] if flag is not None else []))
+    if only_01 and not only_01[0]:
+        raise mask_error(attention_mask, "attention_mask")
+    if count != plan.total or not planned:
+        in_plan = torch.zeros(ones.numel(), dtype=torch.bool).index_fill_(0, plan.indices.cpu(), True)
+        row = int((in_plan.view_as(ones) != ones).any(-1).nonzero()[0])
+        raise input_error(
+            "plan",
+            row,
+            "plan_left_right of this batch's attention_mask",
+            f"a plan of another mask (its row {row} has other real tokens)",
+        )
 
 
 def _check_per_token(data: TensorDict, key: str, B: int, S: int) -> Tensor:
@@ -177,16 +273,27 @@ def left_right_2_no_padding(
     ``plan``: the batch's :func:`plan_left_right`, made beforehand, typically on the host from the
     CPU copy of ``attention_mask`` that the rollout already had (validation happens there). The
     conversion then makes no host sync at all: a host plan reaches the batch's device in one
-    non-blocking copy (:meth:`IndexPlan.to`). It must be this batch's plan: only its batch size and
-    width are checked here, since comparing it with the device mask would cost the sync it saves.
+    non-blocking copy (:meth:`IndexPlan.to`). It must be this batch's plan: its batch size, width
+    and response width are checked, and so are its real tokens where that is free (a plan made from
+    this very mask tensor; a mask on the CPU, read from host memory). A plan made from a CPU copy
+    of a device mask is not compared with the device mask: that would cost the sync it saves.
+
+    ``check_response_mask`` applies where the plan is made: with a ``plan`` it is refused (pass it
+    to :func:`plan_left_right`), never ignored. ``fields`` names per-token fields to nest besides the
+    standard ones; each must be in ``data``.
     """
     if not isinstance(data, TensorDict):
         raise input_error("data", None, "a TensorDict", type(data).__name__)
     if isinstance(fields, str):
         raise input_error("fields", None, "a list of field names", f"the string {fields!r} (write [{fields!r}])")
+    fields = list(fields)
+    check_response_mask = check_flag(check_response_mask, "check_response_mask")
     missing = [k for k in REQUIRED_KEYS if k not in data.keys()]
     if missing:
         raise input_error("data", None, f"keys {list(REQUIRED_KEYS)}", f"missing {missing}")
+    absent = [k for k in fields if not isinstance(k, str) or k not in data.keys()]
+    if absent:
+        raise input_error("fields", None, f"names of per-token fields of data (keys {list(data.keys())})", f"{absent}")
     input_ids, attention_mask = data["input_ids"], data["attention_mask"]
     response_mask, position_ids = data["response_mask"], data["position_ids"]
     if any(_is_nested(x) for x in (input_ids, attention_mask, response_mask, position_ids)):
@@ -198,10 +305,10 @@ def left_right_2_no_padding(
     check_integer_tensor(input_ids, "input_ids")
     check_integer_tensor(position_ids, "position_ids")
     B, S = input_ids.shape
-    if tuple(attention_mask.shape) != (B, S):
-        raise input_error("attention_mask", None, f"shape {(B, S)} like input_ids", f"{tuple(attention_mask.shape)}")
-    if attention_mask.dtype.is_floating_point:
-        raise input_error("attention_mask", None, "an integer or bool mask", f"dtype {attention_mask.dtype}")
+    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (B, S):
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise input_error("attention_mask", None, f"shape {(B, S)} like input_ids", f"{shape}")
+    _check_masks(attention_mask, response_mask)
     mrope = position_ids.dim() == 3
     if (
         position_ids.shape[0] != B
@@ -212,12 +319,17 @@ def left_right_2_no_padding(
         raise input_error("position_ids", None, f"shape ({B}, {S}) or ({B}, 3|4, {S})", f"{tuple(position_ids.shape)}")
 
     if plan is None:
-        plan = plan_left_right(attention_mask, response_mask, check_response_mask=check_response_mask)
-    elif plan.batch_size != B or plan.width != S or plan.starts is None:
+        plan = _plan_left_right(attention_mask, response_mask, check_response_mask, None)
+    elif check_response_mask:  # the masks are read where the plan is made: the flag would be ignored here
+        expected = "check_response_mask=False with a plan (pass it to plan_left_right, which reads the masks)"
+        raise input_error("check_response_mask", None, expected, "True")
+    elif not isinstance(plan, IndexPlan) or plan.batch_size != B or plan.width != S or plan.responses is None:
         raise input_error("plan", None, f"plan_left_right of this batch: {B} rows of width {S}", f"{plan!r}")
-    elif response_mask.dim() != 2 or response_mask.shape[0] != B or response_mask.shape[1] >= S:
-        raise input_error("response_mask", None, f"shape ({B}, R) with R < seqlen {S}", f"{tuple(response_mask.shape)}")
+    elif plan.responses.width != response_mask.shape[1]:
+        expected = f"plan_left_right of this batch: responses of width {response_mask.shape[1]}"
+        raise input_error("plan", None, expected, f"a plan of responses of width {plan.responses.width}")
     else:
+        _check_plan_of(plan, attention_mask)
         plan = plan.to(input_ids.device)
     out = data.copy()  # shallow: new keys and metadata never reach the caller's TensorDict
     put = functools.partial(put_checked, out)
@@ -233,9 +345,15 @@ def left_right_2_no_padding(
     return out
 
 
+def _metadata_width(data: TensorDict) -> int | None:
+    """``data``'s max_response_len metadata, an int >= 0 when present (a string or float is refused)."""
+    width = get_field(data, "max_response_len")
+    return None if width is None else check_int(width, "data['max_response_len']", low=0)
+
+
 def _response_lengths(data: TensorDict) -> tuple[Tensor, int | None]:
     """Response length per row and the padded response width, from whatever ``data`` carries."""
-    width = get_field(data, "max_response_len")
+    width = _metadata_width(data)
     responses = data.get("responses", None)
     if _is_nested(responses):
         return nested_offsets(responses).diff(), width
@@ -275,7 +393,12 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
     No host sync when the width R is known (from ``max_response_len``, ``responses`` or
     ``response_mask``); gradients flow back to the values. A batch that
     :func:`left_right_2_no_padding` converted comes back in four ops, through the way back its
-    plan laid out.
+    plan laid out. Response lengths come from nested ``responses`` (or ``response_mask``) when
+    ``data`` carries them, as verl reads them; else from the attention mask's response columns.
+
+    Every response must fit in R and leave its row a prompt of at least one token (the first
+    log-prob comes from it): checked on the host from the plan's own lengths, or from CPU lengths
+    (a read of host memory); lengths on a device are not read for it (a host sync).
 
     The output must belong to ``data``: a nested output must share the offsets of ``data``'s nested
     ``input_ids`` (the same tensor, as every nested field nopad makes does; offsets of another tensor
@@ -291,16 +414,41 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
         raise input_error("tensor", None, "a nested tensor ragged on dim 1", f"ragged dim {ragged_dim(tensor)}")
     offsets = _check_belongs_to_batch(tensor, values, data)
     way_back = response_gather(offsets) if offsets is not None else None
-    if way_back is not None and max_response_len in (None, way_back.width):
-        if get_field(data, "max_response_len", way_back.width) == way_back.width:
+    if way_back is not None and not _has_nested(data, "responses", "prompts"):  # those define their own lengths
+        width = max_response_len if max_response_len is not None else _metadata_width(data)
+        if width is not None and width < way_back.width and width < way_back.longest:
+            raise _cut(width, way_back.longest)
+        if width in (None, way_back.width):
             return way_back.unpad(values)
     resp_lens, width = _response_lengths(data)
     width = max_response_len if max_response_len is not None else width
+    ends = _sequence_ends(tensor, data)
+    if resp_lens.numel() and free_to_read(resp_lens, ends):  # free: host memory
+        starts = ends - torch.nn.functional.pad(ends[:-1], (1, 0))
+        longest, no_prompt = to_host(resp_lens.max(), ((resp_lens > 0) & (resp_lens >= starts)).any())
+        if width is not None and width < longest:
+            raise _cut(width, longest)
+        if no_prompt:
+            row = int(((resp_lens > 0) & (resp_lens >= starts)).nonzero()[0])
+            expected = "a response shorter than its sequence (a prompt of >= 1 token gives its first log-prob)"
+            raise input_error(
+                "data", row, expected, f"response {int(resp_lens[row])} of a {int(starts[row])}-token row"
+            )
     if width is None:
         width = to_host(resp_lens.max())[0]
-    ends = _sequence_ends(tensor, data).to(values.device)
-    resp_lens = resp_lens.to(values.device)
+    ends, resp_lens = ends.to(values.device), resp_lens.to(values.device)
     return gather_rows(values, ends - resp_lens - 1, None, resp_lens, width)
+
+
+def _has_nested(data: TensorDict, *keys: str) -> bool:
+    """Whether ``data`` holds any of ``keys`` as a nested tensor (a membership test first: cheap)."""
+    present = data.keys()
+    return any(key in present and _is_nested(data.get(key)) for key in keys)
+
+
+def _cut(width: int, longest: int) -> ValueError:
+    expected = f"a response width >= {longest}, the longest response (a narrower one cuts it)"
+    return input_error("max_response_len", None, expected, f"{width}")
 
 
 def _check_belongs_to_batch(tensor: Tensor, values: Tensor, data: TensorDict) -> Tensor | None:
@@ -337,13 +485,25 @@ def response_from_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
     """Nested full-sequence output (B, j) -> nested response output (B, j_r), shifted by one.
 
     ``response_mask`` is nested (B, j_r) with the same B; no sync (its values give the total).
+    Each response must be shorter than its row (the first log-prob comes from the prompt): checked
+    where the lengths live on the CPU (a read of host memory), not on a device (a host sync).
     """
     if not (_is_nested(tensor) and _is_nested(response_mask)):
         raise input_error("tensor/response_mask", None, "two nested tensors", "a dense tensor")
     resp = IndexPlan.from_nested(response_mask)
-    ends = nested_offsets(tensor)[1:].to(resp.offsets.device)
+    offsets = nested_offsets(tensor)
+    ends = offsets[1:].to(resp.offsets.device)
     if ends.shape[0] != resp.batch_size:
         raise input_error("response_mask", None, f"{ends.shape[0]} rows like tensor", f"{resp.batch_size} rows")
+    if free_to_read(offsets, resp.lengths):
+        rows = offsets.diff().to(torch.int64)
+        too_long = (resp.lengths > 0) & (resp.lengths >= rows)
+        if bool(too_long.any()):
+            row = int(too_long.nonzero()[0])
+            expected = (
+                f"a response shorter than tensor's row ({int(rows[row])} tokens: a prompt gives its first log-prob)"
+            )
+            raise input_error("response_mask", row, expected, f"{int(resp.lengths[row])} tokens")
     src = resp.token_index(ends - resp.lengths - 1)  # token t's log-prob comes from position t - 1
     return resp.to_nested(jagged_values(tensor).index_select(0, src))
 
@@ -394,6 +554,7 @@ def _embeds_to_nested(embeds: Tensor, mask: Tensor, field: str) -> tuple[Tensor,
             f"(batch, seqlen, dim) embeds with a {tuple(embeds.shape[:2])} mask",
             f"embeds {tuple(embeds.shape)}, mask {tuple(mask.shape)}",
         )
+    check_mask(mask, f"{field}_mask")
     plan = IndexPlan.from_mask(mask)
     return plan.nest(embeds), plan.nest(mask.bool())
 

@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 from hypothesis import settings
 
@@ -15,8 +16,16 @@ MULTI_PROCESS_FIXTURES = {"four_ranks"}
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         if MULTI_PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """The CPU takes a device's path through every value check (``nopad.errors.HOST_VALUES_CHECKED``):
+    for tests that measure a GPU's sync contract on a CPU. Without it, checks that read CPU tensors
+    (host memory, no device sync) show up in the counts."""
+    import nopad.errors
+
+    monkeypatch.setattr(nopad.errors, "HOST_VALUES_CHECKED", False)

@@ -272,7 +272,7 @@ def _forward_syncs(layers: int, **inputs) -> int:
     return counter.syncs
 
 
-def test_nopad_inputs_carry_boundaries_so_the_attention_makes_no_host_sync():
+def test_nopad_inputs_carry_boundaries_so_the_attention_makes_no_host_sync(device_path):
     micro = left_right_2_no_padding(_batch("llama"))
     inputs, _ = prepare_model_inputs(micro, attn_implementation="nopad_varlen")
     assert inputs["cu_seq_lens_q"].dtype == torch.int32 and isinstance(inputs["max_length_q"], int)

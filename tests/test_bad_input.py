@@ -12,6 +12,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -159,10 +160,11 @@ CASES = [
     ),
     Case(
         "type or coercion",
-        "float attention_mask",
-        lambda: (_with("attention_mask", _batch()["attention_mask"].float()),),
+        "float attention_mask of halves",
+        lambda: (_with("attention_mask", _batch()["attention_mask"].float() / 2),),
         nopad.left_right_2_no_padding,
-        r"attention_mask: expected an integer or bool mask, got dtype torch.float32",
+        r"attention_mask row 0: expected a 0/1 mask \(bool, or numbers that are only 0 and 1: a weight is not a "
+        r"mask\), got 0.5",
     ),
     Case(
         "type or coercion",
@@ -259,6 +261,275 @@ CASES = [
 ]
 
 
+# ---- issue 22: a plan or boundaries of something else, widths that cut, coercions, flags, masks ----
+def _other_mask_plan(data: TensorDict) -> TensorDict:
+    """A plan of another mask of the same shape (rows 0 and 2 swapped) given with this batch."""
+    other = data["attention_mask"][[2, 1, 0]]
+    return nopad.left_right_2_no_padding(data, plan=nopad.plan_left_right(other, data["response_mask"]))
+
+
+def _narrow_plan(data: TensorDict) -> TensorDict:
+    """A plan of this attention mask (full rows) but of responses 2 wide, given with responses 3 wide."""
+    return nopad.left_right_2_no_padding(data, plan=nopad.plan_left_right(data["attention_mask"], torch.ones(3, 2)))
+
+
+def _metadata_width(value) -> tuple:
+    out, logp = _converted()
+    out.set_non_tensor("max_response_len", value)
+    return logp, out
+
+
+CASES += [
+    Case(
+        "not the batch's output",
+        "a plan of another mask of the same shape",
+        lambda: (_batch(),),
+        _other_mask_plan,
+        r"plan row 0: expected plan_left_right of this batch's attention_mask, got a plan of another mask",
+    ),
+    Case(
+        "not the batch's output",
+        "a plan of another response width",
+        lambda: (make_batch([3, 3, 3], [3, 3, 3], 3, 3, extras=False),),
+        _narrow_plan,
+        r"plan: expected plan_left_right of this batch: responses of width 3, got a plan of responses of width 2",
+    ),
+    Case(
+        "not the batch's output",
+        "unnest of a nested tensor on other boundaries",
+        lambda: (_nested([1, 4]),),
+        lambda nested: nopad.IndexPlan.from_lengths([3, 2]).unnest(nested),
+        r"nested: expected the plan's 2 rows of 5 tokens and their boundaries, got other boundaries",
+    ),
+    Case(
+        "reading past a row",
+        "max_response_len narrower than the responses",
+        lambda: (*reversed(_converted()), 2),
+        nopad.no_padding_2_padding,
+        r"max_response_len: expected a response width >= 3, the longest response \(a narrower one cuts it\), got 2",
+    ),
+    Case(
+        "reading past a row",
+        "a response as long as its row",
+        lambda: (_nested([3, 4]), _nested([3, 2])),
+        nopad.response_from_nested,
+        r"response_mask row 0: expected a response shorter than tensor's row \(3 tokens: a prompt gives its first "
+        r"log-prob\), got 3 tokens",
+    ),
+    Case(
+        "reading past a row",
+        "a plan narrower than its longest row",
+        lambda: (torch.arange(12).view(2, 6),),
+        lambda x: nopad.IndexPlan.from_lengths([7, 2], width=6).pack(x),
+        r"width: expected >= 7, where the longest run of real tokens ends, got 6",
+    ),
+    Case(
+        "reading past a row",
+        "unpack narrower than the longest row",
+        lambda: (torch.arange(9.0),),
+        lambda v: nopad.IndexPlan.from_lengths([7, 2]).unpack(v, width=3),
+        r"width: expected >= 7, where the longest run of real tokens ends, got 3",
+    ),
+    Case(
+        "reading past a row",
+        "runs that start past the width",
+        lambda: (torch.arange(5.0),),
+        lambda v: nopad.IndexPlan.from_lengths([3, 2], width=4, starts=torch.tensor([2, 0])).unpack(v),
+        r"width: expected >= 5, where the longest run of real tokens ends, got 4",
+    ),
+    Case(
+        "reading past a row",
+        "offsets whose longest row does not fit the width",
+        lambda: (torch.tensor([0, 4, 6]),),
+        lambda offsets: nopad.IndexPlan.from_offsets(offsets, width=3),
+        r"width: expected >= 4, the longest row, got 3",
+    ),
+    Case(
+        "reading past a row",
+        "a nested tensor's plan narrower than its longest row",
+        lambda: (_nested([4, 1]),),
+        lambda nested: nopad.IndexPlan.from_nested(nested, width=2),
+        r"width: expected >= 4, where the longest run of real tokens ends, got 2",
+    ),
+    Case(
+        "reading past a row",
+        "values of another total wrapped on the plan's offsets",
+        lambda: (torch.arange(3.0),),
+        lambda v: nopad.IndexPlan.from_lengths([2, 3]).to_nested(v),
+        r"values: expected 5 tokens on dim 0, got shape \(3,\)",
+    ),
+    Case(
+        "reading past a row",
+        "row starts for another batch size",
+        lambda: (torch.tensor([0]),),
+        lambda row_start: nopad.IndexPlan.from_lengths([3, 2]).token_index(row_start),
+        r"row_start: expected shape \(2,\), got \(1,\)",
+    ),
+    Case(
+        "reading past a row",
+        "a total that is not the lengths' sum",
+        lambda: (torch.tensor([3, 2]),),
+        lambda lengths: nopad.IndexPlan.from_lengths(lengths, total=4),
+        r"total: expected the sum of the lengths, 5, got 4",
+    ),
+    Case(
+        "reading past a row",
+        "starts of another batch size",
+        lambda: (torch.tensor([3, 2]),),
+        lambda lengths: nopad.IndexPlan.from_lengths(lengths, width=5, starts=torch.tensor([0])),
+        r"starts: expected shape \(2,\) like lengths, got \(1,\)",
+    ),
+    Case(
+        "type or coercion",
+        "float lengths in a list",
+        lambda: ([3.7, 2.2],),
+        nopad.IndexPlan.from_lengths,
+        r"lengths: expected a 1-D tensor or sequence of integers \(nothing is rounded\), got list of dtype float64",
+    ),
+    Case(
+        "type or coercion",
+        "bool lengths",
+        lambda: (torch.tensor([True, False]),),
+        nopad.IndexPlan.from_lengths,
+        r"lengths: expected a 1-D tensor or sequence of integers, got dtype torch.bool",
+    ),
+    Case(
+        "type or coercion",
+        "float lengths tensor",
+        lambda: (torch.tensor([3.5, 2.0]),),
+        nopad.IndexPlan.from_lengths,
+        r"lengths: expected a 1-D tensor or sequence of integers, got dtype torch.float32",
+    ),
+    Case(
+        "type or coercion",
+        "lengths as strings",
+        lambda: (["3", "2"],),
+        nopad.IndexPlan.from_lengths,
+        r"lengths: expected a 1-D tensor or sequence of integers \(nothing is rounded\), got list of dtype <U1",
+    ),
+    Case(
+        "type or coercion",
+        "float offsets",
+        lambda: (torch.tensor([0.0, 1.5, 3.0]),),
+        nopad.IndexPlan.from_offsets,
+        r"offsets: expected a 1-D tensor or sequence of integers, got dtype torch.float32",
+    ),
+    Case(
+        "type or coercion",
+        "float lengths to prepare_offsets",
+        lambda: (torch.tensor([1.5, 2.5]),),
+        nopad.prepare_offsets,
+        r"lengths: expected an integer tensor, got dtype torch.float32",
+    ),
+    Case(
+        "type or coercion",
+        "a width given as a float",
+        lambda: ([3, 2],),
+        lambda lengths: nopad.IndexPlan.from_lengths(lengths, width=2.5),
+        r"width: expected an int >= 0, got 2.5",
+    ),
+    Case(
+        "type or coercion",
+        "max_response_len metadata as a string",
+        lambda: _metadata_width("3"),
+        nopad.no_padding_2_padding,
+        r"data\['max_response_len'\]: expected an int >= 0, got '3'",
+    ),
+    Case(
+        "flag",
+        "check_response_mask as a string",
+        lambda: (_batch(),),
+        lambda data: nopad.left_right_2_no_padding(data, check_response_mask="false"),
+        r"check_response_mask: expected True or False \(a bool\), got 'false' \(str\)",
+    ),
+    Case(
+        "flag",
+        "plus_position as a string",
+        lambda: (torch.tensor([1, 2]), torch.tensor([0, 1, 3])),
+        lambda per_row, offsets: nopad.spread_over_tokens(per_row, offsets, 3, plus_position="false"),
+        r"plus_position: expected True or False \(a bool\), got 'false' \(str\)",
+    ),
+    Case(
+        "flag",
+        "non_blocking as a string",
+        lambda: ([3, 2],),
+        lambda lengths: nopad.IndexPlan.from_lengths(lengths).to("meta", non_blocking="no"),
+        r"non_blocking: expected True or False \(a bool\), got 'no' \(str\)",
+    ),
+    Case(
+        "flag",
+        "a field to nest that data does not hold",
+        lambda: (_batch(extras=True),),
+        lambda data: nopad.left_right_2_no_padding(data, ["teacher_logprob"]),
+        r"fields: expected names of per-token fields of data \(keys .*\), got \['teacher_logprob'\]",
+    ),
+    Case(
+        "mask not 0/1",
+        "unpad_input with a mask of 2s",
+        lambda: (torch.arange(6.0).view(2, 3, 1), torch.tensor([[2, 2, 0], [2, 0, 0]])),
+        nopad.unpad_input,
+        r"attention_mask row 0: expected a 0/1 mask \(bool, or numbers that are only 0 and 1: a weight is not a "
+        r"mask\), got 2",
+    ),
+    Case(
+        "mask not 0/1",
+        "unpad_input with a mask of halves",
+        lambda: (torch.arange(6.0).view(2, 3, 1), torch.tensor([[0.5, 0.5, 0], [0.5, 0, 0]])),
+        nopad.unpad_input,
+        r"attention_mask row 0: expected a 0/1 mask .*got 0.5",
+    ),
+    Case(
+        "mask not 0/1",
+        "unpad_input with an unused mask of halves",
+        lambda: (torch.zeros(2, 3, 1), torch.ones(2, 3, dtype=torch.long), torch.full((2, 3), 0.5)),
+        nopad.unpad_input,
+        r"unused_mask row 0: expected a 0/1 mask .*got 0.5",
+    ),
+    Case(
+        "mask not 0/1",
+        "attention mask of 2s",
+        lambda: (_with("attention_mask", _batch()["attention_mask"] * 2),),
+        nopad.left_right_2_no_padding,
+        r"attention_mask row 0: expected a 0/1 mask .*got 2",
+    ),
+    Case(
+        "mask not 0/1",
+        "negative response mask, checked",
+        lambda: (_with("response_mask", -_batch()["response_mask"]),),
+        lambda data: nopad.left_right_2_no_padding(data, check_response_mask=True),
+        r"response_mask row 0: expected a 0/1 mask .*got -1",
+    ),
+    Case(
+        "mask not 0/1",
+        "an index plan of a mask of 2s",
+        lambda: (torch.tensor([[2, 0], [1, 1]]),),
+        nopad.IndexPlan.from_mask,
+        r"mask row 0: expected a 0/1 mask .*got 2",
+    ),
+    Case(
+        "weak message",
+        "indices past the first axis",
+        lambda: (torch.zeros(3, 2), torch.tensor([0, 5])),
+        nopad.index_first_axis,
+        r"indices: expected indices in \[0, 3\) \(rows of the first axis\), got 5",
+    ),
+    Case(
+        "weak message",
+        "negative indices to put",
+        lambda: (torch.ones(2), torch.tensor([0, -1]), 3),
+        nopad.index_put_first_axis,
+        r"indices: expected indices in \[0, 3\) \(rows of the first axis\), got -1",
+    ),
+    Case(
+        "weak message",
+        "next-token labels of another total",
+        lambda: (torch.arange(4),),
+        lambda values: nopad.IndexPlan.from_lengths([3, 2]).next_token_labels(values),
+        r"values: expected 5 tokens on dim 0, got shape \(4,\)",
+    ),
+]
+
+
 def _freeze(x):
     """A copy of what ``x`` holds, to compare with after the call (nested tensors as values + offsets)."""
     if nopad.is_nested(x):
@@ -291,7 +562,15 @@ def test_bad_input_is_refused_with_what_to_fix_and_the_input_is_left_alone(case)
 
 def test_the_catalogue_covers_every_kind():
     kinds = {c.kind for c in CASES}
-    assert kinds == {"not the batch's output", "reading past a row", "type or coercion", "shape"}
+    assert kinds == {
+        "not the batch's output",
+        "reading past a row",
+        "type or coercion",
+        "shape",
+        "flag",
+        "mask not 0/1",
+        "weak message",
+    }
 
 
 # ---- near-valid inputs, drawn -------------------------------------------------------------------
@@ -334,11 +613,11 @@ def test_a_batch_with_one_field_off_is_refused_and_the_valid_one_converts_exactl
     elif off == "float positions":
         batch["position_ids"] = batch["position_ids"].float()
     elif off == "float mask":
-        batch["attention_mask"] = batch["attention_mask"].half()
+        batch["attention_mask"] = batch["attention_mask"].half() * 2
     elif off == "wide response":
         batch["response_mask"] = torch.ones(len(prompt_lens), P + R, dtype=torch.long)
     if off != "none":
-        with pytest.raises(ValueError, match=r"expected (an integer|shape)"):
+        with pytest.raises(ValueError, match=r"expected (an integer|shape|a 0/1 mask)"):
             nopad.left_right_2_no_padding(batch)
         return
     out = nopad.left_right_2_no_padding(batch)
@@ -360,3 +639,138 @@ def test_a_padded_width_narrower_than_a_row_is_refused_never_read_past(lengths, 
     got = nopad.response_to_nested(padded, mask)
     for b, n in enumerate(lengths):
         assert torch.equal(got[b], padded[b, :n])
+
+
+# ---- valid edges: accepted, and exact ---------------------------------------------------------------
+def test_a_float_or_bool_0_1_attention_mask_converts_exactly_as_the_integer_one():
+    data = _batch()
+    want = nopad.left_right_2_no_padding(data)
+    for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.uint8):
+        other = _with("attention_mask", data["attention_mask"].to(dtype))
+        got = nopad.left_right_2_no_padding(other)
+        assert torch.equal(got["input_ids"].values(), want["input_ids"].values()), dtype
+        assert torch.equal(got["input_ids"].offsets(), want["input_ids"].offsets()), dtype
+    mask = data["attention_mask"]
+    hidden = torch.randn(*mask.shape, 2)
+    ref = nopad.unpad_input(hidden, mask)
+    for dtype in (torch.float64, torch.bool):
+        got = nopad.unpad_input(hidden, mask.to(dtype))
+        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, ref))
+
+
+def test_a_plan_from_an_equal_copy_of_the_mask_is_accepted_and_exact():
+    data = _batch()
+    plan = nopad.plan_left_right(data["attention_mask"].clone(), data["response_mask"])  # another tensor, equal
+    got = nopad.left_right_2_no_padding(data, plan=plan)
+    want = nopad.left_right_2_no_padding(data)
+    assert torch.equal(got["input_ids"].values(), want["input_ids"].values())
+    assert torch.equal(got["position_ids"].values(), want["position_ids"].values())
+
+
+def test_a_response_width_wider_than_r_pads_with_zeros_exactly():
+    out, logp = _converted()
+    narrow = nopad.no_padding_2_padding(logp, out)
+    wide = nopad.no_padding_2_padding(logp, out, max_response_len=5)
+    assert wide.shape == (3, 5) and torch.equal(wide[:, :3], narrow) and not wide[:, 3:].any()
+
+
+def test_runs_with_starts_and_no_width_are_planned_to_where_they_end():
+    """The width defaults to where the longest run ends (it was the longest length: a run at start 3
+    of a 2-token row was read from the next row)."""
+    plan = nopad.IndexPlan.from_lengths([2, 1], starts=torch.tensor([3, 0]))
+    assert plan.width == 5
+    padded = torch.arange(10).view(2, 5)
+    assert plan.pack(padded).tolist() == [3, 4, 5]
+    assert plan.unpack(torch.tensor([7, 8, 9])).tolist() == [[0, 0, 0, 7, 8], [9, 0, 0, 0, 0]]
+
+
+def test_numpy_ints_are_ints_for_the_plan():
+    plan = nopad.IndexPlan.from_lengths(np.array([3, 2], dtype=np.int32), width=np.int64(4))
+    assert plan.width == 4 and type(plan.width) is int and plan.lengths.tolist() == [3, 2]
+    assert nopad.IndexPlan.from_lengths(torch.tensor([3, 2], dtype=torch.uint8)).lengths.dtype == torch.int64
+
+
+def test_nested_responses_define_the_response_as_verl_reads_them():
+    """verl's test_no_padding_2_padding_varying_lengths: right-padded rows whose attention ends at column
+    S - R, with the prompts and responses given nested. The plan sees every row as a prompt alone; the
+    nested responses say otherwise, and they decide (this gave all zeros, silently)."""
+    prompt_lens, response_lens, S, R = [10, 30, 5, 40], [40, 20, 45, 10], 100, 50
+    B = len(prompt_lens)
+    input_ids = torch.zeros(B, S, dtype=torch.long)
+    attention_mask = torch.zeros(B, S)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        input_ids[i, : p + r] = torch.arange(1, p + r + 1)
+        attention_mask[i, : p + r] = 1
+    response_mask = (torch.arange(R) < torch.tensor(response_lens).unsqueeze(1)).float()
+    rows = [input_ids[i, : p + r] for i, (p, r) in enumerate(zip(prompt_lens, response_lens))]
+    data = TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "response_mask": response_mask,
+            "position_ids": torch.arange(S).expand(B, S).clone(),
+            "prompts": torch.nested.as_nested_tensor([x[:p] for x, p in zip(rows, prompt_lens)], layout=torch.jagged),
+            "responses": torch.nested.as_nested_tensor([x[p:] for x, p in zip(rows, prompt_lens)], layout=torch.jagged),
+        },
+        batch_size=[B],
+    )
+    out = nopad.left_right_2_no_padding(data)
+    ids = out["input_ids"]
+    logp = torch.nested.nested_tensor_from_jagged(ids.values().float(), ids.offsets())
+    got = nopad.no_padding_2_padding(logp, out)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        assert torch.equal(got[i, :r], torch.arange(p, p + r, dtype=torch.float)), i
+        assert not got[i, r:].any()
+
+
+CASES_MORE = [
+    Case(
+        "flag",
+        "check_response_mask with a plan made elsewhere",
+        lambda: (_batch(),),
+        lambda data: nopad.left_right_2_no_padding(
+            data, plan=nopad.plan_left_right(data["attention_mask"], data["response_mask"]), check_response_mask=True
+        ),
+        r"check_response_mask: expected check_response_mask=False with a plan \(pass it to plan_left_right, which "
+        r"reads the masks\), got True",
+    ),
+    Case(
+        "weak message",
+        "to_host of a tensor that is not a scalar",
+        lambda: (torch.tensor([1, 2]),),
+        nopad.to_host,
+        r"scalars: expected 0-d \(one-element\) tensors, got \[\(2,\)\]",
+    ),
+    Case(
+        "weak message",
+        "a negative width to gather_rows",
+        lambda: (torch.arange(5.0), torch.tensor([0, 3]), None, torch.tensor([3, 2])),
+        lambda *args: nopad.gather_rows(*args, -1),
+        r"width: expected an int >= 0, got -1",
+    ),
+    Case(
+        "weak message",
+        "split of values of another total",
+        lambda: (torch.arange(4),),
+        lambda values: nopad.IndexPlan.from_lengths([3, 2]).split(values),
+        r"values: expected 5 tokens on dim 0, got shape \(4,\)",
+    ),
+    Case(
+        "mask not 0/1",
+        "embeds with a mask of 2s, named",
+        lambda: (
+            TensorDict({"prompt_embeds": torch.zeros(2, 3, 4), "prompt_embeds_mask": torch.full((2, 3), 2)}, [2]),
+        ),
+        nopad.embeds_padding_2_no_padding,
+        r"prompt_embeds_mask row 0: expected a 0/1 mask .*got 2",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES_MORE, ids=[f"{c.kind}: {c.name}" for c in CASES_MORE])
+def test_more_bad_input_is_refused_with_what_to_fix(case):
+    args = case.make()
+    before = [_freeze(a) for a in args]
+    with pytest.raises(ValueError, match=case.words):
+        case.call(*args)
+    assert all(_same(b, a) for b, a in zip(before, args))

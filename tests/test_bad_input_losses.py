@@ -417,6 +417,102 @@ CATALOGUE = [
 ]
 
 
+def _agg_mask(mask):
+    return lambda: L.agg_loss(torch.ones(1, 3), torch.tensor(mask), "token-sum")
+
+
+def _ppo_mask(times):
+    data, out = _batch()
+    data["response_mask"] = data["response_mask"] * times
+    return lambda: L.ppo_loss(None, {"log_probs": out}, data)
+
+
+def _sft_mask_of_twos():
+    data, out = _batch()
+    data["loss_mask"] = _on_batch_offsets(data, torch.full((out.values().shape[0],), 2))
+    return lambda: L.sft_loss(None, {"log_probs": out}, data)
+
+
+# issue 22: configs that lose a key, masks that are not 0/1, widths of the wrong type
+CATALOGUE += [
+    (
+        "config",
+        "from-any-misspelt-key",
+        _ppo({"clip_ratio_hgih": 0.3}),
+        r"config key 'clip_ratio_hgih': expected 'clip_ratio_high' \(a near-miss would be ignored\)",
+    ),
+    (
+        "config",
+        "from-any-key-in-capitals",
+        _ppo({"Loss_Agg_Mode": "seq-mean-token-sum"}),
+        r"config key 'Loss_Agg_Mode': expected 'loss_agg_mode'",
+    ),
+    (
+        "config",
+        "from-any-misspelt-attribute",
+        _ppo(SimpleNamespace(entropy_coef=0.1)),
+        r"config key 'entropy_coef': expected 'entropy_coeff'",
+    ),
+    (
+        "config",
+        "from-any-list",
+        lambda: L.LossConfig.from_any([0.2, 0.3]),
+        r"config: expected a LossConfig, a dict or a config object with its fields \(verl's ActorConfig\), "
+        r"got list \[0.2, 0.3\]",
+    ),
+    (
+        "config",
+        "from-any-string",
+        lambda: L.LossConfig.from_any("token-mean"),
+        r"config: expected a LossConfig, a dict .*got str 'token-mean'",
+    ),
+    (
+        "config",
+        "from-any-policy-loss-string",
+        lambda: L.LossConfig.from_any({"policy_loss": "gspo"}),
+        r"config.policy_loss: expected a config with loss_mode \('vanilla'\), got 'gspo'",
+    ),
+    ("mask", "agg-mask-2", _agg_mask([[2, 1, 0]]), r"loss_mask row 0: expected a 0/1 mask .*got 2"),
+    ("mask", "agg-mask-half", _agg_mask([[0.5, 1.0, 0.0]]), r"loss_mask row 0: expected a 0/1 mask .*got 0.5"),
+    ("mask", "agg-mask-minus-1", _agg_mask([[-1, 1, 0]]), r"loss_mask row 0: expected a 0/1 mask .*got -1"),
+    ("mask", "agg-mask-nan", _agg_mask([[NAN, 1.0, 0.0]]), r"loss_mask row 0: expected a 0/1 mask .*got nan"),
+    (
+        "mask",
+        "policy-mask-2",
+        lambda: L.compute_policy_loss(*(torch.zeros(1, 3),) * 3, torch.tensor([[2, 1, 0]])),
+        r"response_mask row 0: expected a 0/1 mask \(bool, or numbers that are only 0 and 1: a weight is not a "
+        r"mask\), got 2",
+    ),
+    (
+        "mask",
+        "value-mask-minus-1",
+        lambda: L.compute_value_loss(*(torch.zeros(1, 3),) * 3, torch.tensor([[-1, 1, 0]]), 0.5),
+        r"response_mask row 0: expected a 0/1 mask .*got -1",
+    ),
+    (
+        "mask",
+        "masked-mean-mask-2",
+        lambda: L.masked_mean(torch.ones(2, 3), torch.full((2, 3), 2.0)),
+        r"mask row 0: expected a 0/1 mask .*got 2.0",
+    ),
+    (
+        "mask",
+        "global-batch-info-half",
+        lambda: L.global_batch_info(torch.full((2, 3), 0.5)),
+        r"response_mask row 0: expected a 0/1 mask .*got 0.5",
+    ),
+    ("mask", "ppo-response-mask-2", _ppo_mask(2), r"data\['response_mask'\] row 0: expected a 0/1 mask .*got 2"),
+    ("mask", "ppo-response-mask-minus", _ppo_mask(-1), r"data\['response_mask'\] row 0: expected a 0/1 mask"),
+    ("mask", "sft-loss-mask-2", _sft_mask_of_twos(), r"data\['loss_mask'\]: expected a 0/1 mask .*got 2"),
+    (
+        "mask",
+        "shifted-loss-mask-2",
+        lambda: L.shifted_loss_mask(_on_batch_offsets(_batch()[0], torch.full((16,), 2))),
+        r"loss_mask: expected a 0/1 mask .*got 2",
+    ),
+]
+
+
 def test_the_catalogue_has_one_case_per_id():
     ids = [case[1] for case in CATALOGUE]
     assert len(ids) == len(set(ids))
@@ -668,7 +764,7 @@ def test_valid_edge_configs_and_figures_give_exact_results():
     L.ppo_loss(None, {"log_probs": out}, data)
 
 
-def test_a_tensor_figure_is_not_read_and_one_below_one_makes_the_loss_nan_not_a_sum():
+def test_a_tensor_figure_is_not_read_and_one_below_one_makes_the_loss_nan_not_a_sum(device_path):
     mat, mask = torch.ones(2, 3), torch.ones(2, 3)
     with OpCounter() as counter:
         good = L.agg_loss(mat, mask, "token-mean", batch_num_tokens=torch.tensor(3))
@@ -703,3 +799,102 @@ def test_device_values_are_not_read_and_a_bad_one_turns_the_result_nan():
     assert counter.syncs == 0 and flag.device.type == "meta"  # a device flag the loss folds in
     assert L._poison_unless(torch.tensor(False), torch.ones(2)).isnan().all()
     assert torch.equal(L._poison_unless(torch.tensor(True), torch.ones(2)), torch.ones(2))
+
+
+# ---- issue 22: masks, configs and checks made once -------------------------------------------------
+def test_a_0_1_mask_of_any_dtype_gives_the_same_loss():
+    data, out = _batch()
+    want = L.ppo_loss({"use_kl_loss": True}, {"log_probs": out}, data)[0]
+    mask = data["response_mask"]
+    for dtype in (torch.bool, torch.uint8, torch.int32, torch.float16, torch.float32):
+        data["response_mask"] = mask.to(dtype)
+        assert torch.equal(L.ppo_loss({"use_kl_loss": True}, {"log_probs": out}, data)[0], want), dtype
+    mat = torch.randn(3, 4)
+    ones = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    for mode in L.AGG_MODES:
+        want = L.agg_loss(mat, ones.bool(), mode)
+        for dtype in (torch.int64, torch.float64):
+            assert torch.equal(L.agg_loss(mat, ones.to(dtype), mode), want), (mode, dtype)
+
+
+def test_on_a_device_a_mask_that_is_not_0_1_turns_the_loss_nan_and_is_never_read(device_path):
+    """The CPU takes the device's path (device_path): nothing is read, and the loss is NaN, not a sum."""
+    data, out = _batch()
+    good = L.ppo_loss(None, {"log_probs": out}, data)
+    data["response_mask"] = data["response_mask"] * 2
+    with OpCounter() as counter:
+        bad_loss, bad_metrics = L.ppo_loss(None, {"log_probs": out}, data)
+        agg = L.agg_loss(torch.ones(1, 3), torch.tensor([[0.5, 1.0, 0.0]]), "token-mean")
+    assert counter.syncs == 0
+    assert math.isnan(bad_loss.item()) and math.isnan(agg.item())
+    assert all(v.isnan().all() for v in bad_metrics.values()) and not good[0].isnan()
+
+
+def test_verl_like_configs_with_other_keys_are_accepted_and_exact():
+    data, out = _batch()
+    want = L.ppo_loss({"clip_ratio_high": 0.3}, {"log_probs": out}, data)[0]
+    verl_like = {"clip_ratio_high": 0.3, "ppo_mini_batch_size": 4, "strategy": "fsdp", "policy_loss": {}}
+    assert torch.equal(L.ppo_loss(verl_like, {"log_probs": out}, data)[0], want)
+    namespace = SimpleNamespace(clip_ratio_high=0.3, ppo_epochs=1, policy_loss=SimpleNamespace(loss_mode="vanilla"))
+    assert torch.equal(L.ppo_loss(namespace, {"log_probs": out}, data)[0], want)
+
+
+def test_ppo_loss_checks_its_config_and_figures_once(monkeypatch):
+    """One check of the config (from_any) and one of the figures for all three aggregations."""
+    calls = {"clip": 0, "figures": 0}
+    check_clip, checked_figures = L._check_clip, L._checked_figures
+
+    def counting_clip(*args, **kwargs):
+        calls["clip"] += 1
+        return check_clip(*args, **kwargs)
+
+    def counting_figures(*args, **kwargs):
+        calls["figures"] += 1
+        return checked_figures(*args, **kwargs)
+
+    config = L.LossConfig(use_kl_loss=True, entropy_coeff=0.1)
+    data, out = _batch()
+    monkeypatch.setattr(L, "_check_clip", counting_clip)
+    monkeypatch.setattr(L, "_checked_figures", counting_figures)
+    L.ppo_loss(config, {"log_probs": out, "entropy": out.exp()}, data)
+    assert calls == {"clip": 1, "figures": 1}
+
+
+def test_packed_logprobs_reads_the_micro_batch_temperature_as_prepare_model_inputs_does():
+    """It ignored micro["temperature"] (its own default 1.0 won); the padded reference now reads the
+    padded batch's the same way, so the two agree on one TensorDict."""
+    from nopad.padding import left_right_2_no_padding, no_padding_2_padding
+    from tests.models import tiny_llama
+
+    model = tiny_llama()
+    padded = make_padded_batch(3, 4, 3, seed=2)
+    micro = left_right_2_no_padding(padded)
+    with torch.no_grad():
+        explicit = packed_logprobs(model, micro, 0.5)
+        micro.set_non_tensor("temperature", 0.5)
+        from_batch = packed_logprobs(model, micro)
+        padded.set_non_tensor("temperature", 0.5)
+        reference = padded_logprobs(model, padded)
+        plain = packed_logprobs(model, micro, 1.0)
+    assert torch.equal(from_batch.values(), explicit.values())
+    assert not torch.equal(plain.values(), explicit.values())
+    assert (no_padding_2_padding(from_batch, micro) - reference).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (
+            lambda: prepare_model_inputs([1, 2]),
+            r"data: expected a micro batch: a TensorDict or a dict of fields, got list",
+        ),
+        (
+            lambda: __import__("nopad.bench").bench.bench_conversions(batch_sizes=(2,), repeats=0),
+            r"repeats: expected an int >= 1, got 0",
+        ),
+    ],
+    ids=["micro-batch-a-list", "bench-repeats-0"],
+)
+def test_weak_messages_of_the_engines_and_the_bench_are_replaced(call, words):
+    with pytest.raises(ValueError, match=words):
+        call()

@@ -298,13 +298,13 @@ BAD_PRE_TOKENIZED = [
         "a pad id past the vocabulary",
         ['{"input_ids": [1]}'],
         ["--vocab-size", "10", "--pad-token-id", "10"],
-        r"--pad-token-id: expected an integer in \[0, 9\], got 10",
+        r"--pad-token-id: expected an int in \[0, 9\], got 10",
     ),
     (
         "a pad id past the bytes",
         ['{"text": "a"}'],
         ["--pad-token-id", "258"],
-        r"--pad-token-id: expected an integer in \[0, 257\], got 258",
+        r"--pad-token-id: expected an int in \[0, 257\], got 258",
     ),
     (
         "a tokenizer and a vocabulary size",
@@ -829,10 +829,10 @@ BAD_COLLATE = [
     ),
     ("a row a list", lambda: ([[1, 2, 3]], {}), r"rows row 0: expected a dict of the row fields, got list"),
     ("no rows", lambda: ([], {}), r"rows: expected at least one packed row, got an empty batch"),
-    ("pad id -1", lambda: (_rows(), {"pad_token_id": -1}), r"pad_token_id: expected an integer >= 0, got -1"),
-    ("pad id a float", lambda: (_rows(), {"pad_token_id": 0.0}), r"pad_token_id: expected an integer >= 0, got 0.0"),
-    ("alignment 0", lambda: (_rows(), {"alignment": 0}), r"alignment: expected an integer >= 1, got 0"),
-    ("alignment True", lambda: (_rows(), {"alignment": True}), r"alignment: expected an integer >= 1, got True"),
+    ("pad id -1", lambda: (_rows(), {"pad_token_id": -1}), r"pad_token_id: expected an int >= 0, got -1"),
+    ("pad id a float", lambda: (_rows(), {"pad_token_id": 0.0}), r"pad_token_id: expected an int >= 0, got 0.0"),
+    ("alignment 0", lambda: (_rows(), {"alignment": 0}), r"alignment: expected an int >= 1, got 0"),
+    ("alignment True", lambda: (_rows(), {"alignment": True}), r"alignment: expected an int >= 1, got True"),
 ]
 
 
@@ -848,8 +848,8 @@ def test_collate_packed_refuses(make, match):
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        pytest.param({"alignment": 0}, r"alignment: expected an integer >= 1, got 0", id="alignment 0"),
-        pytest.param({"alignment": 2.0}, r"alignment: expected an integer >= 1, got 2.0", id="alignment a float"),
+        pytest.param({"alignment": 0}, r"alignment: expected an int >= 1, got 0", id="alignment 0"),
+        pytest.param({"alignment": 2.0}, r"alignment: expected an int >= 1, got 2.0", id="alignment a float"),
         pytest.param(
             {"fields": ["labels"]},
             r"batch: expected the fields of collate_packed .*missing \['labels'\]",
@@ -887,14 +887,14 @@ def _write(tmp_path, rows=None, **change):
 
 
 BAD_WRITES = [
-    ("alignment 0", {"alignment": 0}, r"metadata alignment: expected an integer in \[1"),
+    ("alignment 0", {"alignment": 0}, r"alignment: expected an int >= 1, got 0"),
     ("pack_length not a multiple", {"alignment": 3}, r"metadata alignment: expected a divisor of pack_length 8, got 3"),
     (
         "cp_size the alignment cannot serve",
         {"alignment": 2, "cp_size": 2, "tp_size": 2},
         r"metadata alignment: expected a multiple of tp_size \* cp_size = 4",
     ),
-    ("tp_size True", {"tp_size": True}, r"metadata tp_size: expected an integer"),
+    ("tp_size True", {"tp_size": True}, r"tp_size: expected an int >= 1, got True"),
     (
         "pad id past the vocabulary",
         {"pad_token_id": 258},
@@ -1333,3 +1333,203 @@ def test_the_metadata_checksum_covers_every_key_but_itself(tmp_path):
         if key != "metadata_checksum":
             changed = {**meta, key: "changed"}
             assert metadata_checksum(changed) != meta["metadata_checksum"], key
+
+
+# ---- issue 22: coercions, counts and messages in the packers ---------------------------------------
+def _pack(ids, **kwargs):
+    return lambda: pack_conversations([([3, 4], [1, 1]), (ids, [1] * len(ids))], 8, **kwargs)
+
+
+def _metrics(bins, lengths, capacity):
+    from nopad.packing import packing_metrics
+
+    return lambda: packing_metrics(bins, lengths, capacity)
+
+
+def _lengths(**kwargs):
+    from nopad.packing import pack_lengths
+
+    return lambda: pack_lengths([3, 4, 5], 8, **kwargs)
+
+
+PACKER_CASES = [
+    (
+        "coercion",
+        "bool ids array",
+        _pack(np.array([True, False])),
+        r"input_ids conversation 1: expected a 1-D "
+        r"sequence of integer token ids, got shape \(2,\) dtype bool",
+    ),
+    (
+        "coercion",
+        "bool ids list",
+        _pack([True, True, False]),
+        r"input_ids conversation 1: .*got shape \(3,\) dtype bool",
+    ),
+    (
+        "coercion",
+        "a negative id",
+        _pack([1, -2, 3]),
+        r"input_ids conversation 1: expected token ids in \[0, 2\*\*63\), "
+        r"got -2",
+    ),
+    (
+        "coercion",
+        "a uint64 id past 2**63",
+        _pack(np.array([1, 2**63 + 5], dtype=np.uint64)),
+        r"input_ids conversation 1: expected token ids below 2\*\*63 \(int64\), got 9223372036854775813",
+    ),
+    ("coercion", "a float pad id", _pack([1], pad_token_id=2.5), r"pad_token_id: expected an int >= 0, got 2.5"),
+    ("coercion", "a negative pad id", _pack([1], pad_token_id=-1), r"pad_token_id: expected an int >= 0, got -1"),
+    (
+        "coercion",
+        "a bool pack length",
+        lambda: pack_conversations([([1], [1])], True),
+        r"pack_length: expected an int >= 1, got True",
+    ),
+    ("coercion", "a float alignment", _pack([1], alignment=2.5), r"alignment: expected an int >= 1, got 2.5"),
+    (
+        "coercion",
+        "bins multiple of 2.5",
+        _lengths(bins_multiple_of=2.5),
+        r"bins_multiple_of: expected an int >= 1, "
+        r"got 2.5",
+    ),
+    ("coercion", "min bins 1.5", _lengths(min_bins=1.5), r"min_bins: expected an int >= 0, got 1.5"),
+    (
+        "coercion",
+        "capacity 2.5",
+        lambda: __import__("nopad.packing").packing.pack_lengths([1, 2], 2.5),
+        r"capacity: expected an int >= 1, got 2.5",
+    ),
+    (
+        "coercion",
+        "a string seed",
+        lambda: __import__("nopad.packing").packing.first_fit_shuffle([1, 2], 4, seed="a"),
+        r"seed: expected an int, got 'a'",
+    ),
+    (
+        "coercion",
+        "float lengths to metrics",
+        _metrics([[0]], [3.5], 4),
+        r"lengths: expected a 1-D sequence of "
+        r"integers, got shape \(1,\) dtype float64",
+    ),
+    (
+        "wrong result",
+        "bins over the capacity",
+        _metrics([[0, 1]], [3, 3], 4),
+        r"bins\[0\]: expected at most the "
+        r"capacity of 4 tokens, got 6 tokens",
+    ),
+    ("weak message", "metrics capacity 0", _metrics([[0]], [3], 0), r"capacity: expected an int >= 1, got 0"),
+    (
+        "weak message",
+        "metrics bins past the items",
+        _metrics([[5]], [3], 4),
+        r"bins\[0\]: expected item indices in "
+        r"\[0, 1\), got \[5\]",
+    ),
+    ("weak message", "min bins a string", _lengths(min_bins="2"), r"min_bins: expected an int >= 0, got '2'"),
+    (
+        "weak message",
+        "fields as one string",
+        lambda: __import__("nopad.packing").packing.packed_to_nested(collate_packed(_rows()), "input_ids"),
+        r"fields: expected a list of field names, got the string 'input_ids' \(write \['input_ids'\]\)",
+    ),
+    (
+        "weak message",
+        "a tokenizer name where an identity belongs",
+        lambda: check_packed("nowhere.parquet", tokenizer="bytes"),
+        r"tokenizer: expected a TokenizerIdentity \(e.g. load_tokenizer\(...\).identity\) or None, got str",
+    ),
+    (
+        "weak message",
+        "a CP rank past the CP size",
+        lambda: __import__("nopad.packing").packing.packed_to_thd(collate_packed(_rows()), cp_size=2, cp_rank=3),
+        r"cp_rank: expected an int in \[0, cp_size=2\), got 3",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "match"), [pytest.param(c, m, id=f"{k}: {i}") for k, i, c, m in PACKER_CASES])
+def test_the_packers_refuse_saying_what_to_fix(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+CLI_CASES_22 = [
+    (
+        "pack: an empty tokenizer name is refused, not replaced",
+        lambda t: [
+            "pack",
+            str(jsonl(t, ['{"input_ids": [1]}'])),
+            "-o",
+            _out(t),
+            "--pack-length",
+            "8",
+            "--tokenizer-name",
+            "",
+        ],
+        r"tokenizer name: expected a non-empty string, got ''",
+    ),
+    (
+        "pack: the output is a folder",
+        lambda t: ["pack", _src(t), "-o", str(t), "--pack-length", "8"],
+        r"--output: expected a file to write, got the folder",
+    ),
+    (
+        "pack: a pack length past int32, before any reading",
+        lambda t: ["pack", _src(t), "-o", _out(t), "--pack-length", "99999999999"],
+        r"--pack-length: expected an int in \[1, 2147483647\], got 99999999999",
+    ),
+    (
+        "pack: a pad id past int32 says the range",
+        lambda t: [
+            "pack",
+            str(jsonl(t, ['{"input_ids": [1]}'])),
+            "-o",
+            _out(t),
+            "--pack-length",
+            "8",
+            "--tokenizer-name",
+            "mine",
+            "--pad-token-id",
+            "99999999999",
+        ],
+        r"--pad-token-id: expected an int in \[0, 2147483647\], got 99999999999",
+    ),
+    (
+        "pack: a vocabulary past int32 says the range",
+        lambda t: ["pack", _src(t), "-o", _out(t), "--pack-length", "8", "--vocab-size", "99999999999"],
+        r"vocab_size: expected an int in \[1, 2147483648\], got 99999999999",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "match"), [pytest.param(a, m, id=i) for i, a, m in CLI_CASES_22])
+def test_issue_22_arguments_are_refused_with_the_words_and_exit_2(tmp_path, argv, match):
+    rc, out, err = cli(*argv(tmp_path))
+    assert_refused(rc, err, match)
+    assert not (tmp_path / "o.parquet").exists()
+
+
+def test_numpy_ints_are_ints_for_the_packers_and_files(tmp_path):
+    rows, report = pack_conversations([([3, 4, 5], [1, 1, 1]), ([6], [1])], np.int64(8), alignment=np.int32(2))
+    want, _ = pack_conversations([([3, 4, 5], [1, 1, 1]), ([6], [1])], 8, alignment=2)
+    assert all(np.array_equal(a[f], b[f]) for a, b in zip(rows, want) for f in a)
+    assert report.pack_length == 8 and type(report.pack_length) is int
+    meta = write_packed(
+        tmp_path / "n.parquet",
+        rows,
+        pack_length=np.int64(8),
+        tokenizer=BYTES.identity,
+        pad_token_id=np.int16(0),
+        alignment=np.int64(2),
+    )
+    assert meta["pack_length"] == 8 and type(meta["pack_length"]) is int
+    assert read_packed(tmp_path / "n.parquet", tokenizer=BYTES.identity).metadata["alignment"] == 2
+    assert PreTokenized(np.int64(300), pad_token_id=np.int64(7)).identity.vocab_size == 300
+    ids = [np.array([3, 4], dtype=np.uint16), np.array([5], dtype=np.int8), (6, 7)]
+    packed, _ = pack_conversations([(x, [1] * len(x)) for x in ids], 8)
+    assert packed[0]["input_ids"].tolist() == [3, 4, 5, 6, 7]

@@ -32,7 +32,7 @@ def _way_back(device: str):
     return back, (values, hidden)
 
 
-def test_the_way_back_reads_nothing_on_the_host():
+def test_the_way_back_reads_nothing_on_the_host(device_path):
     back, _ = _way_back("cpu")
     back()
     with OpCounter() as counter:

@@ -487,3 +487,112 @@ def test_verl_metadata_none_and_per_row_figures_read_as_one_value_or_are_refused
     tu.assign_non_tensor(differ, batch_num_tokens=NonTensorStack(*(NonTensorData(n) for n in (9, 9, 8, 9))))
     with pytest.raises(ValueError, match=r"data\['batch_num_tokens'\]: expected one value .*\[9, 9, 8, 9\]"):
         L.ppo_loss(_actor_config(), model_output, differ)
+
+
+# ---- issue 22: refused where verl would misread, accepted where verl accepts -----------------------
+def _verl_varying_lengths_batch():
+    """verl's test_no_padding_2_padding_varying_lengths: right-padded rows whose attention ends at column
+    S - R, float masks, and the prompts and responses given nested."""
+    prompt_lens, response_lens, S, R = [10, 30, 5, 40], [40, 20, 45, 10], 100, 50
+    B = len(prompt_lens)
+    input_ids = torch.zeros(B, S, dtype=torch.long)
+    attention_mask = torch.zeros(B, S)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        input_ids[i, : p + r] = torch.arange(1, p + r + 1)
+        attention_mask[i, : p + r] = 1
+    response_mask = (torch.arange(R) < torch.tensor(response_lens).unsqueeze(1)).float()
+    rows = [input_ids[i, : p + r] for i, (p, r) in enumerate(zip(prompt_lens, response_lens))]
+    prompts = torch.nested.as_nested_tensor([x[:p] for x, p in zip(rows, prompt_lens)], layout=torch.jagged)
+    responses = torch.nested.as_nested_tensor([x[p:] for x, p in zip(rows, prompt_lens)], layout=torch.jagged)
+    return TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "response_mask": response_mask,
+            "position_ids": torch.arange(S).expand(B, S).clone(),
+            "prompts": prompts,
+            "responses": responses,
+        },
+        batch_size=[B],
+    )
+
+
+def test_verls_varying_lengths_test_gives_verls_values_under_install(clean):
+    """It passed in verl and gave all zeros, silently, under install()."""
+    results = []
+    for convert, back in (
+        (vpad.left_right_2_no_padding, vpad.no_padding_2_padding),
+        (nv.left_right_2_no_padding, nv.no_padding_2_padding),
+    ):
+        data = convert(_verl_varying_lengths_batch())
+        ids = data["input_ids"]
+        results.append(back(torch.nested.nested_tensor_from_jagged(ids.values().float(), ids.offsets()), data))
+    assert torch.equal(results[0], results[1]) and results[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (
+            lambda: nv.left_right_2_no_padding(make_batch([2, 1], [1, 2], 2, 2).exclude("position_ids")),
+            r"data: expected the keys of left-right padding data .*got missing \['position_ids'\]",
+        ),
+        (
+            lambda: nv.left_right_2_no_padding(
+                make_batch([2, 1], [1, 2], 2, 2).set(
+                    "attention_mask", make_batch([2, 1], [1, 2], 2, 2)["attention_mask"] / 2
+                )
+            ),
+            r"attention_mask row 0: expected a 0/1 mask .*got 0.5",
+        ),
+        (
+            lambda: nv.postprocess_thd_engine(torch.zeros(1, 16), None, _nested([5, 3, 8]), 3.0),
+            r"batch_size: expected an int, got 3.0",
+        ),
+        (
+            lambda: nv.preprocess_thd_engine(_nested([5, 3, 8]), pad_to_length_bucket="8"),
+            r"pad_to_length_bucket: expected an int, got '8'",
+        ),
+        (lambda: nv.install(check_version="no"), r"check_version: expected True or False \(a bool\), got 'no'"),
+    ],
+    ids=["missing-key-assert", "float-mask-of-halves", "batch-size-float", "bucket-string", "check-version-str"],
+)
+def test_issue_22_verl_arguments_are_refused_saying_what_to_fix(clean, call, words):
+    with pytest.raises(ValueError, match=words):
+        call()
+
+
+def test_a_float_0_1_attention_mask_converts_as_verls(clean):
+    data = make_batch([2, 3, 1], [3, 0, 2], 3, 3, extras=False)
+    data["attention_mask"] = data["attention_mask"].float()
+    theirs = vpad.left_right_2_no_padding(data.clone())
+    ours = nv.left_right_2_no_padding(data.clone())
+    for key in ("input_ids", "position_ids"):
+        assert torch.equal(ours[key].values(), theirs[key].values()) and torch.equal(
+            ours[key].offsets(), theirs[key].offsets()
+        )
+
+
+def test_a_routed_thd_function_called_before_its_module_was_imported_runs_on_nopad():
+    """It raised RuntimeError ("verl's original is unknown") when verl.models.mcore.util had not been
+    imported yet under install()."""
+    code = """
+import sys, torch
+import megatron.core.parallel_state as ps
+ps.get_tensor_model_parallel_world_size = lambda: 2
+ps.get_context_parallel_world_size = lambda: 1
+ps.get_context_parallel_rank = lambda: 0
+from nopad.integrations import verl as nv
+ids = torch.nested.nested_tensor_from_jagged(torch.arange(16), torch.tensor([0, 5, 8, 16]))
+with nv.install():
+    assert "verl.models.mcore.util" not in sys.modules
+    ours = nv.preprocess_thd_engine(ids, need_roll=True)
+    import verl.models.mcore.util as util
+    assert util.preprocess_thd_engine is nv.preprocess_thd_engine
+theirs = util.preprocess_thd_engine(ids, need_roll=True)
+assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[2], theirs[2])
+assert torch.equal(ours[1].cu_seqlens_q_padded, theirs[1].cu_seqlens_q_padded)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

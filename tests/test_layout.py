@@ -92,10 +92,14 @@ def test_bad_offsets(offsets, match):
 
 
 def test_validate_names_the_row():
-    plan = IndexPlan.from_lengths(torch.tensor([2, 5, 1]), width=4, total=8, max_seqlen=5, min_seqlen=1)
+    lengths = torch.tensor([2, 5, 1])
+    plan = IndexPlan(lengths, nopad.prepare_offsets(lengths), total=8, width=4, starts=torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"lengths row 1: expected the run of real tokens to end within width 4"):
         plan.validate()
-    with pytest.raises(ValueError, match=r"lengths: expected lengths >= 0"):
+    # the public constructors refuse the same at the edge
+    with pytest.raises(ValueError, match=r"width: expected >= 5, where the longest run of real tokens ends, got 4"):
+        IndexPlan.from_lengths(lengths, width=4, total=8, max_seqlen=5, min_seqlen=1)
+    with pytest.raises(ValueError, match=r"lengths row 1: expected a value >= 0, got -1"):
         IndexPlan.from_lengths(torch.tensor([2, -1]))
 
 

@@ -582,7 +582,7 @@ def test_data_parallel_gradient_equals_single_process_gradient():
 
 # ---- speed contract -------------------------------------------------------------------------
 @pytest.mark.parametrize("loss_fn", [L.ppo_loss, L.value_loss, L.sft_loss], ids=["ppo", "value", "sft"])
-def test_loss_op_count_is_independent_of_batch_size_and_sync_free(loss_fn):
+def test_loss_op_count_is_independent_of_batch_size_and_sync_free(loss_fn, device_path):
     counts = []
     for B in (4, 64):
         g = torch.Generator().manual_seed(B)

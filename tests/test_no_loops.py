@@ -102,7 +102,7 @@ def test_no_padding_2_padding_op_count_is_independent_of_batch_size_and_sync_fre
     assert small.syncs == large.syncs == 0
 
 
-def test_response_round_trip_is_sync_free():
+def test_response_round_trip_is_sync_free(device_path):
     counts = []
     for B in (8, 1024):
         logp, out = _model_output(B)

@@ -29,6 +29,7 @@ from nopad.packing import (
 from nopad.packing.tokenizer import TokenizerIdentity
 
 BYTES = ByteTokenizer()
+PAD = 10**9  # a pad id no conversation uses, so padding is told from tokens (a pad id is an id: >= 0)
 
 
 def _conversations(lengths):
@@ -41,8 +42,8 @@ def _conversations(lengths):
 
 
 def _real_tokens(rows):
-    """Every non-padding token in row order (ids are >= 0, padding is the pad id -1 here)."""
-    return [int(t) for r in rows for t in r["input_ids"] if t != -1]
+    """Every non-padding token in row order (padding is the pad id PAD here)."""
+    return [int(t) for r in rows for t in r["input_ids"] if t != PAD]
 
 
 # ---- seed 002: the exact fill ------------------------------------------------------------------
@@ -101,7 +102,7 @@ streams = st.tuples(
 def test_random_streams_lose_nothing_repeat_nothing_and_every_row_is_valid(case):
     alignment, pack_length, lengths, overflow = case
     convs = _conversations(lengths)
-    rows, report = pack_conversations(convs, pack_length, alignment=alignment, pad_token_id=-1, overflow=overflow)
+    rows, report = pack_conversations(convs, pack_length, alignment=alignment, pad_token_id=PAD, overflow=overflow)
     for r in rows:
         assert (np.diff(r["packed_cu_seqlens"]) > 0).all()  # no zero-length segment
         assert (np.diff(r["packed_cu_seqlens"]) % alignment == 0).all()
@@ -143,7 +144,7 @@ def test_packed_files_round_trip_every_row_exactly(case, algorithm):
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_every_algorithm_keeps_every_conversation(algorithm):
     lengths = [3, 8, 1, 5, 8, 2, 7, 4, 4]
-    rows, report = pack_conversations(_conversations(lengths), 8, pad_token_id=-1, algorithm=algorithm)
+    rows, report = pack_conversations(_conversations(lengths), 8, pad_token_id=PAD, algorithm=algorithm)
     assert sorted(_real_tokens(rows)) == list(range(sum(lengths)))
     assert report.rows == len(rows) <= len(lengths)
 
@@ -455,10 +456,10 @@ def test_rows_equal_a_per_conversation_loop_field_by_field(case):
     pack_length = alignment * units
     convs = _random_conversations(lengths, seed, as_arrays)
     copies = [(np.array(ids), np.array(mask)) for ids, mask in convs]
-    options = dict(alignment=alignment, pad=-1, overflow=overflow, algorithm=algorithm)
+    options = dict(alignment=alignment, pad=PAD, overflow=overflow, algorithm=algorithm)
     want_rows, want_report = _reference_pack(convs, pack_length, **options)
     rows, report = pack_conversations(
-        iter(convs), pack_length, alignment=alignment, pad_token_id=-1, overflow=overflow, algorithm=algorithm
+        iter(convs), pack_length, alignment=alignment, pad_token_id=PAD, overflow=overflow, algorithm=algorithm
     )
     assert len(rows) == len(want_rows)
     for row, want in zip(rows, want_rows):

@@ -231,8 +231,8 @@ def test_shape_and_dtype_mismatches():
     bad["position_ids"] = torch.zeros(2, 2, 4, dtype=torch.long)
     _bad(bad, r"position_ids: expected shape \(2, 4\) or \(2, 3\|4, 4\), got \(2, 2, 4\)")
     bad = data.clone()
-    bad["attention_mask"] = bad["attention_mask"].float()
-    _bad(bad, r"attention_mask: expected an integer or bool mask, got dtype torch.float32")
+    bad["attention_mask"] = bad["attention_mask"].float() * 0.5  # a float 0/1 mask is a mask; 0.5 is not
+    _bad(bad, r"attention_mask row 0: expected a 0/1 mask \(bool, or numbers that are only 0 and 1: .*got 0.5")
     bad = data.clone()
     bad["routed_experts"] = torch.zeros(2, 3, 1, dtype=torch.uint8)
     _bad(bad, r"routed_experts: expected a per-token tensor of shape \(2, 4, \.\.\.\), got \(2, 3, 1\)")

@@ -226,10 +226,13 @@ def test_one_source_start_off_by_one_is_refused_naming_its_row(lengths, data):
 
 BAD_INPUT = [
     (lambda: thd_plan(torch.nested.nested_tensor_from_jagged(torch.zeros(0), torch.tensor([0]))), "non-empty"),
-    (lambda: build_thd_plan(torch.tensor([2.0, 3.0])), "lengths: expected a non-empty 1-D integer tensor"),
+    (lambda: build_thd_plan(torch.tensor([2.0, 3.0])), "lengths: expected a 1-D tensor or sequence of integers"),
     (lambda: build_thd_plan(torch.tensor([2, 3]), source_starts=torch.tensor([0])), r"source_starts: expected shape"),
     (lambda: build_thd_plan(torch.tensor([2, 3]), cp_size=2, cp_rank=2), r"cp_rank: expected an int in \[0, cp_size"),
-    (lambda: build_thd_plan(torch.tensor([2, 3]), pad_to_length_bucket=-1), "pad_to_length_bucket: expected a pos"),
+    (
+        lambda: build_thd_plan(torch.tensor([2, 3]), pad_to_length_bucket=-1),
+        "pad_to_length_bucket: expected an int >= 1",
+    ),
     (lambda: build_thd_plan(torch.tensor([2, 0]), cp_size=2), "lengths row 1: expected a sequence of >= 1 token"),
 ]
 
@@ -297,7 +300,7 @@ def test_postprocess_thd_given_the_plan_is_two_ops_and_reads_nothing_on_the_host
     assert small.syncs == 0 and not small.host_reads
 
 
-def test_a_plan_made_from_host_lengths_shards_with_no_host_read():
+def test_a_plan_made_from_host_lengths_shards_with_no_host_read(device_path):
     lengths = torch.tensor([5, 3, 9])
     plan = build_thd_plan(lengths, cp_size=2, cp_rank=1)  # the one read: of a CPU tensor, no device sync
     ids = nested_ids([5, 3, 9])

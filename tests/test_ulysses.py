@@ -59,7 +59,7 @@ def test_index_math_rejects_bad_sizes():
         local_range(6, 4, 0)
     with pytest.raises(ValueError, match="sp_rank: expected 0 <= rank < 2, got 2"):
         local_range(6, 2, 2)
-    with pytest.raises(ValueError, match="sp_size/pad_to_multiple"):
+    with pytest.raises(ValueError, match="sp_size: expected an int >= 1, got 0"):
         padded_length(5, 0)
     with pytest.warns(DeprecationWarning, match=r"padded_length\(multiple=...\) is deprecated"):
         assert padded_length(5, 2, multiple=3) == padded_length(5, 2, pad_to_multiple=3) == 6

@@ -24,10 +24,10 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import check_choice, check_flag, check_real, check_real_dtype, get_field
+from nopad._batch import check_choice, check_real, check_real_dtype, get_field
 from nopad.attention import KERNELS, available_kernels, packed_attention, reads_boundaries, use_packed_attention
 from nopad.compat import moved_attributes
-from nopad.errors import check_int, input_error
+from nopad.errors import check_flag, check_int, input_error
 from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
 from nopad.parallel.ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
@@ -375,7 +375,7 @@ def _attn_implementation(model: torch.nn.Module) -> str | None:
 def packed_logprobs(
     model: torch.nn.Module,
     micro_batch,
-    temperature: float | Tensor = ...,
+    temperature: float | Tensor | None = ...,
     *,
     calculate_entropy: Literal[False] = ...,
     attention: str | None = ...,
@@ -387,7 +387,7 @@ def packed_logprobs(
 def packed_logprobs(
     model: torch.nn.Module,
     micro_batch,
-    temperature: float | Tensor = ...,
+    temperature: float | Tensor | None = ...,
     *,
     calculate_entropy: Literal[True],
     attention: str | None = ...,
@@ -398,7 +398,7 @@ def packed_logprobs(
 def packed_logprobs(
     model: torch.nn.Module,
     micro_batch,
-    temperature: float | Tensor = 1.0,
+    temperature: float | Tensor | None = None,
     *,
     calculate_entropy: bool = False,
     attention: str | None = "auto",
@@ -412,6 +412,8 @@ def packed_logprobs(
     kernel on any device; None runs the model's attention as it is. The model is restored after.
     ``input_kwargs`` go to :func:`prepare_model_inputs` (pad_to_multiple, sp_group, ...). With
     ``calculate_entropy`` returns the dict of :func:`prepare_model_outputs` instead.
+    ``temperature`` as :func:`prepare_model_inputs` takes it: when None, the micro-batch's
+    ``temperature`` entry, else 1.0.
     """
     check_flag(calculate_entropy, "calculate_entropy")
     if attention is not None:
@@ -427,7 +429,7 @@ def packed_logprobs(
 def padded_logprobs(
     model: torch.nn.Module,
     padded: TensorDict,
-    temperature: float | Tensor = 1.0,
+    temperature: float | Tensor | None = None,
     *,
     rows_per_forward: int | None = None,
 ) -> Tensor:
@@ -437,8 +439,9 @@ def padded_logprobs(
     (B, S) or (B, C, S). Entries where response_mask is 0 are 0. Materialises (B, R, V) log-softmax:
     a reference, not a hot path. ``rows_per_forward`` splits the batch into forwards of that many
     rows (the result is the same), so a reference fits where the whole padded batch would not.
-    ``temperature`` as :func:`prepare_model_inputs` takes it; checked on the host (a reference may
-    sync), so a bad row is a ValueError naming it on any device.
+    ``temperature`` as :func:`prepare_model_inputs` takes it (None: ``padded``'s ``temperature``
+    entry, else 1.0); checked on the host (a reference may sync), so a bad row is a ValueError
+    naming it on any device.
     """
     for key in ("input_ids", "attention_mask", "response_mask", "position_ids"):
         if key not in padded.keys():
@@ -446,6 +449,8 @@ def padded_logprobs(
     batch = padded["input_ids"].shape[0]
     if rows_per_forward is not None:
         rows_per_forward = check_int(rows_per_forward, "rows_per_forward", low=1)
+    if temperature is None:
+        temperature = get_field(padded, "temperature", 1.0)
     if isinstance(temperature, Tensor):
         temperature = _temperature_tensor(temperature.cpu(), batch, "temperature").to(temperature.device)
     else:

@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
-from nopad._batch import check_flag
-from nopad.errors import input_error
+from nopad.errors import check_flag, free_to_read, input_error
 from nopad.layout import check_nested, is_nested, jagged_values, nested_offsets, wrap_jagged
 from nopad.parallel.cp import CpLayout, check_cp_args, gather_cp_flat, unshard_index
 from nopad.parallel.thd import (
@@ -109,6 +109,14 @@ def postprocess_thd(
     ``plan`` (the :class:`ThdPlan` that sharded the batch) supplies cp_size, cp_rank and the layout;
     without it, ``cp_layout`` defaults to the one recorded in ``packed_seq_params``
     (``cp_partition_mode``, which :meth:`ThdPlan.packed_seq_params` sets), else zigzag.
+
+    The plan, the params and the batch must belong together. Checked on the host where free: the
+    plan's batch size, token total and slots per rank; the batch's offsets being the plan's own
+    (identity) or, on the CPU, equal to its lengths; the params' padded boundaries being the plan's
+    (identity) or, on the CPU, equal to them, and without a plan, holding every sequence and ending
+    at cp_size times the output's slots. Boundaries on a device that are other tensors are not read
+    (a host sync): a batch, params or output of another batch there give a wrong result or an
+    out-of-range index.
     """
     if plan is not None and not isinstance(plan, ThdPlan):
         raise input_error("plan", None, "the ThdPlan that sharded the batch, or None", type(plan).__name__)
@@ -118,21 +126,28 @@ def postprocess_thd(
     if plan is not None:
         cp_size, cp_rank, cp_layout = plan.cp_size, plan.cp_rank, plan.cp_layout
     layout: CpLayout = cp_layout or getattr(packed_seq_params, "cp_partition_mode", None) or "zigzag"
-    check_cp_args(1, cp_size, cp_rank, layout)
+    _, cp_size, cp_rank, layout = check_cp_args(1, cp_size, cp_rank, layout)
     check_nested(input_ids_nested, "input_ids")
     offsets = nested_offsets(input_ids_nested)
     batch = offsets.shape[0] - 1
     cu = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     if cu is None:
-        cu = packed_seq_params.cu_seqlens_q
+        cu = getattr(packed_seq_params, "cu_seqlens_q", None)
+    if not isinstance(cu, Tensor):
+        got = type(packed_seq_params).__name__ if cu is None else f"cu_seqlens_q_padded of type {type(cu).__name__}"
+        raise input_error("packed_seq_params", None, "the PackedSeqParams of preprocess_thd (padded cu_seqlens)", got)
     if cu.dim() != 1 or cu.shape[0] != batch + 1:
         raise input_error("packed_seq_params.cu_seqlens_q_padded", None, f"shape ({batch + 1},)", f"{tuple(cu.shape)}")
     if output.dim() < 2 or output.shape[0] != 1:
         raise input_error("output", None, "shape (1, T/cp, ...)", f"{tuple(output.shape)}")
     local_len = output.shape[1]
-    gathered = gather_cp_flat(output[0], cp_size, cp_rank, cp_group)
     total = jagged_values(input_ids_nested).shape[0]
-    if plan is not None and plan.local_len == local_len and plan.total == total:
+    if plan is not None:
+        _check_plan(plan, cu, input_ids_nested, batch, total, local_len)
+    elif free_to_read(cu, offsets):
+        _check_padded_boundaries(cu, offsets, cp_size * local_len, cp_size, layout)
+    gathered = gather_cp_flat(output[0], cp_size, cp_rank, cp_group)
+    if plan is not None:
         index = plan.unshard_index()  # the plan's own inverse, computed once
     else:
         index = unshard_index(cu, offsets.diff(), total, local_len, cp_size, layout)
@@ -143,6 +158,38 @@ def postprocess_thd(
         min_seqlen=getattr(input_ids_nested, "_maybe_min_seqlen", None),
         max_seqlen=getattr(input_ids_nested, "_maybe_max_seqlen", None),
     )
+
+
+def _check_plan(plan: ThdPlan, cu: Tensor, input_ids: Tensor, batch: int, total: int, local_len: int) -> None:
+    """The plan is this batch's and this output's: host facts, then boundaries where free."""
+    if (plan.batch_size, plan.total, plan.local_len) != (batch, total, local_len):
+        expected = f"the ThdPlan of this batch and output: {batch} sequences, {total} tokens, {local_len} slots"
+        got = f"{plan.batch_size} sequences, {plan.total} tokens, {plan.local_len} slots"
+        raise input_error("plan", None, expected, got)
+    plan.check_boundaries(input_ids, "input_ids")
+    if cu is plan.cu_seqlens_padded or not free_to_read(cu):
+        return
+    theirs = cu.numpy().astype(np.int64)
+    if not np.array_equal(theirs, plan.host_cu_seqlens):
+        expected = f"the plan's padded boundaries {plan.host_cu_seqlens.tolist()[:9]}"
+        raise input_error("packed_seq_params.cu_seqlens_q_padded", None, expected, f"{theirs.tolist()[:9]}")
+
+
+def _check_padded_boundaries(cu: Tensor, offsets: Tensor, padded_total: int, cp_size: int, layout: str) -> None:
+    """CPU boundaries: each padded segment holds its sequence (and, under zigzag CP, splits into 2 x cp
+    chunks), and the last ends at cp_size x the output's slots. A read of host memory."""
+    bounds, starts = cu.numpy().astype(np.int64), offsets.numpy().astype(np.int64)
+    segments, lengths = np.diff(bounds), np.diff(starts)
+    field = "packed_seq_params.cu_seqlens_q_padded"
+    if bounds[0] != 0 or bounds[-1] != padded_total:
+        expected = f"boundaries from 0 to {padded_total} (cp_size {cp_size} x the output's slots)"
+        raise input_error(field, None, expected, f"{bounds[0]}..{bounds[-1]} (the params of another batch?)")
+    multiple = 2 * cp_size if layout == "zigzag" and cp_size > 1 else 1
+    bad = np.flatnonzero((segments < lengths) | (segments % multiple != 0))
+    if bad.size:
+        i = int(bad[0])
+        expected = f"a padded segment holding the sequence's {int(lengths[i])} tokens, a multiple of {multiple}"
+        raise input_error(field, i, expected, f"{int(segments[i])} (the params of another batch?)")
 
 
 # ---- megatron-core parallel state ----------------------------------------------------------------

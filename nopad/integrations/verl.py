@@ -49,9 +49,9 @@ from torch import Tensor
 
 import nopad.integrations._verl_rows as _rows
 import nopad.padding as _padding
-from nopad._batch import check_flag, get_field
+from nopad._batch import get_field
 from nopad.engines.megatron import postprocess_thd, thd_plan
-from nopad.errors import input_error
+from nopad.errors import check_flag, check_int, check_optional_int, input_error
 from nopad.layout import is_nested
 
 SUPPORTED_VERSIONS = ("0.9.1",)
@@ -96,15 +96,20 @@ def left_right_2_no_padding(data: TensorDict) -> TensorDict:
 
     As verl: input_ids / position_ids become nested, loss_mask = response_mask, routed_experts (if
     padded) and teacher_logprobs + teacher_ids (if both present) become nested, and max_seq_len,
-    max_response_len and indices are stored as ``NonTensorData``. A float attention_mask is read as
-    its nonzero entries, as verl's unpad_input does. Unlike verl, a row whose real tokens are not
-    one run across the prompt/response boundary raises ValueError naming the row.
+    max_response_len and indices are stored as ``NonTensorData``. A float attention_mask of 0s and
+    1s is taken as verl takes it. Unlike verl, a row whose real tokens are not one run across the
+    prompt/response boundary, a mask that is not 0/1 (verl's unpad_input would count a 0.5 in the
+    lengths but not in the indices) and a missing key raise ValueError naming the row or key (verl
+    asserts).
     """
-    for key in ("input_ids", "attention_mask", "response_mask", "position_ids"):
-        assert key in data, f"{key} is required in left-right padding data"
+    if not isinstance(data, TensorDict):
+        raise input_error("data", None, "a TensorDict", type(data).__name__)
+    missing = [key for key in _padding.REQUIRED_KEYS if key not in data.keys()]
+    if missing:
+        raise input_error(
+            "data", None, f"the keys of left-right padding data {list(_padding.REQUIRED_KEYS)}", f"missing {missing}"
+        )
     view = data.copy()
-    if view["attention_mask"].dtype.is_floating_point:
-        view["attention_mask"] = view["attention_mask"] != 0
     if ("teacher_logprobs" in view.keys()) != ("teacher_ids" in view.keys()):  # verl nests them only as a pair
         view = view.exclude("teacher_logprobs", "teacher_ids")
     out = _padding.left_right_2_no_padding(view)
@@ -169,7 +174,8 @@ def preprocess_thd_engine(
     """
     pre_process, need_roll = check_flag(pre_process, "pre_process"), check_flag(need_roll, "need_roll")
     use_fp8_padding = check_flag(use_fp8_padding, "use_fp8_padding")
-    util = sys.modules.get(MCORE_UTIL_MODULE)
+    pad_to_length_bucket = check_optional_int(pad_to_length_bucket, "pad_to_length_bucket")
+    util = _mcore_util()
     fallback = (
         util is None
         or cp_layout not in ("zigzag", "contiguous")
@@ -255,9 +261,9 @@ def postprocess_thd_engine(
     if not check_flag(post_process, "post_process"):
         return output
     rows = input_ids.size(0) if is_nested(input_ids) else None
-    if rows is not None and (isinstance(batch_size, bool) or batch_size != rows):
+    if rows is not None and check_int(batch_size, "batch_size") != rows:  # verl loops over it: the count
         raise input_error("batch_size", None, f"{rows}, the number of sequences in input_ids", repr(batch_size))
-    util = sys.modules.get(MCORE_UTIL_MODULE)
+    util = _mcore_util()
     if util is None or local_cp_size is not None:
         return _original(MCORE_UTIL_MODULE, "postprocess_thd_engine")(
             output,
@@ -520,6 +526,7 @@ def install(*, check_version: bool = True) -> VerlPatch:
     Touches only modules whose name starts with ``verl``.
     """
     global _ACTIVE
+    check_version = check_flag(check_version, "check_version")
     if _ACTIVE is not None and _ACTIVE.active:
         return _ACTIVE
     version = verl_version()
@@ -546,11 +553,25 @@ def active() -> VerlPatch | None:
     return _ACTIVE if _ACTIVE is not None and _ACTIVE.active else None
 
 
+def _mcore_util() -> Any:
+    """verl's ``verl.models.mcore.util``, imported when a routed THD function is called before it was
+    (its originals are then learned by the import hook); None where it cannot be imported."""
+    util = sys.modules.get(MCORE_UTIL_MODULE)
+    if util is not None:
+        return util
+    try:
+        return importlib.import_module(MCORE_UTIL_MODULE)
+    except ImportError:
+        return None
+
+
 def _original(module_name: str, name: str) -> Callable[..., Any]:
-    """verl's own function (for the options nopad leaves to verl), installed or not."""
+    """verl's own function (for the options nopad leaves to verl), installed or not. The module is
+    imported first: under ``install()`` importing it is what records its originals."""
+    module = importlib.import_module(module_name)
     if _ACTIVE is not None and (module_name, name) in _ACTIVE.originals:
         return _ACTIVE.originals[module_name, name]
-    function = vars(importlib.import_module(module_name))[name]
+    function = vars(module)[name]
     if function is REPLACEMENTS[module_name][name]:
         raise RuntimeError(f"{module_name}.{name}: verl's original is unknown (nopad's replacement is bound)")
     return function

@@ -23,7 +23,7 @@ from itertools import chain
 
 import numpy as np
 
-from nopad.errors import input_error
+from nopad.errors import check_int, input_error
 from nopad.layout import round_up
 
 Bins = list[list[int]]
@@ -31,8 +31,7 @@ Lengths = Sequence[int] | np.ndarray
 
 
 def _as_lengths(lengths: Lengths, capacity: int) -> list[int]:
-    if capacity <= 0:
-        raise input_error("capacity", None, "a positive number of tokens", f"{capacity}")
+    capacity = check_int(capacity, "capacity", low=1)
     arr = np.asarray(lengths)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise input_error("lengths", None, "a 1-D sequence of integers", f"shape {arr.shape} dtype {arr.dtype}")
@@ -211,7 +210,7 @@ def first_fit_shuffle(lengths: Lengths, capacity: int, seed: int = 0) -> Bins:
     """
     ls = _as_lengths(lengths, capacity)
     order = list(range(len(ls)))
-    random.Random(seed).shuffle(order)
+    random.Random(check_int(seed, "seed")).shuffle(order)
     return _first_fit_into(order, ls, capacity, [])
 
 
@@ -243,9 +242,10 @@ def bin_of_items(lengths: Lengths, capacity: int, algorithm: str = "best_fit_dec
 
     What a row builder needs (bins as one array, not n lists); best fit decreasing writes it directly.
     """
-    if algorithm not in ALGORITHMS:
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
     ls = _as_lengths(lengths, capacity)
+    capacity = int(capacity)
     bin_of = np.empty(len(ls), dtype=np.int64)
     if algorithm == "best_fit_decreasing":
         order, placed = _best_fit_placement(ls, capacity)
@@ -305,11 +305,12 @@ def pack_lengths(
     of micro-batches) raise the bin count by splitting the fullest bins, never by adding empty ones;
     a ValueError says so when there are too few items to reach the count.
     """
-    if algorithm not in ALGORITHMS:
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
-    if min_bins < 0 or bins_multiple_of < 1:
-        raise input_error("min_bins/bins_multiple_of", None, ">= 0 and >= 1", f"{min_bins} and {bins_multiple_of}")
+    min_bins = check_int(min_bins, "min_bins", low=0)
+    bins_multiple_of = check_int(bins_multiple_of, "bins_multiple_of", low=1)
     ls = _as_lengths(lengths, capacity)
+    capacity = int(capacity)
     bins = ALGORITHMS[algorithm](ls, capacity)
     target = max(len(bins), min_bins if ls else 0)
     target = round_up(target, bins_multiple_of)
@@ -334,9 +335,27 @@ class PackingMetrics:
 
 
 def packing_metrics(bins: Bins, lengths: Lengths, capacity: int) -> PackingMetrics:
-    """Metrics of ``bins`` (item indices into ``lengths``) for rows of ``capacity`` tokens."""
-    ls = np.asarray(lengths, dtype=np.int64)
+    """Metrics of ``bins`` (item indices into ``lengths``) for rows of ``capacity`` tokens.
+
+    ``bins`` must be a packing of these lengths: every index an item, no bin over the capacity
+    (a bin over it would report a utilisation above 1 and a negative waste).
+    """
+    capacity = check_int(capacity, "capacity", low=1)
+    ls = np.asarray(_as_lengths(lengths, np.iinfo(np.int64).max), dtype=np.int64)
+    if not isinstance(bins, (list, tuple)):
+        raise input_error("bins", None, "a list of bins, each a list of item indices", type(bins).__name__)
+    for b, items in enumerate(bins):
+        index = np.asarray(items)
+        if index.ndim != 1 or (
+            index.size and (index.dtype.kind not in "iu" or index.min() < 0 or index.max() >= len(ls))
+        ):
+            raise input_error(f"bins[{b}]", None, f"item indices in [0, {len(ls)})", f"{list(items)[:8]}")
     loads = [int(ls[b].sum()) for b in bins] if bins else [0]
+    over = [b for b, load in enumerate(loads) if load > capacity]
+    if over:
+        raise input_error(
+            f"bins[{over[0]}]", None, f"at most the capacity of {capacity} tokens", f"{loads[over[0]]} tokens"
+        )
     total = int(ls.sum())
     lower = math.ceil(total / capacity)
     slots = len(bins) * capacity

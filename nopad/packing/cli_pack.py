@@ -131,7 +131,8 @@ def chosen_tokenizer(args: argparse.Namespace) -> Tokenizer | None:
     if args.tokenizer is not None:
         return ByteTokenizer() if args.tokenizer == "bytes" else HFTokenizer(args.tokenizer)
     if pre_tokenized:
-        return PreTokenized(args.vocab_size, args.tokenizer_name or PRE_TOKENIZED)
+        name = PRE_TOKENIZED if args.tokenizer_name is None else args.tokenizer_name  # '' is refused, not replaced
+        return PreTokenized(args.vocab_size, name)
     return None
 
 
@@ -227,6 +228,7 @@ def _no_rows(report: PackReport) -> ValueError:
 def pack(args: argparse.Namespace) -> tuple[PackReport, dict[str, Any]]:
     """Read, pack and write; returns the report and the metadata written."""
     _check_paths(args)
+    check_count("--pack-length", args.pack_length, 1, MAX_TOKEN_ID)  # the file's limit, before any reading
     alignment = cp_alignment(args.tp_size, args.cp_size)
     conversations, tokenizer = read_conversations(args)
     rows, report = pack_conversations(

@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.errors import input_error
+from nopad.errors import check_int, input_error
 from nopad.layout import (
     prepare_offsets,
     prepare_position_ids,
@@ -26,12 +26,6 @@ from nopad.layout import (
     wrap_jagged,
 )
 from nopad.packing.rows import ROW_FIELDS, TOKEN_FIELDS, Columns, validate_columns
-
-
-def _check_int_arg(name: str, value: object, low: int) -> None:
-    """An int (numpy's too; bool refused) >= low."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise input_error(name, None, f"an integer >= {low}", repr(value))
 
 
 def _padded(values: np.ndarray, offsets: np.ndarray, width: int, fill: int) -> np.ndarray:
@@ -100,8 +94,8 @@ def collate_packed(rows: Sequence[Mapping[str, object]], *, pad_token_id: int = 
             f"{kind}: rows {unpacked[:8]} lack it",
         )
     check_row_arrays(rows)
-    _check_int_arg("pad_token_id", pad_token_id, 0)
-    _check_int_arg("alignment", alignment, 1)
+    pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
+    alignment = check_int(alignment, "alignment", low=1)
     cols = Columns.from_rows([{f: np.asarray(r[f]) for f in ROW_FIELDS} for r in rows])  # type: ignore[misc]
     width = int(cols.row_lengths.max())
     validate_columns(cols, pack_length=width, alignment=alignment)
@@ -130,12 +124,15 @@ def packed_to_nested(
     ONE host sync (segment count, token count and the alignment check, fetched together),
     whatever the batch size: the gathers are computed from the boundaries, not by boolean masks.
     """
-    if "packed_cu_seqlens" not in batch.keys():
-        raise input_error("batch", None, "packed rows carrying packed_cu_seqlens", "an unpacked batch")
+    if not isinstance(batch, TensorDict) or "packed_cu_seqlens" not in batch.keys():
+        got = "an unpacked batch" if isinstance(batch, TensorDict) else type(batch).__name__
+        raise input_error("batch", None, "packed rows carrying packed_cu_seqlens", got)
+    if isinstance(fields, str):
+        raise input_error("fields", None, "a list of field names", f"the string {fields!r} (write [{fields!r}])")
     missing = [k for k in ("packed_cu_seqlens_lengths", "input_ids", *fields) if k not in batch.keys()]
     if missing:
         raise input_error("batch", None, "the fields of collate_packed or pack_online", f"missing {missing}")
-    _check_int_arg("alignment", alignment, 1)
+    alignment = check_int(alignment, "alignment", low=1)
     cu, count = batch["packed_cu_seqlens"], batch["packed_cu_seqlens_lengths"]
     width = batch["input_ids"].shape[1]
     segs_per_row = count - 1

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from nopad.errors import in_file, input_error
+from nopad.errors import check_int, in_file, input_error
 from nopad.packing.collate import check_row_arrays, negative_id_error
 from nopad.packing.rows import ROW_FIELDS, Columns, Row, validate_columns
 from nopad.packing.tokenizer import MAX_TOKEN_ID, TokenizerIdentity
@@ -68,10 +68,14 @@ def write_packed(
     """Validate ``rows`` and the settings, and write them to ``path``; returns the metadata written.
 
     The settings pass the very checks :func:`read_packed` applies, so a written file always opens.
+    They are ints by :func:`nopad.errors.check_int` (numpy ints are stored as the ints they are).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    pack_length, alignment = check_int(pack_length, "pack_length", low=1), check_int(alignment, "alignment", low=1)
+    tp_size, cp_size = check_int(tp_size, "tp_size", low=1), check_int(cp_size, "cp_size", low=1)
+    pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
     check_row_arrays(rows)
     cols = Columns.from_rows(rows)
     meta = {
@@ -144,7 +148,12 @@ def metadata_checksum(meta: Mapping[str, Any]) -> str:
 
 # ---- metadata checks: each returns the problems it finds, so a reader can list them all ----------
 def _is_int(value: object, low: int, high: int = MAX_TOKEN_ID) -> bool:
-    return type(value) is int and low <= value <= high  # bool is refused: True is not a length
+    """Whether a stored value passes the one int rule (:func:`nopad.errors.check_int`) in [low, high]."""
+    try:
+        check_int(value, "metadata", low=low, high=high)  # bool is refused: True is not a length
+    except ValueError:
+        return False
+    return True
 
 
 def _int_text(low: int, high: int = MAX_TOKEN_ID) -> str:
@@ -448,6 +457,9 @@ def check_packed(path: str | os.PathLike[str], *, tokenizer: TokenizerIdentity |
     missing file raises FileNotFoundError.
     """
     path = os.fspath(path)
+    if tokenizer is not None and not isinstance(tokenizer, TokenizerIdentity):
+        expected = "a TokenizerIdentity (e.g. load_tokenizer(...).identity) or None"
+        raise input_error("tokenizer", None, expected, type(tokenizer).__name__)
     try:
         meta = _load_metadata(path)
     except ValueError as e:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from nopad.errors import input_error
+from nopad.errors import check_int, input_error
 from nopad.layout import host_ranges, round_up
 from nopad.packing.algorithms import ALGORITHMS, bin_of_items
 from nopad.packing.rows import (
@@ -71,13 +72,20 @@ class PackReport:
         }
 
 
-def _check_config(pack_length: int, alignment: int, overflow: str, algorithm: str) -> None:
-    if alignment < 1 or pack_length < 1 or pack_length % alignment:
+def _check_config(
+    pack_length: Any, alignment: Any, pad_token_id: Any, overflow: Any, algorithm: Any
+) -> tuple[int, int, int]:
+    """THE check of pack_conversations' settings; returns pack_length, alignment, pad_token_id as ints."""
+    alignment = check_int(alignment, "alignment", low=1)
+    pack_length = check_int(pack_length, "pack_length", low=1)
+    pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
+    if pack_length % alignment:
         raise input_error("pack_length", None, f"a positive multiple of the alignment {alignment}", f"{pack_length}")
-    if overflow not in OVERFLOW_POLICIES:
+    if not isinstance(overflow, str) or overflow not in OVERFLOW_POLICIES:
         raise input_error("overflow", None, f"one of {OVERFLOW_POLICIES}", f"{overflow!r}")
-    if algorithm not in ALGORITHMS:
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
+    return pack_length, alignment, pad_token_id
 
 
 @dataclass
@@ -89,6 +97,9 @@ class _Conversations:
 
     @classmethod
     def read(cls, conversations: Iterable[tuple[TokenSeq, TokenSeq]]) -> _Conversations:
+        """The pairs, as they come; numpy arrays are checked to hold integers (ids) or 0/1 numbers
+        (masks) by their dtype: a bool array of ids would be cast to 0/1 tokens, a uint64 one past
+        2**63 would wrap negative. Lists of ids are converted here, once, and checked the same way."""
         ids: list[TokenSeq] = []
         masks: list[TokenSeq] = []
         for pair in conversations:
@@ -97,6 +108,20 @@ class _Conversations:
             except (TypeError, ValueError):
                 got = f"{type(pair).__name__}" + (f" of {len(pair)}" if isinstance(pair, Sized) else "")
                 raise input_error(f"conversation {len(ids)}", None, "an (ids, loss_mask) pair", got) from None
+            if isinstance(seq_ids, (list, tuple)):  # converted once here (concatenating would convert it anyway)
+                try:
+                    seq_ids = np.asarray(seq_ids)
+                except (TypeError, ValueError, OverflowError):
+                    pass  # named by explain_bad_tokens when the concatenation fails
+            if isinstance(seq_ids, np.ndarray) and seq_ids.dtype.kind not in "iu" and seq_ids.size:
+                got = f"shape {seq_ids.shape} dtype {seq_ids.dtype}"  # bools would be cast to ids 0 and 1
+                raise input_error(
+                    f"input_ids conversation {len(ids)}", None, "a 1-D sequence of integer token ids", got
+                )
+            if isinstance(seq_ids, np.ndarray) and seq_ids.dtype == np.uint64 and seq_ids.size:
+                if seq_ids.max() >= 2**63:
+                    what = "token ids below 2**63 (int64)"
+                    raise input_error(f"input_ids conversation {len(ids)}", None, what, f"{int(seq_ids.max())}")
             ids.append(seq_ids)
             masks.append(seq_mask)
         return cls(ids, masks)
@@ -118,13 +143,18 @@ class _Conversations:
 
     def explain_bad_tokens(self) -> None:
         """Raise a ValueError naming the first conversation whose ids or mask is not a 1-D sequence of
-        integers. Called once a vectorised step failed; returns if none is found (the caller re-raises)."""
+        integers (ids >= 0 and below 2**63). Called once a vectorised step failed; returns if none is
+        found (the caller re-raises)."""
         for k, (seq_ids, seq_mask) in enumerate(zip(self.ids, self.masks)):
             for name, seq, kinds in (("input_ids", seq_ids, "iu"), ("loss_mask", seq_mask, "iub")):
                 try:
                     arr = np.asarray(seq)
                 except (TypeError, ValueError, OverflowError):
                     arr = np.asarray(None)
+                if name == "input_ids" and arr.ndim == 1 and arr.dtype.kind in "iu" and arr.size:
+                    if arr.min() < 0 or (arr.dtype.kind == "u" and arr.max() >= 2**63):
+                        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+                        raise input_error(f"{name} conversation {k}", None, "token ids in [0, 2**63)", f"{bad}")
                 if arr.ndim != 1 or (arr.size and arr.dtype.kind not in kinds):
                     what = "integer token ids" if name == "input_ids" else "0 and 1"
                     got = f"shape {arr.shape} dtype {arr.dtype}" if arr.ndim else f"{type(seq).__name__}"
@@ -197,6 +227,9 @@ def _token_columns(
     total = int(padded.sum())
     input_ids = np.empty(total, dtype=np.int64)
     convs.concatenate(segments.take(convs.ids, order), padded - real, pad, input_ids)
+    if total and input_ids.view(np.uint64).max() >= 2**63:  # a negative id (pad is >= 0): one read-only pass
+        convs.explain_bad_tokens()
+        raise input_error("input_ids", None, "token ids >= 0", f"{int(input_ids.min())}")
     shifted = np.empty(total + 1, dtype=np.int64)  # the mask of token t lands on token t - 1's slot
     convs.concatenate(segments.take(convs.masks, order), padded - real, 0, shifted[:total])
     _check_mask_values(shifted[:total], padded, segments.conversation[order])
@@ -253,12 +286,13 @@ def pack_conversations(
     Every produced row is validated before it is returned: the producer never emits a row the
     reader would refuse.
 
-    ids and masks are 1-D sequences of integers (masks of 0 and 1), lists or numpy arrays: arrays
-    are read in place, lists converted once. The rows are views of one flat array per field. No
-    Python loop runs over tokens or rows; the loops over conversations only collect them, and the
-    bin packing loops over their lengths.
+    ids and masks are 1-D sequences of integers (ids >= 0; masks of 0 and 1), lists or numpy
+    arrays: arrays are read in place, lists converted once. A bool or float array of ids is
+    refused, not cast; ``pack_length``, ``alignment`` and ``pad_token_id`` are ints (check_int).
+    The rows are views of one flat array per field. No Python loop runs over tokens or rows; the
+    loops over conversations only collect them, and the bin packing loops over their lengths.
     """
-    _check_config(pack_length, alignment, overflow, algorithm)
+    pack_length, alignment, pad_token_id = _check_config(pack_length, alignment, pad_token_id, overflow, algorithm)
     convs = _Conversations.read(conversations)
     report = PackReport(pack_length=pack_length, alignment=alignment)
     segments = _segments(convs.lengths(), report, overflow)

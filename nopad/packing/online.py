@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad.compat import renamed_keyword
-from nopad.errors import input_error
+from nopad.errors import check_int, input_error
 from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, prepare_position_ids, round_up
 from nopad.packing.algorithms import ALGORITHMS, Bins, pack_lengths
 from nopad.parallel.cp import CpLayout, cp_alignment
@@ -37,10 +37,6 @@ def bin_layout(bins: Bins, padded_lengths: np.ndarray) -> tuple[np.ndarray, np.n
     seq_start[order] = begins - begins[first][bin_of_item]
     fills = np.bincount(bin_of_item, weights=padded_lengths[order], minlength=len(bins)).astype(np.int64)
     return seq_bin, seq_rank, seq_start, fills
-
-
-def _is_count(value: object, low: int) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= low)
 
 
 def _check_arguments(
@@ -68,9 +64,8 @@ def _check_arguments(
     counts = {"pack_length": (pack_length, 1), "tp_size": (tp_size, 1), "cp_size": (cp_size, 1)}
     counts |= {"dp_size": (dp_size, 1), "min_bins": (min_bins, 0), "pad_token_id": (pad_token_id, 0)}
     for name, (value, low) in counts.items():
-        if not _is_count(value, low):
-            raise input_error(name, None, f"an int >= {low}", repr(value))
-    if algorithm not in ALGORITHMS:
+        check_int(value, name, low=low)
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
 
 

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from nopad.packing.collate import packed_to_nested
 from nopad.packing.rows import TOKEN_FIELDS
-from nopad.parallel.cp import CpLayout, cp_alignment
-from nopad.parallel.thd import thd_plan
+from nopad.parallel.cp import CpLayout
+from nopad.parallel.thd import plan_of_nested, thd_sizes
 
 
 @dataclass
@@ -46,10 +46,10 @@ def packed_to_thd(
     and positions are the rows' own (target_ids, token_mask, position_ids), sharded by the same plan
     as the tokens. Two host syncs (the rows' boundaries, then the adapter's plan), whatever N.
     """
-    align = cp_alignment(tp_size, cp_size, cp_layout)
-    context = f" (tp={tp_size}, cp={cp_size}, {cp_layout})"
-    nested = packed_to_nested(batch, TOKEN_FIELDS, alignment=align, context=context)
-    plan = thd_plan(nested["input_ids"], tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout)
+    sizes = thd_sizes(tp_size, cp_size, cp_rank, cp_layout)  # the settings' one check, before the rows
+    context = f" (tp={sizes.tp_size}, cp={sizes.cp_size}, {sizes.cp_layout})"
+    nested = packed_to_nested(batch, TOKEN_FIELDS, alignment=sizes.alignment, context=context)
+    plan = plan_of_nested(nested["input_ids"], sizes)
     return ThdBatch(
         tokens=plan.shard(nested["input_ids"]),
         labels=plan.shard(nested["target_ids"]),

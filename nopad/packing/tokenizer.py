@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nopad.errors import input_error
+from nopad.errors import check_int, input_error
 
 # Packed files store ids as int32: no id, vocabulary size or pad id may reach 2**31.
 MAX_TOKEN_ID = 2**31 - 1
@@ -145,11 +145,11 @@ class PreTokenized:
     eos_token_id = None
 
     def __init__(self, vocab_size: int | None = None, name: str = PRE_TOKENIZED, pad_token_id: int = 0):
-        check_count("vocab_size", vocab_size, 1, MAX_TOKEN_ID + 1, none_ok=True)
+        vocab_size = check_count("vocab_size", vocab_size, 1, MAX_TOKEN_ID + 1, none_ok=True)
         if not isinstance(name, str) or not name.strip():
             raise input_error("tokenizer name", None, "a non-empty string", repr(name))
         top = MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
-        check_count("pad_token_id", pad_token_id, 0, top)
+        pad_token_id = check_count("pad_token_id", pad_token_id, 0, top)  # type: ignore[assignment]
         self.identity = TokenizerIdentity(name, "", vocab_size)
         self.pad_token_id = pad_token_id
 
@@ -171,13 +171,12 @@ def shown(value: object, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def check_count(field: str, value: object, low: int, high: int, *, none_ok: bool = False) -> None:
-    """``value`` must be a Python int (bool refused) in [low, high]; None too when ``none_ok``."""
+def check_count(field: str, value: object, low: int, high: int, *, none_ok: bool = False) -> int | None:
+    """``value`` by :func:`nopad.errors.check_int` in [low, high] (numpy ints accepted, a bool
+    refused); None too when ``none_ok``. Returns it as a Python int."""
     if value is None and none_ok:
-        return
-    if type(value) is not int or not low <= value <= high:
-        bound = f"an integer in [{low}, {high}]" if high < MAX_TOKEN_ID else f"an integer >= {low}"
-        raise input_error(field, None, bound, repr(value))
+        return None
+    return check_int(value, field, low=low, high=high)
 
 
 def encode_record(

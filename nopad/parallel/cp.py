@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad.errors import input_error
+from nopad.errors import check_int, input_error
 from nopad.layout import prepare_offsets, round_up
 
 CpLayout = Literal["zigzag", "contiguous"]
@@ -41,7 +41,12 @@ CP_LAYOUTS = ("zigzag", "contiguous")
 # ---- alignment ----------------------------------------------------------------------------------
 def cp_alignment(tp_size: int = 1, cp_size: int = 1, cp_layout: CpLayout = "zigzag") -> int:
     """Multiple every padded segment must be: tp*cp*2 (zigzag, cp > 1), tp*cp (contiguous), tp (cp == 1)."""
-    check_cp_args(tp_size, cp_size, 0, cp_layout)
+    tp_size, cp_size, _, cp_layout = check_cp_args(tp_size, cp_size, 0, cp_layout)
+    return alignment_of(tp_size, cp_size, cp_layout)
+
+
+def alignment_of(tp_size: int, cp_size: int, cp_layout: CpLayout) -> int:
+    """:func:`cp_alignment` of sizes :func:`check_cp_args` has checked (callers that checked them once)."""
     if cp_size == 1:
         return tp_size
     return tp_size * cp_size * (2 if cp_layout == "zigzag" else 1)
@@ -49,6 +54,7 @@ def cp_alignment(tp_size: int = 1, cp_size: int = 1, cp_layout: CpLayout = "zigz
 
 def fp8_alignment(alignment: int) -> tuple[int, int]:
     """(per-segment, total) multiples for FP8 GEMMs: lcm(16, alignment) per segment, alignment * 128 in total."""
+    alignment = check_int(alignment, "alignment", low=1)
     return math.lcm(16, alignment), alignment * 128
 
 
@@ -64,10 +70,17 @@ def prepare_padded_lengths(lengths: Any, alignment: int, total_multiple: int = 1
     buffer makes TransformerEngine's partitioning return duplicate and missing tokens. No sync.
     A numpy array in gives a numpy array out (the THD plan's host path): one derivation for both.
     """
+    alignment = check_int(alignment, "alignment", low=1)
+    total_multiple = check_int(total_multiple, "total_multiple", low=1)
     if total_multiple % alignment:
         raise input_error(
             "total_multiple", None, f"a multiple of the segment alignment {alignment}", f"{total_multiple}"
         )
+    return padded_lengths_of(lengths, alignment, total_multiple)
+
+
+def padded_lengths_of(lengths: Any, alignment: int, total_multiple: int) -> Any:
+    """:func:`prepare_padded_lengths` of multiples already checked (the THD plan's, checked once)."""
     if isinstance(lengths, np.ndarray):
         padded = round_up(lengths, alignment) if alignment > 1 else lengths.astype(np.int64)  # a new array
         padded_total = int(padded.sum())
@@ -252,13 +265,15 @@ def gather_cp_flat(local: Tensor, cp_size: int, cp_rank: int, group=None) -> Ten
 
 
 # ---- argument checks ----------------------------------------------------------------------------
-def check_cp_args(tp_size: int, cp_size: int, cp_rank: int, cp_layout: str) -> None:
-    """ValueError naming the argument when a size, rank or layout is out of range."""
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise input_error("tp_size", None, "an int >= 1", f"{tp_size!r}")
-    if not isinstance(cp_size, int) or cp_size < 1:
-        raise input_error("cp_size", None, "an int >= 1", f"{cp_size!r}")
-    if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+def check_cp_args(tp_size: Any, cp_size: Any, cp_rank: Any, cp_layout: Any) -> tuple[int, int, int, CpLayout]:
+    """THE check of the parallel sizes: ValueError naming the argument when a size, rank or layout is
+    out of range. Sizes and rank are ints by :func:`nopad.errors.check_int` (numpy ints accepted, a
+    bool refused); returns them as Python ints with the layout."""
+    tp_size = check_int(tp_size, "tp_size", low=1)
+    cp_size = check_int(cp_size, "cp_size", low=1)
+    cp_rank = check_int(cp_rank, "cp_rank")
+    if not 0 <= cp_rank < cp_size:
         raise input_error("cp_rank", None, f"an int in [0, cp_size={cp_size})", f"{cp_rank!r}")
-    if cp_layout not in CP_LAYOUTS:
+    if not isinstance(cp_layout, str) or cp_layout not in CP_LAYOUTS:
         raise input_error("cp_layout", None, f"one of {CP_LAYOUTS}", f"{cp_layout!r}")
+    return tp_size, cp_size, cp_rank, cp_layout  # type: ignore[return-value]

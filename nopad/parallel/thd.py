@@ -24,15 +24,24 @@ import torch
 from torch import Tensor
 
 from nopad.compat import renamed_attribute, renamed_keyword
-from nopad.errors import input_error
-from nopad.layout import IndexPlan, check_nested, host_to_device, is_nested, jagged_values, nested_offsets
+from nopad.errors import check_flag, check_int, check_optional_int, free_to_read, input_error
+from nopad.layout import (
+    IndexPlan,
+    as_lengths,
+    check_nested,
+    host_to_device,
+    is_nested,
+    jagged_values,
+    nested_offsets,
+    prepare_offsets,
+)
 from nopad.parallel.cp import (
     CpLayout,
+    alignment_of,
     check_cp_args,
-    cp_alignment,
     fp8_alignment,
+    padded_lengths_of,
     pieces_to_index,
-    prepare_padded_lengths,
     rank_chunks,
     real_token_pieces,
     run_of_each,
@@ -126,7 +135,9 @@ def _host_int64(x: Tensor) -> np.ndarray:
 
 # ---- the plan ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Sizes:
+class ThdSizes:
+    """A THD plan's checked settings (:func:`thd_sizes`) and the multiples derived from them."""
+
     tp_size: int
     cp_size: int
     cp_rank: int
@@ -155,12 +166,22 @@ class ThdPlan:
     """
 
     def __init__(
-        self, lengths: np.ndarray, source_starts: np.ndarray, source_len: int, sizes: _Sizes, device: torch.device
+        self,
+        lengths: np.ndarray,
+        source_starts: np.ndarray,
+        source_len: int,
+        sizes: ThdSizes,
+        device: torch.device,
+        batch_offsets: Tensor | None = None,
     ):
-        """From host (B,) int64 lengths (each >= 1) and source starts, already validated. No sync."""
+        """From host (B,) int64 lengths (each >= 1) and source starts, already validated. No sync.
+
+        ``batch_offsets``: the offsets tensor of the nested batch the plan was read from (its
+        identity is how :meth:`shard` and ``postprocess_thd`` know a batch as this plan's for free).
+        """
         self.tp_size, self.cp_size, self.cp_rank = sizes.tp_size, sizes.cp_size, sizes.cp_rank
         self.cp_layout, self.alignment = sizes.cp_layout, sizes.alignment
-        padded = prepare_padded_lengths(lengths, sizes.alignment, sizes.total_multiple)
+        padded = padded_lengths_of(lengths, sizes.alignment, sizes.total_multiple)
         cu = np.zeros(padded.shape[0] + 1, dtype=np.int64)
         np.cumsum(padded, out=cu[1:])
         self.total, self.source_len = int(lengths.sum()), source_len
@@ -173,6 +194,8 @@ class ThdPlan:
         self._locate_slots(device)
         self._sources: dict[bool, tuple[Tensor, Tensor]] = {}
         self._unshard_index: Tensor | None = None
+        self._batch_offsets = batch_offsets
+        self._back_to_back = source_len == self.total and bool(np.array_equal(source_starts, cu_starts(lengths)))
 
     def _chunk_table(self, lengths: np.ndarray, source_starts: np.ndarray) -> dict[str, np.ndarray]:
         """Host arrays of this rank's chunks: their ends and sizes (the runs a slot is found in) and
@@ -214,11 +237,25 @@ class ThdPlan:
 
     @functools.cached_property
     def plan(self) -> IndexPlan:
-        return IndexPlan.from_lengths(self.lengths, width=self.padded_max_seqlen, total=self.total)
+        lengths, host = self.lengths, self._host_lengths
+        return IndexPlan(
+            lengths,
+            prepare_offsets(lengths),
+            total=self.total,
+            width=self.padded_max_seqlen,
+            starts=torch.zeros_like(lengths),
+            max_seqlen=int(host.max()),
+            min_seqlen=int(host.min()),
+        )
 
     @property
     def batch_size(self) -> int:
         return self._host_lengths.shape[0]
+
+    @property
+    def host_cu_seqlens(self) -> np.ndarray:
+        """(B+1,) int64 numpy: the padded boundaries as the plan derived them on the host."""
+        return self._host_cu
 
     # ---- per-slot tensors ----------------------------------------------------------------------
     @functools.cached_property
@@ -250,7 +287,7 @@ class ThdPlan:
         has none and, like padding, reads 0 (:meth:`shard` puts ``pad_value`` there: nopad's one
         convention for the label slot no loss trains on).
         """
-        return self._source(need_roll)[0]
+        return self._source(check_flag(need_roll, "need_roll"))[0]
 
     def _source(self, need_roll: bool) -> tuple[Tensor, Tensor]:
         """(source index, skip) for every local slot, computed once per ``need_roll``: skip is True
@@ -270,8 +307,11 @@ class ThdPlan:
 
         Padding slots hold ``pad_value``; ``need_roll`` gives next-token labels, with ``pad_value`` at
         each sequence's last token (nopad's one convention for the label slot no loss trains on).
-        Autograd flows back to ``values``. No sync.
+        Autograd flows back to ``values``. No sync. A nested ``values`` must have this batch's sequence
+        boundaries: its offsets tensor is the one the plan was read from (free), or, on the CPU, equal
+        to it (a read of host memory); offsets that are another tensor on a device are not read.
         """
+        need_roll = check_flag(need_roll, "need_roll")
         flat = self._values(values)
         index, skip = self._source(need_roll)
         out = flat.index_select(0, index)
@@ -297,6 +337,7 @@ class ThdPlan:
         Alignment slots get distinct experts spread round-robin over ``num_experts`` (slot g, pick k
         -> (g * topk + k) % num_experts), so replaying the router does not pile padding on expert 0.
         """
+        num_experts = check_int(num_experts, "num_experts", low=1)
         flat = self._values(routed_experts)
         if flat.dim() < 2:
             raise input_error("routed_experts", None, "(total, ..., topk)", f"shape {tuple(flat.shape)}")
@@ -338,10 +379,30 @@ class ThdPlan:
 
     def _values(self, x: Tensor) -> Tensor:
         if is_nested(x):
-            x = jagged_values(check_nested(x, "tensor"))
-        if x.dim() < 1 or x.shape[0] != self.source_len:
-            raise input_error("tensor", None, f"{self.source_len} tokens on dim 0", f"shape {tuple(x.shape)}")
+            self.check_boundaries(check_nested(x, "tensor"), "tensor")
+            x = jagged_values(x)
+        if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[0] != self.source_len:
+            got = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+            raise input_error("tensor", None, f"{self.source_len} tokens on dim 0", got)
         return x
+
+    def check_boundaries(self, nested: Tensor, field: str) -> None:
+        """Refuse a nested batch whose sequences are not this plan's, where that is free: its offsets
+        tensor is the one the plan was read from (identity: nothing to read), or lives on the CPU (its
+        values are compared with the plan's host lengths). Offsets that are another tensor on a device
+        are not read (a host sync): the caller's contract. Plans whose sequences are not read back to
+        back (built with ``source_starts``) are not compared."""
+        offsets = nested_offsets(nested)
+        if offsets is self._batch_offsets or not self._back_to_back:
+            return
+        if offsets.shape[0] != self.batch_size + 1:
+            raise input_error(field, None, f"{self.batch_size} sequences, this plan's", f"{offsets.shape[0] - 1}")
+        if not free_to_read(offsets):
+            return
+        lengths = offsets.numpy().astype(np.int64)
+        if not np.array_equal(lengths[1:] - lengths[:-1], self._host_lengths):
+            expected = f"this plan's sequence lengths {_shown(self._host_lengths)}"
+            raise input_error(field, None, expected, f"lengths {_shown(lengths[1:] - lengths[:-1])} (another batch?)")
 
     def __repr__(self) -> str:
         return (
@@ -374,28 +435,49 @@ def _pad_of(pad_value: float | int, dtype: torch.dtype) -> float | int | bool:
     return pad_value if dtype.is_floating_point or dtype.is_complex else int(pad_value)
 
 
-def _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket) -> _Sizes:
-    """Check the sizes (ValueError naming the argument) and derive the segment and total multiples."""
-    check_cp_args(tp_size, cp_size, cp_rank, cp_layout)
-    if pad_to_length_bucket is not None and (not isinstance(pad_to_length_bucket, int) or pad_to_length_bucket <= 0):
-        raise input_error("pad_to_length_bucket", None, "a positive int or None", f"{pad_to_length_bucket!r}")
-    align = cp_alignment(tp_size, cp_size, cp_layout)
+def cu_starts(lengths: np.ndarray) -> np.ndarray:
+    """Where each of back-to-back sequences of ``lengths`` starts: 0, cumsum(lengths)[:-1]. Host math."""
+    starts = np.zeros_like(lengths)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts
+
+
+def _shown(values: np.ndarray, most: int = 8) -> str:
+    items = values.tolist()
+    return str(items) if len(items) <= most else f"{str(items[:most])[:-1]}, ... ({len(items)} in all)]"
+
+
+def thd_sizes(
+    tp_size: Any = 1,
+    cp_size: Any = 1,
+    cp_rank: Any = 0,
+    cp_layout: Any = "zigzag",
+    use_fp8_padding: Any = False,
+    pad_to_length_bucket: Any = None,
+) -> ThdSizes:
+    """THE check of a THD plan's settings (ValueError naming the argument), made once per plan, and
+    the segment and total multiples derived from them."""
+    tp_size, cp_size, cp_rank, cp_layout = check_cp_args(tp_size, cp_size, cp_rank, cp_layout)
+    use_fp8_padding = check_flag(use_fp8_padding, "use_fp8_padding")
+    pad_to_length_bucket = check_optional_int(pad_to_length_bucket, "pad_to_length_bucket", low=1)
+    align = alignment_of(tp_size, cp_size, cp_layout)
     total_multiple = align
     if use_fp8_padding:
         align, fp8_total = fp8_alignment(align)
         total_multiple = math.lcm(align, fp8_total)
     if pad_to_length_bucket is not None:
         total_multiple = math.lcm(total_multiple, pad_to_length_bucket)
-    return _Sizes(tp_size, cp_size, cp_rank, cp_layout, align, total_multiple)
+    return ThdSizes(tp_size, cp_size, cp_rank, cp_layout, align, total_multiple)
 
 
 def _checked_plan(
     lengths: np.ndarray,
     source_starts: np.ndarray | None,
     source_len: int | None,
-    sizes: _Sizes,
+    sizes: ThdSizes,
     device: torch.device,
     field: str,
+    batch_offsets: Tensor | None = None,
 ) -> ThdPlan:
     """Validate host lengths and source starts (ValueError naming the field and row), then plan.
 
@@ -406,8 +488,7 @@ def _checked_plan(
         raise input_error(f"{field}", row, "a sequence of >= 1 token", f"length {int(lengths[row])}")
     source_len = int(lengths.sum()) if source_len is None else source_len
     if source_starts is None:
-        source_starts = np.zeros_like(lengths)
-        np.cumsum(lengths[:-1], out=source_starts[1:])
+        source_starts = cu_starts(lengths)
     else:
         outside = (source_starts < 0) | (source_starts + lengths > source_len)
         if outside.any():
@@ -418,7 +499,7 @@ def _checked_plan(
                 f"a sequence inside the {source_len} source tokens",
                 f"start {int(source_starts[row])} length {int(lengths[row])}",
             )
-    return ThdPlan(lengths, source_starts, source_len, sizes, device)
+    return ThdPlan(lengths, source_starts, source_len, sizes, device, batch_offsets)
 
 
 def build_thd_plan(
@@ -446,21 +527,19 @@ def build_thd_plan(
     ``device="cuda"`` plan a GPU batch without any device sync (the index math runs on the host and
     its results travel in one non-blocking copy).
     Raises ValueError naming the field and row for an empty sequence or one that runs past the
-    source, and for out-of-range sizes, rank, layout or bucket.
+    source, and for out-of-range sizes, rank, layout or bucket. Lengths and starts are integers (a
+    float, bool or string is refused, never rounded).
     """
-    check_cp_args(tp_size, cp_size, cp_rank, cp_layout)
-    lengths = torch.as_tensor(lengths)
-    if lengths.dim() != 1 or lengths.shape[0] == 0 or lengths.dtype.is_floating_point:
-        got = f"{lengths.dtype} of shape {tuple(lengths.shape)}"
-        raise input_error(f"{field}", None, "a non-empty 1-D integer tensor", f"{got}")
-    sizes = _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
+    sizes = thd_sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
+    field = field if isinstance(field, str) else "lengths"
+    lengths = as_lengths(lengths, field)
+    source_len = check_optional_int(source_len, "source_len", low=0)
     source_offsets = renamed_keyword("build_thd_plan", "source_offsets", "source_starts", source_offsets, source_starts)
-    lengths = lengths.to(torch.int64)
     host_starts = None
     if source_offsets is None:
         host_lengths = _host_int64(lengths)
     else:
-        starts = torch.as_tensor(source_offsets, device=lengths.device).to(torch.int64)
+        starts = as_lengths(source_offsets, "source_starts", non_empty=False).to(lengths.device)
         if starts.shape != lengths.shape:
             raise input_error("source_starts", None, f"shape {tuple(lengths.shape)}", f"{tuple(starts.shape)}")
         host_lengths, host_starts = _host_int64(torch.stack([lengths, starts]))  # both in the one read
@@ -483,13 +562,19 @@ def thd_plan(
     The plan lives on the values' device; offsets already on the host cost no device sync at all.
     Shard the batch's companions (labels, loss masks, routed experts) with the returned plan.
     """
+    sizes = thd_sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)  # before the batch
     check_nested(input_ids_nested, "input_ids")
     offsets = nested_offsets(input_ids_nested)
-    check_cp_args(tp_size, cp_size, cp_rank, cp_layout)  # before the batch's shape: as build_thd_plan does
     if offsets.dim() != 1 or offsets.shape[0] < 2:
         got = f"{offsets.dtype} of shape {(max(offsets.shape[0] - 1, 0),)}"
         raise input_error("input_ids", None, "a non-empty 1-D integer tensor", got)
-    sizes = _sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
+    return plan_of_nested(input_ids_nested, sizes)
+
+
+def plan_of_nested(input_ids_nested: Tensor, sizes: ThdSizes) -> ThdPlan:
+    """:func:`thd_plan` of checked settings (:func:`thd_sizes`) and a checked jagged nested batch.
+    ONE host read (of the offsets)."""
+    offsets = nested_offsets(input_ids_nested)
     host = _host_int64(offsets)
     device = jagged_values(input_ids_nested).device  # sequences are read back to back from the first token
-    return _checked_plan(host[1:] - host[:-1], None, None, sizes, device, "input_ids")
+    return _checked_plan(host[1:] - host[:-1], None, None, sizes, device, "input_ids", offsets)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nopad.compat import renamed_keyword
-from nopad.errors import input_error
+from nopad.errors import check_int, input_error
 from nopad.layout import block_causal_mask, round_up
 
 ULYSSES_PREFIX = "nopad_ulysses_"
@@ -38,9 +38,8 @@ def padded_length(
     ``multiple=`` is the old name of ``pad_to_multiple=``, accepted for one release.
     """
     pad_to_multiple = renamed_keyword("padded_length", "multiple", "pad_to_multiple", multiple, pad_to_multiple)
-    pad_to_multiple = 1 if pad_to_multiple is None else pad_to_multiple
-    if sp_size < 1 or pad_to_multiple < 1:
-        raise input_error("sp_size/pad_to_multiple", None, ">= 1", f"{sp_size}/{pad_to_multiple}")
+    pad_to_multiple = 1 if pad_to_multiple is None else check_int(pad_to_multiple, "pad_to_multiple", low=1)
+    total, sp_size = check_int(total, "total", low=0), check_int(sp_size, "sp_size", low=1)
     return round_up(total, math.lcm(sp_size, pad_to_multiple))
 
 
