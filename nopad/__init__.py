@@ -1,8 +1,6 @@
 """nopad: padded <-> nested <-> packed LLM training batches, exact and without per-row loops."""
 
-from nopad import attention, compat
 from nopad.diagnostics import OpCounter
-from nopad.engines.leak import IsolationReport, check_isolation
 from nopad.layout import (
     IndexPlan,
     gather_rows,
@@ -39,20 +37,13 @@ from nopad.padding import (
 )
 from nopad.rows import select_rows
 
-compat.install_module_finder()
-
 __version__ = "0.1.0"
-
-# "nopad_varlen" becomes a transformers attention implementation as soon as transformers loads
-attention.register_on_import()
 
 __all__ = [
     "IndexPlan",
-    "IsolationReport",
     "LossConfig",
     "OpCounter",
     "agg_loss",
-    "check_isolation",
     "compute_policy_loss",
     "compute_value_loss",
     "is_nested",

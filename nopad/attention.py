@@ -31,7 +31,6 @@ import importlib
 import importlib.abc
 import importlib.util
 import inspect
-import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -482,49 +481,14 @@ _REGISTRARS = {"transformers.modeling_utils": _register_attention, "transformers
 
 @functools.cache
 def register() -> None:
-    """Register ``nopad_varlen`` (and one name per forced kernel) with transformers. Once."""
+    """Register ``nopad_varlen`` (and one name per forced kernel) with transformers. Once.
+
+    Importing this module does it where transformers is installed, so
+    ``from_pretrained(..., attn_implementation="nopad_varlen")`` works after ``import nopad.attention``
+    (``import nopad`` alone imports neither this module nor transformers).
+    """
     for module_name, registrar in _REGISTRARS.items():
         registrar(importlib.import_module(module_name))
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a registrar right after its transformers module has executed, whenever that happens."""
-
-    def __init__(self, pending: dict[str, Callable[[Any], None]]):
-        self.pending = pending
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        registrar = self.pending.pop(name, None)
-        if registrar is None:
-            return None
-        if not self.pending:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)  # the normal finders, now that this one passes on ``name``
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_register(module: Any) -> None:
-            exec_module(module)
-            registrar(module)
-
-        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
-        return spec
-
-
-def register_on_import() -> None:
-    """Register with the transformers modules already loaded now and with the others as they load,
-    so ``from_pretrained(..., attn_implementation="nopad_varlen")`` works after ``import nopad``
-    without ``import nopad`` importing transformers (seconds) for users who never touch it."""
-    pending = {}
-    for module_name, registrar in _REGISTRARS.items():
-        module = sys.modules.get(module_name)
-        try:
-            registrar(module)
-        except AttributeError:  # not loaded yet (None), or still loading
-            pending[module_name] = registrar
-    if pending and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(pending))
 
 
 def _model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -593,3 +557,7 @@ __all__ = [
     "select_kernel",
     "use_packed_attention",
 ]
+
+
+if importlib.util.find_spec("transformers") is not None:
+    register()

@@ -17,7 +17,6 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import put_checked
-from nopad.compat import renamed_keyword
 from nopad.diagnostics import OpCounter
 from nopad.errors import check_int
 from nopad.layout import IndexPlan, prepare_offsets, wrap_jagged
@@ -239,20 +238,17 @@ def bench_thd(
     *,
     max_len: int = 768,
     cp_size: int = 2,
-    repeats: int | None = None,
-    repeat: int | None = None,
+    repeats: int = 3,
     seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> list[tuple[int, float, float, float]]:
     """Time :func:`~nopad.engines.megatron.preprocess_thd` (need_roll, zigzag) against the per-sequence loop.
 
     Random lengths in [1, max_len]; rank 0 of ``cp_size``; tensors on ``device``. Checks both agree,
-    then returns rows ``(B, ref_ms, nopad_ms, ref_ms / nopad_ms)`` (best of ``repeats``, default 3;
-    ``repeat=`` is its deprecated old name).
+    then returns rows ``(B, ref_ms, nopad_ms, ref_ms / nopad_ms)`` (best of ``repeats``).
     """
     from nopad.engines.megatron import preprocess_thd, thd_plan
 
-    repeats = renamed_keyword("bench_thd", "repeat", "repeats", repeat, repeats) or 3
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for batch in batch_sizes:

@@ -312,11 +312,13 @@ def test_packed_attention_switches_only_where_asked_and_restores_the_model():
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_from_pretrained_takes_nopad_varlen_after_import_nopad_even_before_transformers_loads(tmp_path):
+def test_from_pretrained_takes_nopad_varlen_after_import_nopad_attention(tmp_path):
+    """The back end registers when nopad.attention is imported (``import nopad`` alone loads no transformers)."""
     tiny_llama().save_pretrained(tmp_path)
     script = (
         "import sys, nopad\n"
         "assert 'transformers.modeling_utils' not in sys.modules, 'import nopad must not load transformers'\n"
+        "import nopad.attention\n"
         "from transformers import AutoModelForCausalLM\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, attn_implementation='nopad_varlen')\n"
         "assert m.config._attn_implementation == 'nopad_varlen', m.config._attn_implementation\n"

@@ -27,7 +27,6 @@ LAYERS = {
 }
 CORE = {
     "nopad.errors",
-    "nopad.compat",
     "nopad.ops",
     "nopad.layout",
     "nopad.padding",
@@ -155,3 +154,33 @@ def test_the_graph_in_concepts_md_is_the_code_s():
         CONCEPTS.write_text(f"{before}{START}\n{fresh}\n{END}{after}")
         committed = fresh
     assert committed.strip() == fresh, "docs/concepts.md import graph is stale: run with NOPAD_WRITE_DOCS=1"
+
+
+def test_import_nopad_adds_no_import_hook_and_imports_neither_transformers_nor_verl():
+    """``import nopad`` in a fresh process: sys.meta_path as it was, no transformers, no verl."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; before = list(sys.meta_path); import nopad, nopad.rows, nopad.balance, nopad.padding; "
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'verl'}); "
+        "print(sys.meta_path == before, heavy)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "True []", done.stdout
+
+
+def test_importing_the_attention_back_end_registers_it_with_transformers():
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    code = (
+        "import nopad.attention; from transformers import AttentionInterface; "
+        "print('nopad_varlen' in AttentionInterface._global_mapping)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0 and done.stdout.split("\n")[-2] == "True", done.stdout + done.stderr[-2000:]

@@ -61,8 +61,7 @@ def test_index_math_rejects_bad_sizes():
         local_range(6, 2, 2)
     with pytest.raises(ValueError, match="sp_size: expected an int >= 1, got 0"):
         padded_length(5, 0)
-    with pytest.warns(DeprecationWarning, match=r"padded_length\(multiple=...\) is deprecated"):
-        assert padded_length(5, 2, multiple=3) == padded_length(5, 2, pad_to_multiple=3) == 6
+    assert padded_length(5, 2, pad_to_multiple=3) == 6
 
 
 @given(lengths=st.lists(st.integers(0, 5), min_size=1, max_size=5))

@@ -26,7 +26,6 @@ from torch import Tensor
 
 from nopad._batch import check_choice, check_real, check_real_dtype, get_field
 from nopad.attention import KERNELS, available_kernels, packed_attention, reads_boundaries, use_packed_attention
-from nopad.compat import moved_attributes
 from nopad.errors import check_flag, check_int, input_error
 from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
 from nopad.parallel.ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
@@ -483,12 +482,6 @@ def padded_logprobs(
     log_probs = scaled.log_softmax(-1).gather(-1, input_ids[:, -R:].unsqueeze(-1)).squeeze(-1)
     return torch.where(response_mask.bool(), log_probs, log_probs.new_zeros(()))
 
-
-# The leak probe lives in nopad.engines.leak, above this adapter (it runs prepare_model_inputs);
-# its names stay readable here for one release.
-__getattr__ = moved_attributes(
-    __name__, {name: f"nopad.engines.leak:{name}" for name in ("IsolationReport", "check_isolation", "probe_batch")}
-)
 
 __all__ = [
     "OutputArgs",

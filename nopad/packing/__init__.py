@@ -1,6 +1,5 @@
 """Sequence packing: bin packing, online packing at step time, offline packed files, collate, THD."""
 
-from nopad.compat import moved_attributes
 from nopad.packing.algorithms import (
     ALGORITHMS,
     PackingMetrics,
@@ -27,9 +26,6 @@ from nopad.packing.tokenizer import (
     load_tokenizer,
 )
 from nopad.parallel.cp import cp_alignment
-
-# thd_alignment was a one-line alias of cp_alignment: readable here for one release, with a warning.
-__getattr__ = moved_attributes(__name__, {"thd_alignment": "nopad.parallel.cp:cp_alignment"})
 
 __all__ = [
     "ALGORITHMS",

@@ -13,7 +13,6 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.compat import renamed_keyword
 from nopad.errors import check_int, input_error
 from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, prepare_position_ids, round_up
 from nopad.packing.algorithms import ALGORITHMS, Bins, pack_lengths
@@ -104,7 +103,7 @@ def _first_bad_row(field: str, x: Tensor, offsets: Tensor, expected: str) -> Val
 
 def pack_online(
     input_ids: Tensor,
-    pack_length: int | None = None,
+    pack_length: int,
     *,
     loss_mask: Tensor | None = None,
     tp_size: int = 1,
@@ -114,12 +113,11 @@ def pack_online(
     dp_size: int = 1,
     min_bins: int = 1,
     pad_token_id: int = 0,
-    token_budget: int | None = None,
 ) -> tuple[TensorDict, Bins]:
     """Nested (B, j) ids -> (packed rows TensorDict [N], bins: the sequence indices of each row).
 
     Each sequence is padded to the THD alignment of (tp, cp, layout) before packing into rows of at
-    most ``pack_length`` tokens (formerly ``token_budget``, deprecated); N is a multiple of
+    most ``pack_length`` tokens; N is a multiple of
     ``dp_size`` and at least ``min_bins``.
     ``loss_mask`` (nested like ``input_ids``, optional, default all ones) marks tokens to predict.
     A sequence longer than the budget raises ValueError (online packing never splits), and so does
@@ -127,7 +125,6 @@ def pack_online(
     each checked on the device and read in the one host sync (the lengths, which the bin packing
     needs); the token movement is a fixed number of tensor ops.
     """
-    pack_length = renamed_keyword("pack_online", "token_budget", "pack_length", token_budget, pack_length)
     _check_arguments(input_ids, loss_mask, pack_length, tp_size, cp_size, dp_size, min_bins, pad_token_id, algorithm)
     offsets = nested_offsets(input_ids).to(torch.int64)
     lengths = offsets.diff()

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nopad.compat import renamed_attribute, renamed_keyword
 from nopad.errors import check_flag, check_int, check_optional_int, free_to_read, input_error
 from nopad.layout import (
     IndexPlan,
@@ -422,10 +421,6 @@ class ThdPlan:
         return thd_plan(input_ids_nested, **kwargs)
 
     # ---- old names, one release --------------------------------------------------------------
-    source_offsets = renamed_attribute("ThdPlan", "source_offsets", "source_starts")
-    total_padded = renamed_attribute("ThdPlan", "total_padded", "padded_total")
-    max_seqlen = renamed_attribute("ThdPlan", "max_seqlen", "padded_max_seqlen")  # the longest PADDED segment
-    align = renamed_attribute("ThdPlan", "align", "alignment")
 
 
 def _pad_of(pad_value: float | int, dtype: torch.dtype) -> float | int | bool:
@@ -514,12 +509,11 @@ def build_thd_plan(
     source_starts: Tensor | None = None,
     source_len: int | None = None,
     field: str = "lengths",
-    source_offsets: Tensor | None = None,
     device: torch.device | str | None = None,
 ) -> ThdPlan:
     """Plan this CP rank's THD shard from (B,) sequence lengths. ONE host read (of the lengths).
 
-    ``source_starts`` (B,) (formerly ``source_offsets``) says where each sequence starts in the flat
+    ``source_starts`` (B,) says where each sequence starts in the flat
     values of ``source_len`` tokens later passed to :meth:`ThdPlan.shard` (default: back to back,
     ``cumsum(lengths)``), so offline packed rows (N, L) with row padding can be sharded from
     ``rows.flatten()`` directly.
@@ -534,12 +528,11 @@ def build_thd_plan(
     field = field if isinstance(field, str) else "lengths"
     lengths = as_lengths(lengths, field)
     source_len = check_optional_int(source_len, "source_len", low=0)
-    source_offsets = renamed_keyword("build_thd_plan", "source_offsets", "source_starts", source_offsets, source_starts)
     host_starts = None
-    if source_offsets is None:
+    if source_starts is None:
         host_lengths = _host_int64(lengths)
     else:
-        starts = as_lengths(source_offsets, "source_starts", non_empty=False).to(lengths.device)
+        starts = as_lengths(source_starts, "source_starts", non_empty=False).to(lengths.device)
         if starts.shape != lengths.shape:
             raise input_error("source_starts", None, f"shape {tuple(lengths.shape)}", f"{tuple(starts.shape)}")
         host_lengths, host_starts = _host_int64(torch.stack([lengths, starts]))  # both in the one read

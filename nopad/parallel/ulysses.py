@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad.compat import renamed_keyword
 from nopad.errors import check_int, input_error
 from nopad.layout import block_causal_mask, round_up
 
@@ -30,14 +29,8 @@ SP_GROUP_KWARG = "nopad_sp_group"
 # ---- index math (pure arithmetic, no sync) -------------------------------------------------
 
 
-def padded_length(
-    total: int, sp_size: int = 1, pad_to_multiple: int | None = None, *, multiple: int | None = None
-) -> int:
-    """Smallest row length >= ``total`` divisible by both ``sp_size`` and ``pad_to_multiple`` (>= 1 each).
-
-    ``multiple=`` is the old name of ``pad_to_multiple=``, accepted for one release.
-    """
-    pad_to_multiple = renamed_keyword("padded_length", "multiple", "pad_to_multiple", multiple, pad_to_multiple)
+def padded_length(total: int, sp_size: int = 1, pad_to_multiple: int | None = None) -> int:
+    """Smallest row length >= ``total`` divisible by both ``sp_size`` and ``pad_to_multiple`` (>= 1 each)."""
     pad_to_multiple = 1 if pad_to_multiple is None else check_int(pad_to_multiple, "pad_to_multiple", low=1)
     total, sp_size = check_int(total, "total", low=0), check_int(sp_size, "sp_size", low=1)
     return round_up(total, math.lcm(sp_size, pad_to_multiple))
