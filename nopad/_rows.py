@@ -27,7 +27,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import put_checked
+from nopad._torch_internals import put_checked
 from nopad.errors import check_int, input_error
 from nopad.layout import (
     device_to_host,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import put_checked
+from nopad._torch_internals import put_checked
 from nopad.diagnostics import OpCounter
 from nopad.errors import check_int
 from nopad.layout import IndexPlan, prepare_offsets, wrap_jagged

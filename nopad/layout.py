@@ -17,13 +17,18 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from nopad import _torch_internals as _internals
+from nopad._torch_internals import (
+    cached_seqlens,
+    is_jagged,
+    is_nested,
+    jagged_values,
+    ragged_dim,
+    seqlen_records,
+    wrap_jagged,
+)
 from nopad.errors import check_flag, check_int, check_mask, check_optional_int, free_to_read, input_error
 from nopad.ops import put_rows
-
-try:  # holds torch's constructor of jagged tensors, the one its own unpickler and view op call
-    from torch.nested._internal import nested_tensor as _njt
-except ImportError:  # pragma: no cover - a torch that moved it: wrap_jagged takes the public path
-    _njt = None  # type: ignore[assignment]
 
 
 def to_host(*scalars: Tensor) -> list[int]:
@@ -37,40 +42,9 @@ def to_host(*scalars: Tensor) -> list[int]:
     return torch.stack(as_int64).tolist()  # one device->host copy: tolist moves the stack in one go
 
 
-def is_nested(x: object) -> bool:
-    """True for a torch.nested tensor (jagged or strided).
-
-    A jagged tensor is recognised by its class: reading ``is_nested`` on it costs a trip through
-    its Python ``__torch_function__`` (about 20 us on a CPU), once per check on every call.
-    """
-    if _njt is not None and isinstance(x, _njt.NestedTensor):
-        return True
-    return bool(getattr(x, "is_nested", False))
-
-
-def jagged_values(nested: Tensor) -> Tensor:
-    """``nested.values()`` without its Python dispatch (about 100 us on a CPU): the values tensor itself.
-
-    The same tensor with the same autograd history (a jagged tensor built from values is a view
-    of them). Only a jagged leaf that requires grad while its values do not needs the dispatched
-    view, and gets it.
-    """
-    values = getattr(nested, "_values", None)
-    if values is None:
-        return nested.values()
-    with torch._C.DisableTorchFunctionSubclass():
-        needs_view = nested.requires_grad and not values.requires_grad
-    return nested.values() if needs_view else values
-
-
 def nested_offsets(nested: Tensor) -> Tensor:
     """(B+1,) offsets of a jagged nested tensor (typed accessor; torch's stubs lack it)."""
     return nested.offsets()  # type: ignore[attr-defined]
-
-
-def ragged_dim(nested: Tensor) -> int:
-    """Which dim of a jagged nested tensor is ragged: 1 for (B, j, *), 2 for (B, C, j)."""
-    return int(nested._ragged_idx)  # type: ignore[attr-defined]
 
 
 def check_nested(x: object, field: str, *, ragged_dim: int | None = 1, value_dims: int | None = None) -> Tensor:
@@ -82,10 +56,9 @@ def check_nested(x: object, field: str, *, ragged_dim: int | None = 1, value_dim
             got = "nothing"
         raise input_error(field, None, "a jagged nested tensor (B, j, ...)", got)
     nested: Tensor = x  # type: ignore[assignment]
-    if _njt is None or not isinstance(nested, _njt.NestedTensor):  # (``.layout`` costs a Python dispatch)
-        if nested.layout != torch.jagged:
-            raise input_error(field, None, "layout=torch.jagged", f"{nested.layout}")
-    ragged = int(nested._ragged_idx)  # type: ignore[attr-defined]
+    if not is_jagged(nested):
+        raise input_error(field, None, "layout=torch.jagged", f"{nested.layout}")
+    ragged = _internals.ragged_dim(nested)  # (the argument of this name shadows the function)
     if ragged_dim is not None and ragged != ragged_dim:
         raise input_error(field, None, f"the ragged dim at {ragged_dim}", f"it at {ragged}")
     values = jagged_values(nested) if value_dims is not None else None
@@ -241,82 +214,6 @@ def block_causal_mask(
         return allowed
     zero = torch.zeros((), dtype=additive_dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(additive_dtype).min)
-
-
-def wrap_jagged(
-    values: Tensor,
-    offsets: Tensor,
-    ragged_dim: int = 1,
-    *,
-    min_seqlen: int | None = None,
-    max_seqlen: int | None = None,
-    records: dict[str, Tensor] | None = None,
-) -> Tensor:
-    """(total, *) values (or (C, total) with ragged_dim=2) + (B+1,) offsets -> jagged nested tensor.
-
-    ``records``: :func:`seqlen_records` of these min / max lengths, shared between fields.
-
-    Equal to ``torch.nested.nested_tensor_from_jagged``. That one routes through the nested
-    tensor's Python dispatch (about 30 us) to record that the result is a view of ``values``,
-    which only autograd needs; values that do not require grad skip it and go to the constructor.
-    """
-    if _njt is None or values.requires_grad or ragged_dim < 1 or torch.compiler.is_compiling():
-        return torch.nested.nested_tensor_from_jagged(
-            values, offsets, jagged_dim=ragged_dim, min_seqlen=min_seqlen, max_seqlen=max_seqlen
-        )
-    if records is None:
-        records = {}
-        if min_seqlen is not None:
-            records["min_seqlen"] = _njt._store_val_in_tensor(min_seqlen)
-        if max_seqlen is not None:
-            records["max_seqlen"] = _njt._store_val_in_tensor(max_seqlen)
-        return _njt.NestedTensor(values, offsets, _ragged_idx=ragged_dim, _metadata_cache=records)
-    # shared records were marked dynamic when made: handing them over afterwards skips marking them
-    # again in the constructor (about 15 us each on a CPU, per field)
-    nested = _njt.NestedTensor(values, offsets, _ragged_idx=ragged_dim)
-    nested._metadata_cache.update(records)
-    return nested
-
-
-def seqlen_records(min_seqlen: int, max_seqlen: int) -> dict[str, Tensor]:
-    """The min / max length records a jagged tensor keeps, shared by every nested field with the same
-    offsets. No tensor op once a length has been seen (:func:`_seqlen_record`)."""
-    return {"min_seqlen": _seqlen_record(min_seqlen), "max_seqlen": _seqlen_record(max_seqlen)}
-
-
-_SEQLEN_RECORDS: dict[int, Tensor] = {}
-_TRACING_MODES = tuple(
-    getattr(torch._C._TorchDispatchModeKey, name)
-    for name in ("FAKE", "PROXY", "FUNCTIONAL")
-    if hasattr(torch._C._TorchDispatchModeKey, name)
-)
-
-
-def _tracing() -> bool:
-    """Whether a tracing mode (fake tensors, make_fx, functionalisation) or torch.compile is active:
-    tensors made there belong to it, and real tensors kept from outside must not enter it."""
-    if torch.compiler.is_compiling():
-        return True
-    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
-
-
-def _seqlen_record(n: int) -> Tensor:
-    """torch's record of a length ``n``: an (n, 0) tensor that torch.compile treats as dynamic.
-
-    It holds no storage and nothing ever writes to it, so one per value serves every batch: making
-    and marking it costs more (about 10 us a pair on a CPU) than the gather it describes. Always a
-    CPU tensor, as torch makes it. Under a tracing mode each call makes its own, as torch does.
-    """
-    tracing = _tracing()
-    record = None if tracing else _SEQLEN_RECORDS.get(n)
-    if record is None:
-        record = torch.zeros(n, 0, device="cpu")
-        torch._dynamo.mark_dynamic(record, 0)
-        if not tracing:
-            if len(_SEQLEN_RECORDS) >= 8192:  # bounded: a run that sees every length keeps the last ones
-                _SEQLEN_RECORDS.clear()
-            _SEQLEN_RECORDS[n] = record
-    return record
 
 
 def gather_rows(values: Tensor, src_start: Tensor, lo: Tensor | None, hi: Tensor, width: int) -> Tensor:
@@ -604,8 +501,8 @@ class IndexPlan:
             total=total,
             width=width,
             starts=torch.zeros_like(lengths),
-            max_seqlen=_cached_seqlen(nested, "_maybe_max_seqlen"),
-            min_seqlen=_cached_seqlen(nested, "_maybe_min_seqlen"),
+            max_seqlen=cached_seqlens(nested)[1],
+            min_seqlen=cached_seqlens(nested)[0],
         )
         plan._end = plan._max_seqlen
         plan._nested_offsets = source
@@ -971,8 +868,3 @@ def _refuse_negative(lengths: Tensor, starts: Tensor | None) -> None:
         if values is not None and bool((values < 0).any()):
             row = int((values < 0).nonzero()[0])
             raise input_error(field, row, "a value >= 0", f"{int(values[row])}")
-
-
-def _cached_seqlen(nested: Tensor, attr: str) -> int | None:
-    value = getattr(nested, attr, None)
-    return None if value is None else int(value)

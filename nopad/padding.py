@@ -17,7 +17,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import get_field, put_checked
+from nopad._batch import get_field
+from nopad._torch_internals import put_checked
 from nopad.errors import (
     MASK_WORDS,
     check_flag,

@@ -25,7 +25,6 @@ import numpy as np
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import put_checked
 from nopad._rows import (
     NESTED,
     RowPlan,
@@ -39,6 +38,7 @@ from nopad._rows import (
     take,
     unpad_plan,
 )
+from nopad._torch_internals import put_checked
 from nopad.balance import Workload, micro_batch_partitions
 from nopad.errors import input_error
 from nopad.layout import jagged_values, known_host_lengths, nested_offsets, ragged_dim, remember_host_lengths

@@ -35,6 +35,7 @@ CORE = {
     "nopad._rows",
     "nopad.balance",
     "nopad._partition",
+    "nopad._torch_internals",
     "nopad.diagnostics",
     "nopad.synthetic",
 }

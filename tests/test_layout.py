@@ -3,7 +3,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nopad
 from nopad import IndexPlan
@@ -133,26 +132,6 @@ def test_spread_over_tokens_matches_a_naive_loop(lengths, per_row, plus_position
     assert nopad.layout.spread_over_tokens(per_row_t, offsets, t, plus_position=plus_position).tolist() == expected
 
 
-@pytest.mark.parametrize("shape, ragged_dim", [((7,), 1), ((7, 3), 1), ((4, 7), 2)])
-@pytest.mark.parametrize("seqlens", [None, (1, 4)])
-def test_wrap_jagged_equals_torchs_public_constructor(shape, ragged_dim, seqlens):
-    values, offsets = torch.arange(torch.Size(shape).numel()).reshape(shape), torch.tensor([0, 1, 5, 7])
-    min_len, max_len = seqlens or (None, None)
-    ours = nopad.layout.wrap_jagged(values, offsets, ragged_dim, min_seqlen=min_len, max_seqlen=max_len)
-    public = torch.nested.nested_tensor_from_jagged(
-        values, offsets, jagged_dim=ragged_dim, min_seqlen=min_len, max_seqlen=max_len
-    )
-    assert ours.shape == public.shape and ragged_dim == nopad.ragged_dim(ours) == nopad.ragged_dim(public)
-    assert ours.offsets() is offsets and ours.values() is not None and torch.equal(ours.values(), public.values())
-    assert [torch.equal(a, b) for a, b in zip(ours.unbind(), public.unbind())] == [True] * 3
-    assert (ours._maybe_min_seqlen, ours._maybe_max_seqlen) == (public._maybe_min_seqlen, public._maybe_max_seqlen)
-    # values that need a gradient take torch's own path, so the nested tensor stays their view
-    grad_values = values.float().requires_grad_()
-    nested = nopad.layout.wrap_jagged(grad_values, offsets, ragged_dim)
-    nested.values().sum().backward()
-    assert torch.equal(grad_values.grad, torch.ones_like(grad_values))
-
-
 @given(st.lists(st.tuples(st.integers(-5, 40), st.integers(0, 6)), max_size=12))
 def test_concatenated_ranges_on_host_and_device_equal_the_loop(ranges):
     firsts = np.array([f for f, _ in ranges], dtype=np.int64)
@@ -162,40 +141,6 @@ def test_concatenated_ranges_on_host_and_device_equal_the_loop(ranges):
     positions, steps = nopad.layout.range_steps(firsts, lengths)
     device = nopad.layout.expand_ranges(torch.from_numpy(positions), torch.from_numpy(steps), len(expected))
     assert device.tolist() == expected
-
-
-def test_seqlen_records_are_marked_like_torchs_and_made_once_per_length():
-    public = torch.nested.nested_tensor_from_jagged(
-        torch.arange(7), torch.tensor([0, 1, 5, 7]), min_seqlen=1, max_seqlen=4
-    )
-    ours, again = nopad.layout.seqlen_records(1, 4), nopad.layout.seqlen_records(1, 4)
-    for key in ("min_seqlen", "max_seqlen"):
-        record, theirs = ours[key], public._metadata_cache[key]
-        assert record is again[key] and record.shape == theirs.shape and record.numel() == 0
-        assert record._dynamo_dynamic_indices == theirs._dynamo_dynamic_indices == {0}
-    with torch.device("meta"):  # a default device does not reach a record
-        assert nopad.layout.seqlen_records(2, 9)["max_seqlen"].device.type == "cpu"
-    kept = nopad.layout.seqlen_records(3, 11)["max_seqlen"]
-    with FakeTensorMode():  # while tracing, each record is the mode's own: none kept, none handed in
-        traced = nopad.layout.seqlen_records(3, 11)["max_seqlen"]
-        assert traced is not kept and traced is not nopad.layout.seqlen_records(3, 11)["max_seqlen"]
-    assert nopad.layout.seqlen_records(3, 11)["max_seqlen"] is kept
-
-
-def test_jagged_values_is_the_values_tensor_and_keeps_every_gradient_path():
-    offsets = torch.tensor([0, 2, 5])
-    values = torch.randn(5, 3, requires_grad=True)
-    nested = torch.nested.nested_tensor_from_jagged(values, offsets)
-    assert torch.equal(nopad.jagged_values(nested), nested.values())
-    (nopad.jagged_values(nested) * 2).sum().backward()  # through a view built from values
-    assert torch.equal(values.grad, torch.full_like(values, 2.0))
-    leaf = torch.nested.nested_tensor_from_jagged(torch.randn(5, 3), offsets).requires_grad_()
-    nopad.jagged_values(leaf).sum().backward()  # a nested leaf: the dispatched view, so its grad arrives
-    assert torch.equal(leaf.grad.values(), torch.ones(5, 3))
-    with pytest.warns(UserWarning, match="prototype"):  # torch's own warning for the strided layout
-        strided = torch.nested.nested_tensor([torch.ones(2)], layout=torch.strided)
-    assert nopad.is_nested(nested) and nopad.is_nested(strided)
-    assert not nopad.is_nested(values) and not nopad.is_nested(None)
 
 
 def test_block_causal_mask_with_a_window_and_without_causality_matches_a_naive_loop():

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
+from nopad._torch_internals import cached_seqlens
 from nopad.errors import check_flag, free_to_read, input_error
 from nopad.layout import check_nested, is_nested, jagged_values, nested_offsets, wrap_jagged
 from nopad.parallel.cp import CpLayout, check_cp_args, gather_cp_flat, unshard_index
@@ -152,12 +153,8 @@ def postprocess_thd(
     else:
         index = unshard_index(cu, offsets.diff(), total, local_len, cp_size, layout)
     values = gathered.index_select(0, index)
-    return wrap_jagged(
-        values,
-        offsets,
-        min_seqlen=getattr(input_ids_nested, "_maybe_min_seqlen", None),
-        max_seqlen=getattr(input_ids_nested, "_maybe_max_seqlen", None),
-    )
+    low, high = cached_seqlens(input_ids_nested)
+    return wrap_jagged(values, offsets, min_seqlen=low, max_seqlen=high)
 
 
 def _check_plan(plan: ThdPlan, cu: Tensor, input_ids: Tensor, batch: int, total: int, local_len: int) -> None:

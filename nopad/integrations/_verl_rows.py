@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import get_field, put_checked
+from nopad._batch import get_field
 from nopad._partition import fits, karmarkar_karp_arrays, order_partitions
 from nopad._rows import (
     NESTED,
@@ -31,6 +31,7 @@ from nopad._rows import (
     take,
     unpad_plan,
 )
+from nopad._torch_internals import put_checked
 from nopad.balance import Workload, balanced_partitions
 from nopad.balance import karmarkar_karp as _karmarkar_karp
 from nopad.errors import check_int, input_error
