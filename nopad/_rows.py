@@ -111,7 +111,7 @@ def row_index(index: Any, batch: int) -> np.ndarray:
         raise input_error(
             "index", None, "a slice, row indices or a bool mask (an int would drop the batch dim)", repr(index)
         )
-    array = index.numpy(force=True) if isinstance(index, Tensor) else np.asarray(index)
+    array = device_to_host(index) if isinstance(index, Tensor) else np.asarray(index)
     if array.ndim != 1:
         raise input_error("index", None, "a 1-D index of rows", f"shape {array.shape}")
     if array.dtype == np.bool_:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from nopad._partition import first_fit, fits, karmarkar_karp_arrays, max_over_group, order_partitions, split_until
 from nopad.errors import check_int, input_error
-from nopad.layout import round_up
+from nopad.layout import device_to_host, round_up
 
 __all__ = ["Workload", "balanced_partitions", "karmarkar_karp", "micro_batch_partitions", "rank_order"]
 
@@ -78,7 +78,7 @@ def _host_ints(values: Any, field: str) -> np.ndarray:
     if isinstance(values, Tensor):
         if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
             raise input_error(field, None, "integers", f"a tensor of dtype {values.dtype}")
-        values = values.numpy(force=True)
+        values = device_to_host(values)
     array = np.asarray(values)
     if array.dtype == object or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
         raise input_error(field, None, "integers", f"values of dtype {array.dtype}")

@@ -39,7 +39,7 @@ def to_host(*scalars: Tensor) -> list[int]:
         got = [tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__ for s in scalars]
         raise input_error("scalars", None, "0-d (one-element) tensors", f"{got}")
     as_int64 = [s if s.dim() == 0 and s.dtype == torch.int64 else s.reshape(()).to(torch.int64) for s in scalars]
-    return torch.stack(as_int64).tolist()  # one device->host copy: tolist moves the stack in one go
+    return device_to_host(torch.stack(as_int64)).tolist()
 
 
 def nested_offsets(nested: Tensor) -> Tensor:
@@ -171,7 +171,8 @@ def expand_ranges(positions: Tensor, steps: Tensor, n: int) -> Tensor:
 
 
 def host_to_device(array: np.ndarray, device: torch.device) -> Tensor:
-    """Host int64 array -> the same on ``device`` in ONE non-blocking copy from pinned memory. No sync.
+    """Host int64 array -> the same on ``device`` in ONE non-blocking copy from pinned memory: THE way
+    host arrays reach a device. No sync.
 
     Four ops on every device (a CPU gets a copy it does not need), so op counts measured on a
     CPU are the counts on a GPU.
@@ -182,7 +183,8 @@ def host_to_device(array: np.ndarray, device: torch.device) -> Tensor:
 
 
 def device_to_host(x: Tensor) -> np.ndarray:
-    """Device tensor -> numpy in ONE copy: THE host sync of a call. Two ops on every device."""
+    """Device tensor -> a fresh numpy array in ONE copy: THE way nopad reads a device (the host sync of
+    a call). Two ops on every device, so a CPU counts what a GPU would wait for."""
     staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.device.type == "cuda")
     return staged.copy_(x).numpy()
 
@@ -460,7 +462,7 @@ class IndexPlan:
             raise input_error("position_ids", None, "an integer tensor", f"dtype {position_ids.dtype}")
         rows = position_ids.reshape(-1, position_ids.shape[-1])
         restarts = torch.nn.functional.pad(rows.diff(dim=-1) != 1, (1, 0), value=True)
-        starts = np.flatnonzero(restarts.flatten().numpy(force=True))  # the one sync; the rest is host math
+        starts = np.flatnonzero(device_to_host(restarts.flatten()))  # the one sync; the rest is host math
         offsets = np.append(starts, restarts.numel()).astype(np.int64)
         lengths = np.diff(offsets)
         device = position_ids.device
@@ -619,10 +621,14 @@ class IndexPlan:
             parts.append(self.starts)
         if self.width is not None:
             parts.append(self.indices)
-        host = torch.cat([p.to(torch.int64) for p in parts])
-        if device.type == "cuda" and self.device.type == "cpu":
-            host = host.pin_memory()
-        moved = host.to(device, non_blocking=non_blocking).split([p.shape[0] for p in parts])
+        flat = torch.cat([p.to(torch.int64) for p in parts])
+        if self.device.type == "cpu" and non_blocking:
+            flat = host_to_device(device_to_host(flat), device)
+        elif device.type == "cpu":
+            flat = torch.from_numpy(device_to_host(flat))
+        else:
+            flat = flat.to(device, non_blocking=non_blocking)
+        moved = flat.split([p.shape[0] for p in parts])
         lengths, offsets, *rest = moved
         starts = rest.pop(0) if self.starts is not None else None
         return IndexPlan(

@@ -41,7 +41,14 @@ from nopad._rows import (
 from nopad._torch_internals import put_checked
 from nopad.balance import Workload, micro_batch_partitions
 from nopad.errors import input_error
-from nopad.layout import jagged_values, known_host_lengths, nested_offsets, ragged_dim, remember_host_lengths
+from nopad.layout import (
+    device_to_host,
+    jagged_values,
+    known_host_lengths,
+    nested_offsets,
+    ragged_dim,
+    remember_host_lengths,
+)
 
 __all__ = [
     "RowRestore",
@@ -187,10 +194,10 @@ def batch_lengths(data: TensorDict) -> np.ndarray:
     if ids is not None and kind_of(ids) == NESTED:
         offsets = nested_offsets(ids)
         known = known_host_lengths(offsets)
-        return known if known is not None else offsets.diff().numpy(force=True).astype(np.int64)
+        return known if known is not None else device_to_host(offsets.diff()).astype(np.int64, copy=False)
     mask = data.get("attention_mask", None) if "attention_mask" in data.keys() else None
     if isinstance(mask, Tensor) and mask.dim() == 2:
-        return (mask != 0).sum(-1).numpy(force=True).astype(np.int64)
+        return device_to_host((mask != 0).sum(-1)).astype(np.int64, copy=False)
     raise input_error("data", None, "a nested input_ids or a padded (B, S) attention_mask", f"keys {list(data.keys())}")
 
 
@@ -233,7 +240,7 @@ def _given_lengths(lengths: Any, data: TensorDict) -> np.ndarray:
     summing to nested ``input_ids``' token count, equal to its offsets when those are on the CPU.
     Then recorded for those offsets, so the micro-batches need no sync (trusted on a device)."""
     batch = int(data.batch_size[0])
-    array = lengths.numpy(force=True) if isinstance(lengths, Tensor) else np.asarray(lengths)
+    array = device_to_host(lengths) if isinstance(lengths, Tensor) else np.asarray(lengths)
     if array.shape != (batch,) or not np.issubdtype(array.dtype, np.integer) or (array < 0).any():
         got = f"{array.dtype} of shape {array.shape}"
         raise input_error("lengths", None, f"{batch} integers >= 0, one per row", got)

@@ -28,6 +28,7 @@ from nopad.layout import (
     IndexPlan,
     as_lengths,
     check_nested,
+    device_to_host,
     host_to_device,
     is_nested,
     jagged_values,
@@ -125,11 +126,6 @@ def _runs(arrays: _DeviceArrays, name: str) -> dict[str, Tensor]:
     if _is_host(arrays.device):
         return {"sizes": arrays[f"{name}_sizes"]}
     return {"ends": arrays[f"{name}_ends"]}
-
-
-def _host_int64(x: Tensor) -> np.ndarray:
-    """THE host read of a plan: ``x`` as a fresh int64 numpy array, in one device->host copy."""
-    return x.numpy(force=True).astype(np.int64)  # astype copies: the plan never aliases the caller's tensor
 
 
 # ---- the plan ------------------------------------------------------------------------------------
@@ -530,12 +526,12 @@ def build_thd_plan(
     source_len = check_optional_int(source_len, "source_len", low=0)
     host_starts = None
     if source_starts is None:
-        host_lengths = _host_int64(lengths)
+        host_lengths = device_to_host(lengths)  # int64 (as_lengths), a fresh array
     else:
         starts = as_lengths(source_starts, "source_starts", non_empty=False).to(lengths.device)
         if starts.shape != lengths.shape:
             raise input_error("source_starts", None, f"shape {tuple(lengths.shape)}", f"{tuple(starts.shape)}")
-        host_lengths, host_starts = _host_int64(torch.stack([lengths, starts]))  # both in the one read
+        host_lengths, host_starts = device_to_host(torch.stack([lengths, starts]))  # both in the one read
     device = lengths.device if device is None else torch.device(device)
     return _checked_plan(host_lengths, host_starts, source_len, sizes, device, field)
 
@@ -568,6 +564,6 @@ def plan_of_nested(input_ids_nested: Tensor, sizes: ThdSizes) -> ThdPlan:
     """:func:`thd_plan` of checked settings (:func:`thd_sizes`) and a checked jagged nested batch.
     ONE host read (of the offsets)."""
     offsets = nested_offsets(input_ids_nested)
-    host = _host_int64(offsets)
+    host = device_to_host(offsets).astype(np.int64, copy=False)
     device = jagged_values(input_ids_nested).device  # sequences are read back to back from the first token
     return _checked_plan(host[1:] - host[:-1], None, None, sizes, device, "input_ids", offsets)
