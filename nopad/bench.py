@@ -247,7 +247,7 @@ def bench_thd(
     Random lengths in [1, max_len]; rank 0 of ``cp_size``; tensors on ``device``. Checks both agree,
     then returns rows ``(B, ref_ms, nopad_ms, ref_ms / nopad_ms)`` (best of ``repeats``).
     """
-    from nopad.engines.megatron import preprocess_thd, thd_plan
+    from nopad.engines.megatron import ThdPlan, preprocess_thd
 
     gen = torch.Generator().manual_seed(seed)
     rows = []
@@ -259,7 +259,9 @@ def bench_thd(
         ours = lambda: preprocess_thd(nested, cp_size=cp_size, cp_rank=0, need_roll=True)  # noqa: B023
         ref_tokens, _ = ref()
         # verl's roll puts a sequence's first token in its last label slot; nopad puts the pad id (0)
-        last = thd_plan(nested, cp_size=cp_size, cp_rank=0).shard(IndexPlan.from_nested(nested).last_token_mask)
+        last = ThdPlan.from_nested(nested, cp_size=cp_size, cp_rank=0).shard(
+            IndexPlan.from_nested(nested).last_token_mask
+        )
         if not torch.equal(torch.where(last, 0, ref_tokens), ours()[0]):
             raise AssertionError(f"bench_thd: preprocess_thd disagrees with the reference at B={batch}")
         ref_ms = timeit(ref, str(device), 1 if batch >= 512 else repeats)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from nopad.attention import nopad_varlen_attention
-from nopad.engines.megatron import postprocess_thd, preprocess_thd, thd_plan
+from nopad.engines.megatron import postprocess_thd, preprocess_thd
 from nopad.parallel import cp as cp_module
 from nopad.parallel import thd as thd_module
 from nopad.parallel.cp import check_cp_args, cp_alignment, prepare_padded_lengths
-from nopad.parallel.thd import build_thd_plan
+from nopad.parallel.thd import ThdPlan
 from nopad.parallel.ulysses import padded_length
 
 
@@ -34,7 +34,7 @@ def _postprocess_with_params_of(other: tuple[int, ...], **kwargs):
 def _postprocess_with_plan_of(other: tuple[int, ...]):
     ids = _ids(5, 3, 8)
     tokens, params, _ = preprocess_thd(ids)
-    return lambda: postprocess_thd(tokens.float(), params, ids, plan=thd_plan(_ids(*other)))
+    return lambda: postprocess_thd(tokens.float(), params, ids, plan=ThdPlan.from_nested(_ids(*other)))
 
 
 def _attention(cu, max_length=None, length=7):
@@ -78,7 +78,7 @@ CATALOGUE = [
     (
         "not the batch's",
         "shard-a-batch-of-other-boundaries",
-        lambda: thd_plan(_ids(5, 3, 8)).shard(_ids(6, 2, 8)),
+        lambda: ThdPlan.from_nested(_ids(5, 3, 8)).shard(_ids(6, 2, 8)),
         r"tensor: expected this plan's sequence lengths \[5, 3, 8\], got lengths \[6, 2, 8\] \(another batch\?\)",
     ),
     (
@@ -105,29 +105,39 @@ CATALOGUE = [
     (
         "type or coercion",
         "thd-bool-lengths",
-        lambda: build_thd_plan(torch.tensor([True, True])),
+        lambda: ThdPlan.from_lengths(torch.tensor([True, True])),
         r"lengths: expected a 1-D tensor or sequence of integers, got dtype torch.bool",
     ),
     (
         "type or coercion",
         "thd-float-source-starts",
-        lambda: build_thd_plan(torch.tensor([3, 2]), source_starts=torch.tensor([0.0, 3.5]), source_len=8),
+        lambda: ThdPlan.from_lengths(torch.tensor([3, 2]), source_starts=torch.tensor([0.0, 3.5]), source_len=8),
         r"source_starts: expected a 1-D tensor or sequence of integers, got dtype torch.float32",
     ),
     (
         "type or coercion",
         "thd-float-source-len",
-        lambda: build_thd_plan(torch.tensor([3, 2]), source_starts=torch.tensor([0, 3]), source_len=5.5),
+        lambda: ThdPlan.from_lengths(torch.tensor([3, 2]), source_starts=torch.tensor([0, 3]), source_len=5.5),
         r"source_len: expected an int >= 0, got 5.5",
     ),
     (
         "type or coercion",
         "thd-string-lengths",
-        lambda: build_thd_plan("abc"),
+        lambda: ThdPlan.from_lengths("abc"),
         r"lengths: expected a 1-D tensor or sequence of integers \(nothing is rounded\), got str",
     ),
-    ("type or coercion", "thd-bucket-true", lambda: thd_plan(_ids(3), pad_to_length_bucket=True), r"got True"),
-    ("type or coercion", "thd-tp-true", lambda: thd_plan(_ids(3), tp_size=True), r"tp_size: expected an int >= 1"),
+    (
+        "type or coercion",
+        "thd-bucket-true",
+        lambda: ThdPlan.from_nested(_ids(3), pad_to_length_bucket=True),
+        r"got True",
+    ),
+    (
+        "type or coercion",
+        "thd-tp-true",
+        lambda: ThdPlan.from_nested(_ids(3), tp_size=True),
+        r"tp_size: expected an int >= 1",
+    ),
     (
         "type or coercion",
         "cp-alignment-true",
@@ -137,7 +147,7 @@ CATALOGUE = [
     (
         "type or coercion",
         "routed-experts-float-count",
-        lambda: thd_plan(_ids(3, 2)).shard_routed_experts(torch.zeros(5, 2, dtype=torch.long), 2.5),
+        lambda: ThdPlan.from_nested(_ids(3, 2)).shard_routed_experts(torch.zeros(5, 2, dtype=torch.long), 2.5),
         r"num_experts: expected an int >= 1, got 2.5",
     ),
     ("type or coercion", "varlen-float-max-length", _attention([0, 3, 7], 4.5), r"max_length_q: expected an int"),
@@ -151,13 +161,13 @@ CATALOGUE = [
     (
         "flag",
         "thd-fp8-padding-string",
-        lambda: thd_plan(_ids(3), use_fp8_padding="false"),
+        lambda: ThdPlan.from_nested(_ids(3), use_fp8_padding="false"),
         r"use_fp8_padding: expected True or False \(a bool\), got 'false' \(str\)",
     ),
     (
         "flag",
         "shard-need-roll-string",
-        lambda: thd_plan(_ids(3)).shard(_ids(3), need_roll="false"),
+        lambda: ThdPlan.from_nested(_ids(3)).shard(_ids(3), need_roll="false"),
         r"need_roll: expected True or False \(a bool\), got 'false' \(str\)",
     ),
     # -- weak messages replaced
@@ -217,7 +227,7 @@ def test_a_plan_and_params_of_this_batch_in_other_tensors_are_accepted_and_exact
     same = _ids(5, 3, 8)  # equal offsets, another tensor
     params.cu_seqlens_q_padded = params.cu_seqlens_q_padded.clone()
     assert torch.equal(postprocess_thd(tokens.float(), params, same).values(), want.values())
-    plan = thd_plan(same, tp_size=2)
+    plan = ThdPlan.from_nested(same, tp_size=2)
     assert torch.equal(postprocess_thd(tokens.float(), params, ids, plan=plan).values(), want.values())
     assert torch.equal(plan.shard(ids), tokens)
 
@@ -244,8 +254,8 @@ def test_a_thd_plan_checks_its_parallel_sizes_once(monkeypatch):
     monkeypatch.setattr(thd_module, "check_cp_args", counting)
     monkeypatch.setattr(cp_module, "check_cp_args", counting)
     preprocess_thd(_ids(5, 3, 8), cp_size=2, cp_rank=1)
-    build_thd_plan(torch.tensor([5, 3, 8]), cp_size=2, cp_rank=1)
-    assert len(calls) == 2  # one per plan (before: three, in build_thd_plan, _sizes and cp_alignment)
+    ThdPlan.from_lengths(torch.tensor([5, 3, 8]), cp_size=2, cp_rank=1)
+    assert len(calls) == 2  # one per plan (before: three, in the constructor, _sizes and cp_alignment)
 
 
 def test_a_sliding_window_of_0_is_refused_not_turned_into_nan_attention():
@@ -260,7 +270,7 @@ def test_a_sliding_window_of_0_is_refused_not_turned_into_nan_attention():
 
 
 def test_source_index_takes_need_roll_as_a_real_bool():
-    plan = thd_plan(_ids(5, 3))
+    plan = ThdPlan.from_nested(_ids(5, 3))
     with pytest.raises(ValueError, match=r"need_roll: expected True or False \(a bool\), got 'false' \(str\)"):
         plan.source_index("false")
     assert torch.equal(plan.source_index(np.bool_(True)), plan.source_index(True))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nopad import OpCounter, left_right_2_no_padding, no_padding_2_padding
-from nopad.engines.megatron import postprocess_thd, preprocess_thd, thd_plan
+from nopad.engines.megatron import ThdPlan, postprocess_thd, preprocess_thd
 from nopad.layout import wrap_jagged
 from nopad.synthetic import synthetic_batch
 
@@ -22,7 +22,7 @@ def _way_back(device: str):
     ids = micro["input_ids"]
     values = torch.randn(ids.values().shape[0], device=device)
     log_probs = wrap_jagged(values, ids.offsets())
-    plan = thd_plan(ids)
+    plan = ThdPlan.from_nested(ids)
     _, params, _ = preprocess_thd(ids)
     hidden = torch.randn(1, plan.local_len, 16, device=device)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nopad.engines.fsdp import prepare_model_inputs
-from nopad.engines.megatron import thd_plan
+from nopad.engines.megatron import ThdPlan
 from nopad.layout import IndexPlan, prepare_offsets
 from nopad.packing import pack_conversations, pack_online
 
@@ -44,7 +44,7 @@ def test_fsdp_megatron_and_packing_give_the_same_labels_and_masks(order):
     )
     fsdp = (args.labels.tolist(), args.label_mask.int().tolist())
 
-    plan = thd_plan(ids)  # cp=1, tp=1: no alignment padding, the packed order
+    plan = ThdPlan.from_nested(ids)  # cp=1, tp=1: no alignment padding, the packed order
     last = IndexPlan.from_nested(ids).last_token_mask
     megatron = (plan.shard(ids, need_roll=True)[0].tolist(), (~plan.shard(last)[0]).int().tolist())
 
@@ -65,4 +65,6 @@ def test_the_label_slot_holds_the_pad_value_asked_for():
     plan = IndexPlan.from_nested(ids)
     labels = plan.next_token_labels(ids.values(), pad_value=-1)
     assert labels[plan.last_token_mask].tolist() == [-1] * len(CONVERSATIONS)
-    assert thd_plan(ids).shard(ids, need_roll=True, pad_value=-1)[0][plan.last_token_mask].tolist() == [-1] * 4
+    assert (
+        ThdPlan.from_nested(ids).shard(ids, need_roll=True, pad_value=-1)[0][plan.last_token_mask].tolist() == [-1] * 4
+    )

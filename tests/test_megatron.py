@@ -19,12 +19,11 @@ from nopad.diagnostics import OpCounter
 from nopad.engines.megatron import (
     FallbackPackedSeqParams,
     ParallelDims,
-    build_thd_plan,
+    ThdPlan,
     from_parallel_state,
     packed_seq_params_class,
     postprocess_thd,
     preprocess_thd,
-    thd_plan,
 )
 from nopad.layout import IndexPlan, prepare_offsets
 from nopad.parallel import thd as thd_module
@@ -142,7 +141,7 @@ def test_companion_tensors_share_the_plan_and_spread_experts_on_alignment_slots(
     experts_nested = torch.nested.nested_tensor_from_jagged(experts, offsets)
     pads = []
     for rank in range(2):
-        plan = thd_plan(ids, cp_size=2, cp_rank=rank)
+        plan = ThdPlan.from_nested(ids, cp_size=2, cp_rank=rank)
         tokens = plan.shard(ids)
         real = ~plan.padding_mask
         assert torch.equal(real, tokens != 0)
@@ -168,7 +167,7 @@ def test_offline_rows_reach_the_same_batch_through_lengths_and_source_starts():
     rows = torch.zeros(2, 10, dtype=torch.int64)  # row 0: sequence 0; row 1: sequences 1 and 2; zeros pad
     rows[0, :4], rows[1, :7], rows[1, 7:9] = ids[0], ids[1], ids[2]
     for rank in range(2):
-        plan = build_thd_plan(
+        plan = ThdPlan.from_lengths(
             torch.tensor([4, 7, 2]), cp_size=2, cp_rank=rank, source_starts=torch.tensor([0, 10, 17]), source_len=20
         )
         for need_roll in (False, True):
@@ -177,13 +176,13 @@ def test_offline_rows_reach_the_same_batch_through_lengths_and_source_starts():
         assert torch.equal(plan.position_ids, positions)
         assert torch.equal(plan.packed_seq_params().cu_seqlens_q, params.cu_seqlens_q)
     with pytest.raises(ValueError, match="source_starts row 2: expected a sequence inside the 20 source tokens"):
-        build_thd_plan(torch.tensor([4, 7, 2]), source_starts=torch.tensor([0, 10, 19]), source_len=20)
+        ThdPlan.from_lengths(torch.tensor([4, 7, 2]), source_starts=torch.tensor([0, 10, 19]), source_len=20)
 
 
 def test_autograd_reaches_the_values_through_shard_and_postprocess():
     ids = encoded_ids([3, 6])
     hidden = torch.randn(9, 4, requires_grad=True)
-    plan = thd_plan(ids, tp_size=2)
+    plan = ThdPlan.from_nested(ids, tp_size=2)
     out = postprocess_thd(plan.shard(hidden) * 2, plan.packed_seq_params(), ids)
     out.values().sum().backward()
     assert torch.equal(hidden.grad, torch.full((9, 4), 2.0))
@@ -261,10 +260,13 @@ BAD_INPUT = [
         "input_ids row 1: expected a sequence of >= 1 token, got length 0",
     ),
     (
-        lambda: build_thd_plan(torch.tensor([[1, 2]])),
+        lambda: ThdPlan.from_lengths(torch.tensor([[1, 2]])),
         r"lengths: expected a non-empty 1-D tensor, got shape \(1, 2\)",
     ),
-    (lambda: thd_plan(_ids(2, 3)).shard(torch.zeros(4)), r"tensor: expected 5 tokens on dim 0, got shape \(4,\)"),
+    (
+        lambda: ThdPlan.from_nested(_ids(2, 3)).shard(torch.zeros(4)),
+        r"tensor: expected 5 tokens on dim 0, got shape \(4,\)",
+    ),
     (
         lambda: postprocess_thd(torch.zeros(4), _params(2), _ids(2)),
         r"output: expected shape \(1, T/cp, ...\), got \(4,\)",
@@ -319,7 +321,7 @@ def test_benchmark_reference_agrees_with_preprocess(lengths, cp, need_roll, data
     ref_tokens, ref_positions = reference_preprocess_thd(ids, cp_size=cp, cp_rank=rank, need_roll=need_roll)
     tokens, _, positions = preprocess_thd(ids, cp_size=cp, cp_rank=rank, need_roll=need_roll)
     if need_roll:  # verl's roll puts a sequence's first token in its last label slot; nopad puts the pad id
-        last = thd_plan(ids, cp_size=cp, cp_rank=rank).shard(IndexPlan.from_nested(ids).last_token_mask)
+        last = ThdPlan.from_nested(ids, cp_size=cp, cp_rank=rank).shard(IndexPlan.from_nested(ids).last_token_mask)
         ref_tokens = torch.where(last, 0, ref_tokens)
     assert torch.equal(tokens, ref_tokens) and torch.equal(positions, ref_positions)
 
@@ -353,7 +355,7 @@ def _check_cp_round_trips(dims, seed):
             next_index[last] = 0  # stays in range; the last token's label slot holds the pad id
             assert torch.equal(rolled.values(), torch.where(last, 0, ids.values()[next_index]))
 
-            plan = thd_plan(ids, **dims.preprocess_kwargs(), **kwargs)
+            plan = ThdPlan.from_nested(ids, **dims.preprocess_kwargs(), **kwargs)
             hidden = torch.randn(total, 2, generator=gen)
             local = plan.shard(hidden).detach().requires_grad_()
             out = postprocess_thd(
@@ -452,7 +454,7 @@ def test_contiguous_layout_warns_when_megatron_core_cannot_honour_it():
 def test_postprocess_takes_the_layout_from_the_plan_or_the_params():
     ids = encoded_ids([3, 5, 2])
     for layout in ("zigzag", "contiguous"):
-        plan = thd_plan(ids, cp_layout=layout)
+        plan = ThdPlan.from_nested(ids, cp_layout=layout)
         tokens, params = plan.shard(ids), plan.packed_seq_params()
         for kwargs in ({"plan": plan}, {}):
             back = postprocess_thd(tokens, params, ids, **kwargs)

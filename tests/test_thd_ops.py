@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nopad.diagnostics import OpCounter
-from nopad.engines.megatron import build_thd_plan, postprocess_thd, preprocess_thd, thd_plan
+from nopad.engines.megatron import ThdPlan, postprocess_thd, preprocess_thd
 from nopad.layout import prepare_offsets
 from nopad.parallel import thd as thd_module
 from nopad.parallel.cp import rank_chunks, real_token_pieces, run_of_each, run_sizes, shard_index, unshard_index
@@ -103,7 +103,7 @@ def test_every_index_of_the_plan_equals_the_per_sequence_loop(lengths, shard, da
     starts = [sum(lengths[:i]) + sum(gaps[: i + 1]) for i in range(len(lengths))]
     source_len = starts[-1] + lengths[-1] + data.draw(st.integers(0, 3))
     kwargs = dict(tp_size=tp, cp_size=cp, cp_rank=rank, cp_layout=layout, use_fp8_padding=fp8)
-    plan = build_thd_plan(
+    plan = ThdPlan.from_lengths(
         torch.tensor(lengths),
         source_starts=torch.tensor(starts),
         source_len=source_len,
@@ -137,7 +137,7 @@ def test_the_device_branch_one_copy_and_a_binary_search_gives_the_same_plan(leng
     for on_host in (True, False):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(thd_module, "_is_host", lambda device, on_host=on_host: on_host)
-            plan = build_thd_plan(torch.tensor(lengths), use_fp8_padding=fp8, **kwargs)
+            plan = ThdPlan.from_lengths(torch.tensor(lengths), use_fp8_padding=fp8, **kwargs)
             ids = nested_ids(lengths)
             plans.append(
                 [plan.shard(ids, need_roll=True), plan.position_ids, plan.global_index, plan.segment]
@@ -188,7 +188,7 @@ def test_preprocess_of_a_nested_batch_reads_the_token_the_loop_names(lengths, sh
         ]
         assert tokens.tolist() == [expected]
         assert positions.tolist() == [want["position"]] and params.cu_seqlens_q.tolist() == cu
-        plan = build_thd_plan(torch.tensor(lengths), cp_rank=rank, **kwargs)
+        plan = ThdPlan.from_lengths(torch.tensor(lengths), cp_rank=rank, **kwargs)
         assert torch.equal(plan.shard(ids, need_roll=need_roll), tokens)
 
 
@@ -196,7 +196,7 @@ def test_the_plan_copies_the_host_facts_it_reads_and_never_changes_its_input():
     lengths = torch.tensor([3, 5, 2])
     ids = nested_ids([3, 5, 2])
     before = (lengths.clone(), ids.offsets().clone(), ids.values().clone())
-    plan = build_thd_plan(lengths, cp_size=2)
+    plan = ThdPlan.from_lengths(lengths, cp_size=2)
     preprocess_thd(ids, cp_size=2, need_roll=True)
     lengths[0] = 7  # the plan made its own copy: a later change of the caller's tensor does not reach it
     assert plan.lengths.tolist() == [3, 5, 2]
@@ -211,7 +211,7 @@ def test_one_short_sequence_is_refused_naming_its_row(lengths, data):
     bad = data.draw(st.integers(-3, 0))
     lengths[row] = bad
     with pytest.raises(ValueError, match=f"lengths row {row}: expected a sequence of >= 1 token, got length {bad}"):
-        build_thd_plan(torch.tensor(lengths), cp_size=2)
+        ThdPlan.from_lengths(torch.tensor(lengths), cp_size=2)
 
 
 @given(st.lists(st.integers(1, 20), min_size=2, max_size=6), st.data())
@@ -221,19 +221,28 @@ def test_one_source_start_off_by_one_is_refused_naming_its_row(lengths, data):
     row = data.draw(st.integers(0, len(lengths) - 1))
     starts[row] += data.draw(st.sampled_from([-(starts[row] + 1), source_len - starts[row] - lengths[row] + 1]))
     with pytest.raises(ValueError, match=f"source_starts row {row}: expected a sequence inside the {source_len}"):
-        build_thd_plan(torch.tensor(lengths), source_starts=torch.tensor(starts), source_len=source_len)
+        ThdPlan.from_lengths(torch.tensor(lengths), source_starts=torch.tensor(starts), source_len=source_len)
 
 
 BAD_INPUT = [
-    (lambda: thd_plan(torch.nested.nested_tensor_from_jagged(torch.zeros(0), torch.tensor([0]))), "non-empty"),
-    (lambda: build_thd_plan(torch.tensor([2.0, 3.0])), "lengths: expected a 1-D tensor or sequence of integers"),
-    (lambda: build_thd_plan(torch.tensor([2, 3]), source_starts=torch.tensor([0])), r"source_starts: expected shape"),
-    (lambda: build_thd_plan(torch.tensor([2, 3]), cp_size=2, cp_rank=2), r"cp_rank: expected an int in \[0, cp_size"),
     (
-        lambda: build_thd_plan(torch.tensor([2, 3]), pad_to_length_bucket=-1),
+        lambda: ThdPlan.from_nested(torch.nested.nested_tensor_from_jagged(torch.zeros(0), torch.tensor([0]))),
+        "non-empty",
+    ),
+    (lambda: ThdPlan.from_lengths(torch.tensor([2.0, 3.0])), "lengths: expected a 1-D tensor or sequence of integers"),
+    (
+        lambda: ThdPlan.from_lengths(torch.tensor([2, 3]), source_starts=torch.tensor([0])),
+        r"source_starts: expected shape",
+    ),
+    (
+        lambda: ThdPlan.from_lengths(torch.tensor([2, 3]), cp_size=2, cp_rank=2),
+        r"cp_rank: expected an int in \[0, cp_size",
+    ),
+    (
+        lambda: ThdPlan.from_lengths(torch.tensor([2, 3]), pad_to_length_bucket=-1),
         "pad_to_length_bucket: expected an int >= 1",
     ),
-    (lambda: build_thd_plan(torch.tensor([2, 0]), cp_size=2), "lengths row 1: expected a sequence of >= 1 token"),
+    (lambda: ThdPlan.from_lengths(torch.tensor([2, 0]), cp_size=2), "lengths row 1: expected a sequence of >= 1 token"),
 ]
 
 
@@ -288,7 +297,7 @@ def test_postprocess_thd_given_the_plan_is_two_ops_and_reads_nothing_on_the_host
     counts = []
     for batch in (8, 1024):
         ids = nested_ids(torch.randint(1, 60, (batch,), generator=torch.Generator().manual_seed(batch)).tolist())
-        plan = thd_plan(ids, **kwargs)
+        plan = ThdPlan.from_nested(ids, **kwargs)
         tokens, params = plan.shard(ids).float(), plan.packed_seq_params()
         postprocess_thd(tokens, params, ids, plan=plan)  # the plan's way back is computed once, here
         with OpCounter() as counter:
@@ -302,7 +311,7 @@ def test_postprocess_thd_given_the_plan_is_two_ops_and_reads_nothing_on_the_host
 
 def test_a_plan_made_from_host_lengths_shards_with_no_host_read(device_path):
     lengths = torch.tensor([5, 3, 9])
-    plan = build_thd_plan(lengths, cp_size=2, cp_rank=1)  # the one read: of a CPU tensor, no device sync
+    plan = ThdPlan.from_lengths(lengths, cp_size=2, cp_rank=1)  # the one read: of a CPU tensor, no device sync
     ids = nested_ids([5, 3, 9])
     with OpCounter() as counter:
         tokens = plan.shard(ids, need_roll=True)
@@ -318,7 +327,7 @@ def test_a_plan_made_from_host_lengths_shards_with_no_host_read(device_path):
 def test_on_cuda_a_host_plan_needs_no_sync_and_preprocess_reads_once():
     lengths = [5, 3, 9, 1, 12]
     ids = nested_ids(lengths, "cuda")
-    plan = build_thd_plan(torch.tensor(lengths), cp_size=2, device="cuda")
+    plan = ThdPlan.from_lengths(torch.tensor(lengths), cp_size=2, device="cuda")
     assert plan.cu_seqlens_padded.device.type == "cuda"
     with OpCounter() as counter:
         tokens = plan.shard(ids, need_roll=True)
@@ -343,7 +352,7 @@ def test_on_cuda_a_host_plan_needs_no_sync_and_preprocess_reads_once():
 )
 def test_shard_puts_the_pad_value_as_the_dtype_holds_it(dtype, pad_value):
     lengths = [4, 1, 6]
-    plan = build_thd_plan(torch.tensor(lengths), cp_size=2, cp_rank=1, tp_size=2)
+    plan = ThdPlan.from_lengths(torch.tensor(lengths), cp_size=2, cp_rank=1, tp_size=2)
     values = (torch.arange(11) % 3).to(dtype)
     for need_roll in (False, True):
         out = plan.shard(values, need_roll=need_roll, pad_value=pad_value)

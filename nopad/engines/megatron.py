@@ -8,13 +8,13 @@ Forward::
 
 Companion per-token tensors (labels, loss masks, MoE routed_experts) go through the SAME plan::
 
-    plan = thd_plan(input_ids, cp_size=2, cp_rank=r)
+    plan = ThdPlan.from_nested(input_ids, cp_size=2, cp_rank=r)
     labels = plan.shard(input_ids, need_roll=True)
     loss_mask = plan.shard(loss_mask_nested)
     experts = plan.shard_routed_experts(routed_experts_nested, num_experts=64)
 
 One plan = one host read (the batch's offsets, in one copy; none for a plan made from host lengths,
-see :func:`~nopad.parallel.thd.build_thd_plan`); every shard and the way back are a fixed number of
+see :meth:`ThdPlan.from_lengths`); every shard and the way back are a fixed number of
 tensor ops whatever the batch size.
 """
 
@@ -33,21 +33,17 @@ from nopad.parallel.cp import CpLayout, check_cp_args, gather_cp_flat, unshard_i
 from nopad.parallel.thd import (
     FallbackPackedSeqParams,
     ThdPlan,
-    build_thd_plan,
     packed_seq_params_class,
-    thd_plan,
 )
 
 __all__ = [
     "FallbackPackedSeqParams",
     "ParallelDims",
     "ThdPlan",
-    "build_thd_plan",
     "from_parallel_state",
     "packed_seq_params_class",
     "postprocess_thd",
     "preprocess_thd",
-    "thd_plan",
 ]
 
 
@@ -79,7 +75,7 @@ def preprocess_thd(
     """
     need_roll = check_flag(need_roll, "need_roll")
     use_fp8_padding = check_flag(use_fp8_padding, "use_fp8_padding")
-    plan = thd_plan(
+    plan = ThdPlan.from_nested(
         input_ids_nested,
         tp_size=tp_size,
         cp_size=cp_size,

@@ -50,7 +50,7 @@ from torch import Tensor
 import nopad.integrations._verl_rows as _rows
 import nopad.padding as _padding
 from nopad._batch import get_field
-from nopad.engines.megatron import postprocess_thd, thd_plan
+from nopad.engines.megatron import ThdPlan, postprocess_thd
 from nopad.errors import check_flag, check_int, check_optional_int, input_error
 from nopad.layout import is_nested
 
@@ -215,7 +215,7 @@ def preprocess_thd_engine(
             "(upgrade megatron-core for another layout)",
             repr(cp_layout),
         )
-    plan = thd_plan(
+    plan = ThdPlan.from_nested(
         input_ids,
         tp_size=tp_size,
         cp_size=cp_size,

@@ -16,7 +16,7 @@ from torch import Tensor
 from nopad.packing.collate import packed_to_nested
 from nopad.packing.rows import TOKEN_FIELDS
 from nopad.parallel.cp import CpLayout
-from nopad.parallel.thd import plan_of_nested, thd_sizes
+from nopad.parallel.thd import ThdPlan, thd_sizes
 
 
 @dataclass
@@ -49,7 +49,7 @@ def packed_to_thd(
     sizes = thd_sizes(tp_size, cp_size, cp_rank, cp_layout)  # the settings' one check, before the rows
     context = f" (tp={sizes.tp_size}, cp={sizes.cp_size}, {sizes.cp_layout})"
     nested = packed_to_nested(batch, TOKEN_FIELDS, alignment=sizes.alignment, context=context)
-    plan = plan_of_nested(nested["input_ids"], sizes)
+    plan = ThdPlan.from_nested(nested["input_ids"], sizes=sizes)
     return ThdBatch(
         tokens=plan.shard(nested["input_ids"]),
         labels=plan.shard(nested["target_ids"]),

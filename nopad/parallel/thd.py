@@ -160,6 +160,80 @@ class ThdPlan:
         offset_in_segment: (local_len,) int64 each local slot's position inside its padded segment.
     """
 
+    @classmethod
+    def from_lengths(
+        cls,
+        lengths: Tensor,
+        *,
+        tp_size: int = 1,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        cp_layout: CpLayout = "zigzag",
+        use_fp8_padding: bool = False,
+        pad_to_length_bucket: int | None = None,
+        source_starts: Tensor | None = None,
+        source_len: int | None = None,
+        field: str = "lengths",
+        device: torch.device | str | None = None,
+    ) -> ThdPlan:
+        """Plan this CP rank's THD shard from (B,) sequence lengths. ONE host read (of the lengths).
+
+        ``source_starts`` (B,) says where each sequence starts in the flat
+        values of ``source_len`` tokens later passed to :meth:`ThdPlan.shard` (default: back to back,
+        ``cumsum(lengths)``), so offline packed rows (N, L) with row padding can be sharded from
+        ``rows.flatten()`` directly.
+        ``device`` (default: the lengths') is where the plan's tensors live: CPU lengths with
+        ``device="cuda"`` plan a GPU batch without any device sync (the index math runs on the host and
+        its results travel in one non-blocking copy).
+        Raises ValueError naming the field and row for an empty sequence or one that runs past the
+        source, and for out-of-range sizes, rank, layout or bucket. Lengths and starts are integers (a
+        float, bool or string is refused, never rounded).
+        """
+        sizes = thd_sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
+        field = field if isinstance(field, str) else "lengths"
+        lengths = as_lengths(lengths, field)
+        source_len = check_optional_int(source_len, "source_len", low=0)
+        host_starts = None
+        if source_starts is None:
+            host_lengths = device_to_host(lengths)  # int64 (as_lengths), a fresh array
+        else:
+            starts = as_lengths(source_starts, "source_starts", non_empty=False).to(lengths.device)
+            if starts.shape != lengths.shape:
+                raise input_error("source_starts", None, f"shape {tuple(lengths.shape)}", f"{tuple(starts.shape)}")
+            host_lengths, host_starts = device_to_host(torch.stack([lengths, starts]))  # both in the one read
+        device = lengths.device if device is None else torch.device(device)
+        return _checked_plan(host_lengths, host_starts, source_len, sizes, device, field)
+
+    @classmethod
+    def from_nested(
+        cls,
+        input_ids_nested: Tensor,
+        *,
+        tp_size: int = 1,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        cp_layout: CpLayout = "zigzag",
+        use_fp8_padding: bool = False,
+        pad_to_length_bucket: int | None = None,
+        sizes: ThdSizes | None = None,
+    ) -> ThdPlan:
+        """:meth:`from_lengths` from a jagged nested (B, j, *) tensor's offsets. ONE host read (of the offsets).
+
+        The plan lives on the values' device; offsets already on the host cost no device sync at all.
+        Shard the batch's companions (labels, loss masks, routed experts) with the returned plan.
+        ``sizes``: the settings already checked (:func:`thd_sizes`); the keyword settings are then unread.
+        """
+        if sizes is None:  # the settings first, before the batch
+            sizes = thd_sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
+        check_nested(input_ids_nested, "input_ids")
+        offsets = nested_offsets(input_ids_nested)
+        if offsets.dim() != 1 or offsets.shape[0] < 2:
+            got = f"{offsets.dtype} of shape {(max(offsets.shape[0] - 1, 0),)}"
+            raise input_error("input_ids", None, "a non-empty 1-D integer tensor", got)
+        host = device_to_host(offsets).astype(np.int64, copy=False)
+        device = jagged_values(input_ids_nested).device  # sequences are read back to back from the first token
+        return _checked_plan(host[1:] - host[:-1], None, None, sizes, device, "input_ids", offsets)
+
     def __init__(
         self,
         lengths: np.ndarray,
@@ -405,19 +479,6 @@ class ThdPlan:
             f"cp={self.cp_rank}/{self.cp_size} {self.cp_layout}, alignment={self.alignment})"
         )
 
-    # ---- constructors, named like IndexPlan's ------------------------------------------------
-    @classmethod
-    def from_lengths(cls, lengths: Tensor, **kwargs: Any) -> ThdPlan:
-        """:func:`build_thd_plan`: this CP rank's plan from (B,) lengths. ONE host sync."""
-        return build_thd_plan(lengths, **kwargs)
-
-    @classmethod
-    def from_nested(cls, input_ids_nested: Tensor, **kwargs: Any) -> ThdPlan:
-        """:func:`thd_plan`: this CP rank's plan from a jagged nested (B, j, *) tensor. ONE host sync."""
-        return thd_plan(input_ids_nested, **kwargs)
-
-    # ---- old names, one release --------------------------------------------------------------
-
 
 def _pad_of(pad_value: float | int, dtype: torch.dtype) -> float | int | bool:
     """``pad_value`` as ``dtype`` holds it (what ``torch.as_tensor(pad_value, dtype=dtype)`` stores)."""
@@ -491,79 +552,3 @@ def _checked_plan(
                 f"start {int(source_starts[row])} length {int(lengths[row])}",
             )
     return ThdPlan(lengths, source_starts, source_len, sizes, device, batch_offsets)
-
-
-def build_thd_plan(
-    lengths: Tensor,
-    *,
-    tp_size: int = 1,
-    cp_size: int = 1,
-    cp_rank: int = 0,
-    cp_layout: CpLayout = "zigzag",
-    use_fp8_padding: bool = False,
-    pad_to_length_bucket: int | None = None,
-    source_starts: Tensor | None = None,
-    source_len: int | None = None,
-    field: str = "lengths",
-    device: torch.device | str | None = None,
-) -> ThdPlan:
-    """Plan this CP rank's THD shard from (B,) sequence lengths. ONE host read (of the lengths).
-
-    ``source_starts`` (B,) says where each sequence starts in the flat
-    values of ``source_len`` tokens later passed to :meth:`ThdPlan.shard` (default: back to back,
-    ``cumsum(lengths)``), so offline packed rows (N, L) with row padding can be sharded from
-    ``rows.flatten()`` directly.
-    ``device`` (default: the lengths') is where the plan's tensors live: CPU lengths with
-    ``device="cuda"`` plan a GPU batch without any device sync (the index math runs on the host and
-    its results travel in one non-blocking copy).
-    Raises ValueError naming the field and row for an empty sequence or one that runs past the
-    source, and for out-of-range sizes, rank, layout or bucket. Lengths and starts are integers (a
-    float, bool or string is refused, never rounded).
-    """
-    sizes = thd_sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
-    field = field if isinstance(field, str) else "lengths"
-    lengths = as_lengths(lengths, field)
-    source_len = check_optional_int(source_len, "source_len", low=0)
-    host_starts = None
-    if source_starts is None:
-        host_lengths = device_to_host(lengths)  # int64 (as_lengths), a fresh array
-    else:
-        starts = as_lengths(source_starts, "source_starts", non_empty=False).to(lengths.device)
-        if starts.shape != lengths.shape:
-            raise input_error("source_starts", None, f"shape {tuple(lengths.shape)}", f"{tuple(starts.shape)}")
-        host_lengths, host_starts = device_to_host(torch.stack([lengths, starts]))  # both in the one read
-    device = lengths.device if device is None else torch.device(device)
-    return _checked_plan(host_lengths, host_starts, source_len, sizes, device, field)
-
-
-def thd_plan(
-    input_ids_nested: Tensor,
-    *,
-    tp_size: int = 1,
-    cp_size: int = 1,
-    cp_rank: int = 0,
-    cp_layout: CpLayout = "zigzag",
-    use_fp8_padding: bool = False,
-    pad_to_length_bucket: int | None = None,
-) -> ThdPlan:
-    """:func:`build_thd_plan` from a jagged nested (B, j, *) tensor's offsets. ONE host read (of the offsets).
-
-    The plan lives on the values' device; offsets already on the host cost no device sync at all.
-    Shard the batch's companions (labels, loss masks, routed experts) with the returned plan.
-    """
-    sizes = thd_sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)  # before the batch
-    check_nested(input_ids_nested, "input_ids")
-    offsets = nested_offsets(input_ids_nested)
-    if offsets.dim() != 1 or offsets.shape[0] < 2:
-        got = f"{offsets.dtype} of shape {(max(offsets.shape[0] - 1, 0),)}"
-        raise input_error("input_ids", None, "a non-empty 1-D integer tensor", got)
-    return plan_of_nested(input_ids_nested, sizes)
-
-
-def plan_of_nested(input_ids_nested: Tensor, sizes: ThdSizes) -> ThdPlan:
-    """:func:`thd_plan` of checked settings (:func:`thd_sizes`) and a checked jagged nested batch.
-    ONE host read (of the offsets)."""
-    offsets = nested_offsets(input_ids_nested)
-    host = device_to_host(offsets).astype(np.int64, copy=False)
-    device = jagged_values(input_ids_nested).device  # sequences are read back to back from the first token
-    return _checked_plan(host[1:] - host[:-1], None, None, sizes, device, "input_ids", offsets)
