@@ -26,6 +26,7 @@ except Exception as exc:  # noqa: BLE001 - any failure to import verl means this
         raise
     pytest.skip(f"verl is not importable here ({exc!r}); these tests run in CI's verl leg", allow_module_level=True)
 
+from nopad import padding as nopad_padding  # noqa: E402
 from nopad.integrations import verl as nv  # noqa: E402
 
 # verl modules that bind the routed names by ``from ... import``; each is imported if it can be
@@ -91,7 +92,7 @@ def test_install_rebinds_every_verl_importer_and_uninstall_restores_them_exactly
         now = vars(sys.modules[module_name])[name]
         assert now is _replacement_of(original), (module_name, name)
     assert set(before) <= set(handle.bindings)
-    assert loaded["verl.workers.utils.losses"].no_padding_2_padding is nv.no_padding_2_padding
+    assert loaded["verl.workers.utils.losses"].no_padding_2_padding is nopad_padding.no_padding_2_padding
     assert vpad.left_right_2_no_padding is nv.left_right_2_no_padding
     handle.uninstall()
     after = _verl_bindings()
@@ -110,8 +111,8 @@ def _replacement_of(original):
 def test_install_is_idempotent_and_a_context_manager(clean):
     with nv.install() as handle:
         assert nv.install() is handle and handle.active
-        assert vpad.no_padding_2_padding is nv.no_padding_2_padding
-    assert not handle.active and vpad.no_padding_2_padding is not nv.no_padding_2_padding
+        assert vpad.no_padding_2_padding is nopad_padding.no_padding_2_padding
+    assert not handle.active and vpad.no_padding_2_padding is not nopad_padding.no_padding_2_padding
     handle.uninstall()  # a second uninstall changes nothing
     assert vpad.no_padding_2_padding.__module__ == "verl.workers.utils.padding"
 
@@ -120,13 +121,14 @@ def test_modules_imported_after_install_are_rebound_and_restored():
     # a fresh interpreter: install() first, then verl's callers are imported for the first time
     code = """
 import sys
+from nopad import padding as nopad_padding
 from nopad.integrations import verl as nv
 handle = nv.install()
 assert "verl.workers.utils.losses" not in sys.modules
 import verl.workers.utils.losses as losses
 import verl.models.mcore.model_forward as mf
 import verl.models.mcore.util as util
-assert losses.no_padding_2_padding is nv.no_padding_2_padding
+assert losses.no_padding_2_padding is nopad_padding.no_padding_2_padding
 assert mf.preprocess_thd_engine is nv.preprocess_thd_engine and util.postprocess_thd_engine is nv.postprocess_thd_engine
 assert mf.__loader__.__class__.__name__ != "_PatchingLoader" and mf.__spec__.loader is mf.__loader__
 handle.uninstall()
@@ -151,7 +153,7 @@ def test_install_touches_no_module_outside_verl(clean):
     sys.modules.update(not_verl_lazy=lazy, not_verl_holder=holder)
     try:
         with nv.install():
-            assert holder.no_padding_2_padding is not nv.no_padding_2_padding
+            assert holder.no_padding_2_padding is not nopad_padding.no_padding_2_padding
     finally:
         del sys.modules["not_verl_lazy"], sys.modules["not_verl_holder"]
 
@@ -160,7 +162,7 @@ def test_a_wrong_verl_version_is_refused_naming_it(clean, monkeypatch):
     monkeypatch.setattr(nv, "verl_version", lambda: "0.7.0")
     with pytest.raises(RuntimeError, match=r"found verl 0\.7\.0.*0\.9\.1"):
         nv.install()
-    assert nv.active() is None and vpad.no_padding_2_padding is not nv.no_padding_2_padding
+    assert nv.active() is None and vpad.no_padding_2_padding is not nopad_padding.no_padding_2_padding
 
 
 # ---- the padding functions equal verl's ----------------------------------------------------------
@@ -314,7 +316,7 @@ def test_verls_ppo_loss_gives_the_same_loss_and_metrics_with_install(clean, loss
     model_output, data = _ppo_micro_batch()
     loss_before, metrics_before = vl.ppo_loss(_actor_config(loss_agg_mode=loss_agg_mode), model_output, data.clone())
     with nv.install():
-        assert vl.no_padding_2_padding is nv.no_padding_2_padding
+        assert vl.no_padding_2_padding is nopad_padding.no_padding_2_padding
         loss_after, metrics_after = vl.ppo_loss(_actor_config(loss_agg_mode=loss_agg_mode), model_output, data.clone())
     torch.testing.assert_close(loss_after, loss_before, rtol=0, atol=0)
     assert metrics_after.keys() == metrics_before.keys()
@@ -522,7 +524,7 @@ def test_verls_varying_lengths_test_gives_verls_values_under_install(clean):
     results = []
     for convert, back in (
         (vpad.left_right_2_no_padding, vpad.no_padding_2_padding),
-        (nv.left_right_2_no_padding, nv.no_padding_2_padding),
+        (nv.left_right_2_no_padding, nopad_padding.no_padding_2_padding),
     ):
         data = convert(_verl_varying_lengths_batch())
         ids = data["input_ids"]

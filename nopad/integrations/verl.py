@@ -53,6 +53,7 @@ from nopad._batch import get_field
 from nopad.engines.megatron import ThdPlan, postprocess_thd
 from nopad.errors import check_flag, check_int, check_optional_int, input_error
 from nopad.layout import is_nested
+from nopad.parallel.cp import alignment_of
 
 SUPPORTED_VERSIONS = ("0.9.1",)
 PADDING_MODULE = "verl.workers.utils.padding"
@@ -125,26 +126,6 @@ def left_right_2_no_padding(data: TensorDict) -> TensorDict:
     return data
 
 
-def no_padding_2_padding(tensor: Tensor, data: TensorDict) -> Tensor:
-    """verl's ``no_padding_2_padding``: the response part of a nested/flat output, (B, R, *), shifted by one."""
-    return _padding.no_padding_2_padding(tensor, data)
-
-
-def response_from_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
-    """verl's ``response_from_nested``: nested (B, j) output -> nested (B, j_r) response part."""
-    return _padding.response_from_nested(tensor, response_mask)
-
-
-def response_to_nested(tensor: Tensor, response_mask: Tensor) -> Tensor:
-    """verl's ``response_to_nested``: padded (B, R, *) -> nested with ``response_mask``'s lengths."""
-    return _padding.response_to_nested(tensor, response_mask)
-
-
-def build_attention_mask_from_nested(input_ids: Tensor, max_seq_len: int | None = None) -> Tensor:
-    """verl's ``build_attention_mask_from_nested``: nested (B, j) -> right-padded int32 (B, S) mask."""
-    return _padding.build_attention_mask_from_nested(input_ids, max_seq_len)
-
-
 def embeds_padding_2_no_padding(data: TensorDict) -> TensorDict:
     """verl's ``embeds_padding_2_no_padding``: prompt (and negative) embeds -> nested, in place; returns ``data``."""
     data["prompt_embeds"], data["prompt_embeds_mask"]  # verl requires both: the same KeyError
@@ -189,7 +170,7 @@ def preprocess_thd_engine(
         tp_size = mpu.get_tensor_model_parallel_world_size()
         cp_size = mpu.get_context_parallel_world_size()
         cp_rank = mpu.get_context_parallel_rank()
-        align = tp_size * cp_size * (2 if cp_layout == "zigzag" and cp_size > 1 else 1)
+        align = alignment_of(tp_size, cp_size, cp_layout)  # type: ignore[arg-type]
         if pad_to_length_bucket is not None and pad_to_length_bucket > 0 and not use_fp8_padding:
             fallback = math.lcm(pad_to_length_bucket, cp_size) % align != 0  # verl's total would break alignment
     if fallback:
@@ -224,18 +205,7 @@ def preprocess_thd_engine(
         use_fp8_padding=use_fp8_padding,
         pad_to_length_bucket=pad_to_length_bucket,
     )
-    cu = plan.cu_seqlens_padded
-    extra = {"cp_partition_mode": cp_layout} if has_mode else {}
-    params = params_cls(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        max_seqlen_q=plan.padded_max_seqlen,
-        cu_seqlens_kv=cu,
-        max_seqlen_kv=plan.padded_max_seqlen,
-        cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu,
-        **extra,
-    )
+    params = plan.packed_seq_params(params_cls)
     if not pre_process:
         return input_ids, params, None
     tokens, positions = _verl_thd_shard(plan, input_ids.values(), need_roll)
@@ -302,10 +272,10 @@ def postprocess_batch_func(output_lst: list[dict], indices: list[list[int]] | No
 REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
     PADDING_MODULE: {
         "left_right_2_no_padding": left_right_2_no_padding,
-        "no_padding_2_padding": no_padding_2_padding,
-        "response_from_nested": response_from_nested,
-        "response_to_nested": response_to_nested,
-        "build_attention_mask_from_nested": build_attention_mask_from_nested,
+        "no_padding_2_padding": _padding.no_padding_2_padding,  # verl's signature and results already
+        "response_from_nested": _padding.response_from_nested,  # verl's signature and results already
+        "response_to_nested": _padding.response_to_nested,  # verl's signature and results already
+        "build_attention_mask_from_nested": _padding.build_attention_mask_from_nested,
         "embeds_padding_2_no_padding": embeds_padding_2_no_padding,
     },
     MCORE_UTIL_MODULE: {

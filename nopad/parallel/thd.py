@@ -419,15 +419,16 @@ class ThdPlan:
         padding = self._padding.view(-1, *([1] * (out.dim() - 1)))
         return torch.where(padding, spread.to(out.dtype), out).unsqueeze(0)
 
-    def packed_seq_params(self) -> Any:
+    def packed_seq_params(self, params_class: type | None = None) -> Any:
         """``PackedSeqParams(qkv_format="thd")`` with the GLOBAL padded cu_seqlens for q and kv.
 
         Megatron's own pretraining passes padded boundaries as cu_seqlens_q/kv too. The layout is
         also recorded as ``cp_partition_mode`` (a field in newer megatron-core; megatron-core 0.16.1
-        has none and its TransformerEngine CP attention assumes zigzag).
+        has none and its TransformerEngine CP attention assumes zigzag). ``params_class``: the class
+        to build (default :func:`packed_seq_params_class`).
         """
         cu = self.cu_seqlens_padded
-        params = packed_seq_params_class()(
+        params = (params_class or packed_seq_params_class())(
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
