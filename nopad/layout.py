@@ -351,7 +351,7 @@ class IndexPlan:
         remember_host_lengths(offsets_d, lengths)
         if response_width is not None and source is not None and slot is not None:
             plan.responses = ResponseGather(len(lengths), response_width, total, source, slot, response_lens)
-            _RESPONSES[offsets_d] = plan.responses
+            _known(offsets_d).responses = plan.responses
         return plan
 
     @classmethod
@@ -841,31 +841,45 @@ class ResponseGather:
         return padded.view(self.batch, self.width, *rest)
 
 
-# The way back of every batch that plan_left_right planned, found from the offsets its nested fields
-# share: weak keys, so it lives exactly as long as those offsets (the values never refer to them).
-_RESPONSES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+class _Known:
+    """What nopad laid out itself for one offsets tensor: its rows' lengths on the host (so later
+    reorderings of those rows need no device sync) and, for a left/right conversion, the way back."""
+
+    __slots__ = ("lengths", "responses")
+
+    def __init__(self) -> None:
+        self.lengths: np.ndarray | None = None
+        self.responses: ResponseGather | None = None
+
+
+# Keyed by the offsets tensor itself, never by value: new rows always come with new offsets, so what
+# is known cannot go stale. Weak keys: a record lives exactly as long as its offsets.
+_KNOWN: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def _known(offsets: Tensor) -> _Known:
+    record = _KNOWN.get(offsets)
+    if record is None:
+        record = _KNOWN[offsets] = _Known()
+    return record
 
 
 def response_gather(offsets: Tensor) -> ResponseGather | None:
     """The :class:`ResponseGather` planned with these very offsets (identity, not value), or None."""
-    return _RESPONSES.get(offsets)
-
-
-# The host copy of the row lengths behind offsets that nopad laid out from host facts (a plan made on
-# the host, a reordering of rows): keyed by the offsets tensor itself, so any later reordering of the
-# same rows needs no device sync to learn them. Weak keys: it lives exactly as long as the offsets.
-_HOST_LENGTHS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+    record = _KNOWN.get(offsets)
+    return None if record is None else record.responses
 
 
 def remember_host_lengths(offsets: Tensor, lengths: np.ndarray) -> None:
     """Record ``lengths`` (host int64, (B,)) as the row lengths of ``offsets`` (B+1,). The caller
     guarantees they are: every later :func:`known_host_lengths` trusts them."""
-    _HOST_LENGTHS[offsets] = lengths
+    _known(offsets).lengths = lengths
 
 
 def known_host_lengths(offsets: Tensor) -> np.ndarray | None:
     """The host row lengths recorded for these very offsets (identity, not value), or None."""
-    return _HOST_LENGTHS.get(offsets)
+    record = _KNOWN.get(offsets)
+    return None if record is None else record.lengths
 
 
 def _refuse_negative(lengths: Tensor, starts: Tensor | None) -> None:
