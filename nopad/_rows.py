@@ -27,8 +27,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad._errors import check_int, input_error
 from nopad._torch_internals import put_checked
-from nopad.errors import check_int, input_error
 from nopad.layout import (
     device_to_host,
     expand_ranges,

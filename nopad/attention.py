@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nopad.errors import check_int, free_to_read, input_error
+from nopad._errors import check_int, free_to_read, input_error
 from nopad.layout import IndexPlan, block_causal_mask, to_host
 from nopad.parallel.ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad._errors import check_int
 from nopad._torch_internals import put_checked
 from nopad.diagnostics import OpCounter
-from nopad.errors import check_int
 from nopad.layout import IndexPlan, prepare_offsets, wrap_jagged
 from nopad.ops import unpad_input
 from nopad.padding import left_right_2_no_padding, no_padding_2_padding, plan_left_right

@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from nopad import _torch_internals as _internals
+from nopad._errors import check_flag, check_int, check_mask, check_optional_int, free_to_read, input_error
 from nopad._torch_internals import (
     cached_seqlens,
     is_jagged,
@@ -27,7 +28,6 @@ from nopad._torch_internals import (
     seqlen_records,
     wrap_jagged,
 )
-from nopad.errors import check_flag, check_int, check_mask, check_optional_int, free_to_read, input_error
 from nopad.ops import put_rows
 
 
@@ -286,7 +286,7 @@ class IndexPlan:
     # ---- constructors -------------------------------------------------------------------
     @classmethod
     def from_mask(cls, mask: Tensor) -> IndexPlan:
-        """Any (B, S) 0/1 mask (:func:`nopad.errors.check_mask`), holes allowed. One sync (``nonzero``).
+        """Any (B, S) 0/1 mask (:func:`nopad._errors.check_mask`), holes allowed. One sync (``nonzero``).
 
         The mask's values are checked where that is free: a bool mask needs nothing, a CPU mask is
         read (host memory); a non-bool mask on a device is not read for the check (it would be a

@@ -18,7 +18,7 @@ Bad input is refused before any work, on the host: every option is a real bool, 
 documented strings or a finite number in range, and every tensor has the shape and dtype it must.
 Each public function checks its arguments once, and what it calls trusts them (``ppo_loss`` checks
 its config once, in :meth:`LossConfig.from_any`, and its figures once for all its aggregations).
-Every mask is a 0/1 mask (:func:`nopad.errors.check_mask`): a mask of 2, 0.5 or -1 is refused,
+Every mask is a 0/1 mask (:func:`nopad._errors.check_mask`): a mask of 2, 0.5 or -1 is refused,
 never read as 1 nor as a weight (verl's masked sums would weight by it; weights have their own
 input, ``rollout_is_weights``). Values that live on a device are never read for a check; where one
 could still be wrong (a tensor figure below 1, a mask that is not 0/1, an output whose sequence
@@ -41,7 +41,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import check_choice, check_real, check_real_dtype, get_field
-from nopad.errors import check_flag, check_int, check_mask, check_optional_int, input_error, mask_error, mask_flag
+from nopad._errors import check_flag, check_int, check_mask, check_optional_int, input_error, mask_error, mask_flag
 from nopad.layout import IndexPlan, jagged_values, nested_offsets, ragged_dim, to_host, wrap_jagged
 from nopad.layout import is_nested as _is_nested
 from nopad.padding import no_padding_2_padding
@@ -222,7 +222,7 @@ def agg_loss(
 
     The figures are ints >= 1 (or None); a figure given as a 0-d tensor is not read (a sync): one
     below 1 makes the loss NaN rather than a sum. ``loss_scale_factor`` is a finite number > 0.
-    ``loss_mask`` is a 0/1 mask (:func:`nopad.errors.check_mask`): on the CPU a 2, 0.5 or -1 is
+    ``loss_mask`` is a 0/1 mask (:func:`nopad._errors.check_mask`): on the CPU a 2, 0.5 or -1 is
     refused; on a device it is not read, and such a mask makes the loss NaN.
     """
     _check_agg_mode(loss_agg_mode, "loss_agg_mode")

@@ -18,8 +18,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import get_field
-from nopad._torch_internals import put_checked
-from nopad.errors import (
+from nopad._errors import (
     MASK_WORDS,
     check_flag,
     check_int,
@@ -31,6 +30,7 @@ from nopad.errors import (
     mask_flag,
     not_01,
 )
+from nopad._torch_internals import put_checked
 from nopad.layout import (
     IndexPlan,
     device_to_host,
@@ -68,7 +68,7 @@ def _row_facts(
     attention_mask: Tensor, response_mask: Tensor, prompt_width: int, check_response_mask: bool
 ) -> tuple[Any, list[tuple[Tensor, str]]]:
     """(B, 3 or 4) int64 numpy: ones, prompt ones, signed moment [, response tokens on padding], and
-    the masks that are not 0/1 masks (:func:`nopad.errors.check_mask`), as (mask, field). The sync.
+    the masks that are not 0/1 masks (:func:`nopad._errors.check_mask`), as (mask, field). The sync.
 
     One weighted sum per row (integer, so exact; no BLAS, whose thread pool stalls on a busy host).
     Whether each mask is a 0/1 mask travels in the same read, as two numbers: an integer mask's min
@@ -167,7 +167,7 @@ def plan_left_right(
     A mask on the CPU (the rollout's) costs no device sync at all: pass ``device`` to build the
     plan for a batch that lives there.
 
-    Both masks are 0/1 masks (:func:`nopad.errors.check_mask`: bool, or integers or floats that
+    Both masks are 0/1 masks (:func:`nopad._errors.check_mask`: bool, or integers or floats that
     are only 0 and 1); the attention mask's values are checked in the same read, on every device,
     and the response mask's with ``check_response_mask``.
     """

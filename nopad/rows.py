@@ -25,6 +25,7 @@ import numpy as np
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad._errors import input_error
 from nopad._rows import (
     NESTED,
     RowPlan,
@@ -40,7 +41,6 @@ from nopad._rows import (
 )
 from nopad._torch_internals import put_checked
 from nopad.balance import Workload, micro_batch_partitions
-from nopad.errors import input_error
 from nopad.layout import (
     device_to_host,
     jagged_values,

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from nopad.errors import input_error
+from nopad._errors import input_error
 
 
 def long_tailed_lengths(n: int, width: int, *, low: int = 1, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -26,7 +26,7 @@ LAYERS = {
     "apps": {"core", "parallel", "attention", "engines", "packing", "losses", "integrations", "apps"},
 }
 CORE = {
-    "nopad.errors",
+    "nopad._errors",
     "nopad.ops",
     "nopad.layout",
     "nopad.padding",

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from nopad._batch import check_real
+from nopad._errors import check_int, input_error
 from nopad.engines.fsdp import prepare_model_inputs
-from nopad.errors import check_int, input_error
 from nopad.layout import IndexPlan
 
 

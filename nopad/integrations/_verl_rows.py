@@ -19,6 +19,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import get_field
+from nopad._errors import check_int, input_error
 from nopad._partition import fits, karmarkar_karp_arrays, order_partitions
 from nopad._rows import (
     NESTED,
@@ -34,7 +35,6 @@ from nopad._rows import (
 from nopad._torch_internals import put_checked
 from nopad.balance import Workload, balanced_partitions
 from nopad.balance import karmarkar_karp as _karmarkar_karp
-from nopad.errors import check_int, input_error
 from nopad.layout import is_nested, ragged_dim
 from nopad.rows import RowRestore, batch_lengths
 

@@ -50,8 +50,8 @@ from torch import Tensor
 import nopad.integrations._verl_rows as _rows
 import nopad.padding as _padding
 from nopad._batch import get_field
+from nopad._errors import check_flag, check_int, check_optional_int, input_error
 from nopad.engines.megatron import ThdPlan, postprocess_thd
-from nopad.errors import check_flag, check_int, check_optional_int, input_error
 from nopad.layout import is_nested
 from nopad.parallel.cp import alignment_of
 

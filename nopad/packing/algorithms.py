@@ -23,7 +23,7 @@ from itertools import chain
 
 import numpy as np
 
-from nopad.errors import check_int, input_error
+from nopad._errors import check_int, input_error
 from nopad.layout import round_up
 
 Bins = list[list[int]]

@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from nopad.errors import in_file, input_error
+from nopad._errors import in_file, input_error
 from nopad.packing.algorithms import ALGORITHMS
 from nopad.packing.files import write_packed
 from nopad.packing.offline import OVERFLOW_POLICIES, PackReport, pack_conversations

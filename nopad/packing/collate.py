@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.errors import check_int, input_error
+from nopad._errors import check_int, input_error
 from nopad.layout import (
     prepare_offsets,
     prepare_position_ids,

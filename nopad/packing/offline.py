@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nopad.errors import check_int, input_error
+from nopad._errors import check_int, input_error
 from nopad.layout import host_ranges, round_up
 from nopad.packing.algorithms import ALGORITHMS, bin_of_items
 from nopad.packing.rows import (

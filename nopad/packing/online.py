@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.errors import check_int, input_error
+from nopad._errors import check_int, input_error
 from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, prepare_position_ids, round_up
 from nopad.packing.algorithms import ALGORITHMS, Bins, pack_lengths
 from nopad.parallel.cp import CpLayout, cp_alignment

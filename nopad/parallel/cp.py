@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad.errors import check_int, input_error
+from nopad._errors import check_int, input_error
 from nopad.layout import prepare_offsets, round_up
 
 CpLayout = Literal["zigzag", "contiguous"]
@@ -267,7 +267,7 @@ def gather_cp_flat(local: Tensor, cp_size: int, cp_rank: int, group=None) -> Ten
 # ---- argument checks ----------------------------------------------------------------------------
 def check_cp_args(tp_size: Any, cp_size: Any, cp_rank: Any, cp_layout: Any) -> tuple[int, int, int, CpLayout]:
     """THE check of the parallel sizes: ValueError naming the argument when a size, rank or layout is
-    out of range. Sizes and rank are ints by :func:`nopad.errors.check_int` (numpy ints accepted, a
+    out of range. Sizes and rank are ints by :func:`nopad._errors.check_int` (numpy ints accepted, a
     bool refused); returns them as Python ints with the layout."""
     tp_size = check_int(tp_size, "tp_size", low=1)
     cp_size = check_int(cp_size, "cp_size", low=1)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nopad.errors import check_flag, check_int, check_optional_int, free_to_read, input_error
+from nopad._errors import check_flag, check_int, check_optional_int, free_to_read, input_error
 from nopad.layout import (
     IndexPlan,
     as_lengths,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad.errors import check_int, input_error
+from nopad._errors import check_int, input_error
 from nopad.layout import block_causal_mask, round_up
 
 ULYSSES_PREFIX = "nopad_ulysses_"
