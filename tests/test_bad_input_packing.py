@@ -29,7 +29,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nopad.cli import main
+from nopad._cli import main
 from nopad.packing import (
     ByteTokenizer,
     PreTokenized,
@@ -1091,9 +1091,7 @@ def test_the_installed_command_prints_no_traceback(tmp_path, argv, lines, match)
     src = jsonl(tmp_path, lines)
     argv = [str(src) if a == "IN" else str(tmp_path / "o.parquet") if a == "OUT" else a for a in argv]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "nopad.cli", *argv], capture_output=True, text=True, env=env, timeout=300
-    )
+    done = subprocess.run([sys.executable, "-m", "nopad", *argv], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2 and NO_TRACEBACK not in done.stderr, done.stderr
     assert re.search(match.replace("IN", re.escape(str(src))), done.stderr), done.stderr
 

@@ -39,7 +39,15 @@ CORE = {
     "nopad.diagnostics",
     "nopad.synthetic",
 }
-APPS = {"nopad", "nopad.cli", "nopad.bench", "nopad.bench_model", "nopad.bench_rows", "nopad.demo"}
+APPS = {
+    "nopad",
+    "nopad.__main__",
+    "nopad._cli",
+    "nopad._bench",
+    "nopad._bench_model",
+    "nopad._bench_rows",
+    "nopad._demo",
+}
 
 
 def layer_of(module: str) -> str:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nopad.bench import bench_thd, reference_preprocess_thd
+from nopad._bench import bench_thd, reference_preprocess_thd
 from nopad.diagnostics import OpCounter
 from nopad.engines.megatron import (
     FallbackPackedSeqParams,

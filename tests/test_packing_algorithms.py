@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nopad.bench import format_table
+from nopad._bench import format_table
 from nopad.packing import (
     ALGORITHMS,
     best_fit_decreasing,

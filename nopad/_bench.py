@@ -373,7 +373,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_model(args: argparse.Namespace) -> int:
-    from nopad.bench_model import bench_model, plot_model
+    from nopad._bench_model import bench_model, plot_model
 
     repeats = min(args.repeats, 5)
     if not args.json:
@@ -411,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
             for B, ref, ours, ratio in bench_thd(tuple(args.batch_sizes), device=args.device, repeats=args.repeats)
         ]
     if args.batches:
-        from nopad.bench_rows import BUDGET, bench_rows
+        from nopad._bench_rows import BUDGET, bench_rows
 
         title = f"rows of nested batches (3 nested fields, lengths in [64, 4096), micro-batches of {BUDGET:,} tokens)"
         results[title] = bench_rows(tuple(args.batch_rows), repeats=args.repeats, device=args.device)

@@ -17,8 +17,8 @@ import sys
 from collections.abc import Sequence
 
 SUBCOMMANDS = {
-    "demo": ("nopad.demo", "run a tiny causal LM on a synthetic RL batch, padded vs packed"),
-    "bench": ("nopad.bench", "benchmark the conversions against a per-row loop and a bare gather"),
+    "demo": ("nopad._demo", "run a tiny causal LM on a synthetic RL batch, padded vs packed"),
+    "bench": ("nopad._bench", "benchmark the conversions against a per-row loop and a bare gather"),
     "pack": ("nopad.packing.cli_pack", "pack a JSONL of conversations into a Parquet file of rows"),
     "inspect": ("nopad.packing.cli_inspect", "validate and summarise a packed Parquet file"),
 }

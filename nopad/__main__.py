@@ -1,0 +1,7 @@
+"""``python -m nopad ...``: the same as the ``nopad`` command."""
+
+import sys
+
+from nopad._cli import main
+
+sys.exit(main())
