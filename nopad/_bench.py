@@ -416,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
         title = f"rows of nested batches (3 nested fields, lengths in [64, 4096), micro-batches of {BUDGET:,} tokens)"
         results[title] = bench_rows(tuple(args.batch_rows), repeats=args.repeats, device=args.device)
     if args.packing:
-        from nopad.packing.bench import CONVERSATION_MEDIAN, files_bench, packing_bench, rows_bench
+        from nopad.packing._bench import CONVERSATION_MEDIAN, files_bench, packing_bench, rows_bench
 
         results["packing (100,000 lengths, capacity 8192)"] = packing_bench()
         title = f"packing rows built (20,000 conversations, median {CONVERSATION_MEDIAN} tokens, pack length 8192)"

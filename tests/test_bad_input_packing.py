@@ -40,11 +40,10 @@ from nopad.packing import (
     load_tokenizer,
     pack_conversations,
     pack_online,
-    read_metadata,
     read_packed,
     write_packed,
 )
-from nopad.packing.files import METADATA_KEY, metadata_checksum
+from nopad.packing._files import METADATA_KEY, metadata_checksum, read_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 BYTES = ByteTokenizer()
@@ -1403,7 +1402,7 @@ PACKER_CASES = [
     (
         "coercion",
         "a string seed",
-        lambda: __import__("nopad.packing").packing.first_fit_shuffle([1, 2], 4, seed="a"),
+        lambda: __import__("nopad.packing._algorithms").packing._algorithms.first_fit_shuffle([1, 2], 4, seed="a"),
         r"seed: expected an int, got 'a'",
     ),
     (

@@ -9,18 +9,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nopad._bench import format_table
-from nopad.packing import (
-    ALGORITHMS,
+from nopad.packing import ALGORITHMS, pack_lengths, packing_metrics
+from nopad.packing._algorithms import (
     best_fit_decreasing,
+    bin_of_items,
     concatenative,
     first_fit_decreasing,
     first_fit_shuffle,
     modified_first_fit_decreasing,
-    pack_lengths,
-    packing_metrics,
 )
-from nopad.packing.algorithms import bin_of_items
-from nopad.packing.bench import files_bench, packing_bench, rows_bench, synthetic_conversations
+from nopad.packing._bench import files_bench, packing_bench, rows_bench, synthetic_conversations
 
 
 def _check_valid(bins, lengths, capacity):

@@ -16,17 +16,16 @@ from nopad._cli import main
 from nopad.packing import (
     ALGORITHMS,
     ByteTokenizer,
-    Columns,
     collate_packed,
     encode_record,
     load_tokenizer,
     pack_conversations,
     pack_lengths,
     read_packed,
-    validate_columns,
     write_packed,
 )
-from nopad.packing.tokenizer import TokenizerIdentity
+from nopad.packing._rows import Columns, validate_columns
+from nopad.packing._tokenizer import TokenizerIdentity
 
 BYTES = ByteTokenizer()
 PAD = 10**9  # a pad id no conversation uses, so padding is told from tokens (a pad id is an id: >= 0)

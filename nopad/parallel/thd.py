@@ -6,7 +6,7 @@ its results go back to the device in one (non-blocking, pinned) copy. The device
 per-slot index from a fixed handful of ops whatever the batch size: one op finds each slot's chunk
 (:func:`~nopad.parallel.cp.run_of_each`) and one gather reads the chunk's shift, length and source
 start. The Megatron adapter
-(:mod:`nopad.engines.megatron`) and the packers (:mod:`nopad.packing.thd`) both shard through it,
+(:mod:`nopad.engines.megatron`) and the packers (:mod:`nopad.packing._thd`) both shard through it,
 so the CP layout has one derivation (:func:`~nopad.parallel.cp.rank_chunks`). ``PackedSeqParams``
 is megatron-core's when it is installed, else a stand-in with the same fields.
 """

@@ -13,8 +13,8 @@ from typing import Any
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.packing.collate import packed_to_nested
-from nopad.packing.rows import TOKEN_FIELDS
+from nopad.packing._collate import packed_to_nested
+from nopad.packing._rows import TOKEN_FIELDS
 from nopad.parallel.cp import CpLayout
 from nopad.parallel.thd import ThdPlan, thd_sizes
 

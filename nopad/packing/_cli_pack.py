@@ -23,10 +23,10 @@ from typing import Any, cast
 import numpy as np
 
 from nopad._errors import in_file, input_error
-from nopad.packing.algorithms import ALGORITHMS
-from nopad.packing.files import write_packed
-from nopad.packing.offline import OVERFLOW_POLICIES, PackReport, pack_conversations
-from nopad.packing.tokenizer import (
+from nopad.packing._algorithms import ALGORITHMS
+from nopad.packing._files import write_packed
+from nopad.packing._offline import OVERFLOW_POLICIES, PackReport, pack_conversations
+from nopad.packing._tokenizer import (
     MAX_TOKEN_ID,
     PRE_TOKENIZED,
     ByteTokenizer,

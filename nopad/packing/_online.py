@@ -3,7 +3,7 @@
 The bin packing runs on the host over the sequence lengths (one host sync to fetch them); moving
 the tokens is a fixed number of tensor ops on the batch's device whatever the batch size. The
 result has exactly the fields of a collated offline batch (collate.py), so both paths reach the
-Megatron adapter through the same :func:`nopad.packing.thd.packed_to_thd`.
+Megatron adapter through the same :func:`nopad.packing._thd.packed_to_thd`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from nopad._errors import check_int, input_error
 from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, prepare_position_ids, round_up
-from nopad.packing.algorithms import ALGORITHMS, Bins, pack_lengths
+from nopad.packing._algorithms import ALGORITHMS, Bins, pack_lengths
 from nopad.parallel.cp import CpLayout, cp_alignment
 
 

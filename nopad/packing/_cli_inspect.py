@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 
-from nopad.packing.files import check_packed, read_metadata
-from nopad.packing.tokenizer import load_tokenizer
+from nopad.packing._files import check_packed, read_metadata
+from nopad.packing._tokenizer import load_tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

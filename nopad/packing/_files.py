@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from nopad._errors import check_int, in_file, input_error
-from nopad.packing.collate import check_row_arrays, negative_id_error
-from nopad.packing.rows import ROW_FIELDS, Columns, Row, validate_columns
-from nopad.packing.tokenizer import MAX_TOKEN_ID, TokenizerIdentity
+from nopad.packing._collate import check_row_arrays, negative_id_error
+from nopad.packing._rows import ROW_FIELDS, Columns, Row, validate_columns
+from nopad.packing._tokenizer import MAX_TOKEN_ID, TokenizerIdentity
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -316,8 +316,8 @@ class PackedFile:
         return float(self.row_lengths.sum()) / slots if slots else 0.0
 
     def batch(self, indices: Sequence[int]):
-        """Rows ``indices`` collated into a TensorDict (see :func:`nopad.packing.collate.collate_packed`)."""
-        from nopad.packing.collate import collate_packed
+        """Rows ``indices`` collated into a TensorDict (see :func:`nopad.packing._collate.collate_packed`)."""
+        from nopad.packing._collate import collate_packed
 
         rows = [self[i] for i in indices]
         return collate_packed(rows, pad_token_id=self.metadata["pad_token_id"], alignment=self.metadata["alignment"])

@@ -25,7 +25,7 @@ from nopad.layout import (
     to_host,
     wrap_jagged,
 )
-from nopad.packing.rows import ROW_FIELDS, TOKEN_FIELDS, Columns, validate_columns
+from nopad.packing._rows import ROW_FIELDS, TOKEN_FIELDS, Columns, validate_columns
 
 
 def _padded(values: np.ndarray, offsets: np.ndarray, width: int, fill: int) -> np.ndarray:

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from nopad.packing.algorithms import ALGORITHMS, packing_metrics
-from nopad.packing.offline import pack_conversations
+from nopad.packing._algorithms import ALGORITHMS, packing_metrics
+from nopad.packing._offline import pack_conversations
 from nopad.synthetic import lognormal_lengths
 
 CONVERSATION_MEDIAN = 402  # tokens: a chat-sized conversation
@@ -97,8 +97,8 @@ def rows_bench(n: int = 20_000, pack_length: int = 8192, seed: int = 0, repeats:
 def files_bench(n: int = 50_000, pack_length: int = 4096, seed: int = 0) -> list[dict[str, object]]:
     """Pack ``n`` conversations with best fit, write the rows to a packed file and open it again
     (every row validated). One row per step, with seconds and M tokens/s, from one run each."""
-    from nopad.packing.files import read_packed, write_packed
-    from nopad.packing.tokenizer import TokenizerIdentity
+    from nopad.packing._files import read_packed, write_packed
+    from nopad.packing._tokenizer import TokenizerIdentity
 
     convs = synthetic_conversations(n, pack_length, seed)
     tokens = sum(len(ids) for ids, _ in convs)
