@@ -42,7 +42,7 @@ from torch import Tensor
 
 from nopad._errors import check_int, free_to_read, input_error
 from nopad.layout import IndexPlan, block_causal_mask, to_host
-from nopad.parallel.ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
+from nopad.parallel._ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
 
 IMPLEMENTATION = "nopad_varlen"
 KERNELS = ("flash_attn", "aten_flash", "varlen_attn", "sdpa")
@@ -507,7 +507,7 @@ def use_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> torch.
     """Switch ``model``'s attention to ``nopad_varlen`` with ``kernel`` ('auto' or one of :data:`KERNELS`).
 
     A forced kernel that cannot run on the model's device and dtype is a ValueError now, not at the
-    first forward. A model under Ulysses (:func:`nopad.parallel.ulysses.enable_ulysses`) stays under it,
+    first forward. A model under Ulysses (:func:`nopad.parallel._ulysses.enable_ulysses`) stays under it,
     around the new kernel. Returns the model.
     """
     if kernel not in _IMPLEMENTATION_OF:

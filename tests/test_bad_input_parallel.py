@@ -11,11 +11,11 @@ import torch
 
 from nopad.attention import nopad_varlen_attention
 from nopad.engines.megatron import postprocess_thd, preprocess_thd
-from nopad.parallel import cp as cp_module
-from nopad.parallel import thd as thd_module
-from nopad.parallel.cp import check_cp_args, cp_alignment, prepare_padded_lengths
-from nopad.parallel.thd import ThdPlan
-from nopad.parallel.ulysses import padded_length
+from nopad.parallel import _cp as cp_module
+from nopad.parallel import _thd as thd_module
+from nopad.parallel._cp import check_cp_args, cp_alignment, prepare_padded_lengths
+from nopad.parallel._thd import ThdPlan
+from nopad.parallel._ulysses import padded_length
 
 
 def _ids(*lengths: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from nopad.engines.megatron import (
     preprocess_thd,
 )
 from nopad.layout import IndexPlan, prepare_offsets
-from nopad.parallel import thd as thd_module
+from nopad.parallel import _thd as thd_module
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent

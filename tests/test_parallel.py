@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nopad.layout import prepare_offsets
-from nopad.parallel.cp import (
+from nopad.parallel._cp import (
     check_cp_args,
     contiguous_shard_index,
     cp_alignment,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from nopad import left_right_2_no_padding, no_padding_2_padding
 from nopad.engines.fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs, use_packed_attention
 from nopad.engines.leak import check_isolation
-from nopad.parallel.ulysses import (
+from nopad.parallel._ulysses import (
     _heads_view,
     all_to_all,
     block_causal_mask,

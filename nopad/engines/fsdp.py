@@ -12,7 +12,7 @@ transformers (5.x) treats a row as packed only when there is no attention_mask A
 then finds the boundaries where position ids restart. ``use_cache`` left at its default silently
 lets every sequence attend to the ones before it; :func:`check_isolation` catches that.
 
-Needs the ``hf`` extra (transformers) only for Ulysses (:func:`nopad.parallel.ulysses.enable_ulysses`).
+Needs the ``hf`` extra (transformers) only for Ulysses (:func:`nopad.parallel._ulysses.enable_ulysses`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from nopad._batch import check_choice, check_real, check_real_dtype, get_field
 from nopad._errors import check_flag, check_int, input_error
 from nopad.attention import KERNELS, available_kernels, packed_attention, reads_boundaries, use_packed_attention
 from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
-from nopad.parallel.ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
+from nopad.parallel._ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
 PAD_TOKEN_ID = 0
 

@@ -53,7 +53,7 @@ from nopad._batch import get_field
 from nopad._errors import check_flag, check_int, check_optional_int, input_error
 from nopad.engines.megatron import ThdPlan, postprocess_thd
 from nopad.layout import is_nested
-from nopad.parallel.cp import alignment_of
+from nopad.parallel._cp import alignment_of
 
 SUPPORTED_VERSIONS = ("0.9.1",)
 PADDING_MODULE = "verl.workers.utils.padding"

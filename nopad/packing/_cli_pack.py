@@ -37,7 +37,7 @@ from nopad.packing._tokenizer import (
     encode_record,
     record_kind,
 )
-from nopad.parallel.cp import cp_alignment
+from nopad.parallel._cp import cp_alignment
 
 Conversation = tuple[np.ndarray, np.ndarray]  # (ids int64, loss mask int8)
 _UTF8_BOM = b"\xef\xbb\xbf"

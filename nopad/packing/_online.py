@@ -16,7 +16,7 @@ from torch import Tensor
 from nopad._errors import check_int, input_error
 from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, prepare_position_ids, round_up
 from nopad.packing._algorithms import ALGORITHMS, Bins, pack_lengths
-from nopad.parallel.cp import CpLayout, cp_alignment
+from nopad.parallel._cp import CpLayout, cp_alignment
 
 
 def bin_layout(bins: Bins, padded_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

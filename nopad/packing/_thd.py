@@ -2,7 +2,7 @@
 
 Both packers produce the same TensorDict (collate.py's fields). Its conversation segments,
 already padded to the alignment, become a nested batch that goes through the Megatron adapter's
-own plan (nopad.parallel.thd), so the CP sharding is the adapter's, never re-derived here.
+own plan (nopad.parallel._thd), so the CP sharding is the adapter's, never re-derived here.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from torch import Tensor
 
 from nopad.packing._collate import packed_to_nested
 from nopad.packing._rows import TOKEN_FIELDS
-from nopad.parallel.cp import CpLayout
-from nopad.parallel.thd import ThdPlan, thd_sizes
+from nopad.parallel._cp import CpLayout
+from nopad.parallel._thd import ThdPlan, thd_sizes
 
 
 @dataclass

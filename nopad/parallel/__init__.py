@@ -1,33 +1,20 @@
-"""Parallel layouts of a packed batch: context parallelism (:mod:`nopad.parallel.cp`, Megatron THD)
-and Ulysses sequence parallelism (:mod:`nopad.parallel.ulysses`, HF/FSDP).
+"""Parallel layouts of a packed batch: context parallelism (Megatron THD, zigzag or contiguous
+chunks per rank) and Ulysses sequence parallelism (HF models under FSDP).
 
-``from nopad.parallel import cp_alignment`` keeps working: the CP names are re-exported here.
+The THD plan itself is :class:`nopad.engines.megatron.ThdPlan`; these are the pieces a trainer
+uses on their own: the CP alignment and shard indices, and Ulysses' model switch and gather.
 """
 
-from nopad.parallel.cp import (
-    CP_LAYOUTS,
-    CpLayout,
-    check_cp_args,
-    contiguous_shard_index,
-    cp_alignment,
-    fp8_alignment,
-    gather_cp_shards,
-    prepare_padded_lengths,
-    shard_index,
-    unshard_index,
-    zigzag_shard_index,
-)
+from nopad.parallel._cp import cp_alignment, gather_cp_shards, shard_index, unshard_index
+from nopad.parallel._ulysses import enable_ulysses, gather_seq, padded_length, slice_for_rank
 
 __all__ = [
-    "CP_LAYOUTS",
-    "CpLayout",
-    "check_cp_args",
-    "contiguous_shard_index",
     "cp_alignment",
-    "fp8_alignment",
+    "enable_ulysses",
     "gather_cp_shards",
-    "prepare_padded_lengths",
+    "gather_seq",
+    "padded_length",
     "shard_index",
+    "slice_for_rank",
     "unshard_index",
-    "zigzag_shard_index",
 ]

@@ -4,10 +4,10 @@ One plan = one host sync: the batch's offsets (or lengths) come to the host in O
 per-sequence index math (padded boundaries, this rank's chunks, validation) runs there in numpy;
 its results go back to the device in one (non-blocking, pinned) copy. The device then builds every
 per-slot index from a fixed handful of ops whatever the batch size: one op finds each slot's chunk
-(:func:`~nopad.parallel.cp.run_of_each`) and one gather reads the chunk's shift, length and source
+(:func:`~nopad.parallel._cp.run_of_each`) and one gather reads the chunk's shift, length and source
 start. The Megatron adapter
 (:mod:`nopad.engines.megatron`) and the packers (:mod:`nopad.packing._thd`) both shard through it,
-so the CP layout has one derivation (:func:`~nopad.parallel.cp.rank_chunks`). ``PackedSeqParams``
+so the CP layout has one derivation (:func:`~nopad.parallel._cp.rank_chunks`). ``PackedSeqParams``
 is megatron-core's when it is installed, else a stand-in with the same fields.
 """
 
@@ -35,7 +35,7 @@ from nopad.layout import (
     nested_offsets,
     prepare_offsets,
 )
-from nopad.parallel.cp import (
+from nopad.parallel._cp import (
     CpLayout,
     alignment_of,
     check_cp_args,
@@ -121,7 +121,7 @@ class _DeviceArrays:
 
 
 def _runs(arrays: _DeviceArrays, name: str) -> dict[str, Tensor]:
-    """The runs ``name`` as :func:`~nopad.parallel.cp.run_of_each` suits the device best: their
+    """The runs ``name`` as :func:`~nopad.parallel._cp.run_of_each` suits the device best: their
     sizes on a CPU (a linear repeat of run ids), their ends elsewhere (one binary-search kernel)."""
     if _is_host(arrays.device):
         return {"sizes": arrays[f"{name}_sizes"]}
