@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from nopad import left_right_2_no_padding, no_padding_2_padding
 from nopad.engines.fsdp import packed_logprobs, padded_logprobs
 from nopad.engines.leak import check_isolation
-from nopad.parallel._ulysses import enable_ulysses
+from nopad.parallel import enable_ulysses
 from nopad.synthetic import synthetic_batch, tiny_causal_lm
 
 VOCAB = 1000
