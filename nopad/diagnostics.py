@@ -17,21 +17,21 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-aten = torch.ops.aten
+_aten = torch.ops.aten
 
 # Ops whose result size or value must reach the host before the next op can be issued.
 _ALWAYS_SYNC = {
-    aten.nonzero.default,
-    aten._local_scalar_dense.default,
-    aten.is_nonzero.default,
-    aten.masked_select.default,
-    aten.equal.default,
-    aten.unique_consecutive.default,
-    aten._unique2.default,
+    _aten.nonzero.default,
+    _aten._local_scalar_dense.default,
+    _aten.is_nonzero.default,
+    _aten.masked_select.default,
+    _aten.equal.default,
+    _aten.unique_consecutive.default,
+    _aten._unique2.default,
 }
 
 # Tensor methods that hand a value to the host.
-HOST_READS = frozenset(
+_HOST_READS = frozenset(
     {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__", "__complex__"}
 )
 
@@ -39,11 +39,11 @@ HOST_READS = frozenset(
 def _is_sync(func, args, kwargs) -> bool:
     if func in _ALWAYS_SYNC:
         return True
-    if func is aten._to_copy.default:  # device -> host copy (an explicit "cpu" is counted as a read above)
+    if func is _aten._to_copy.default:  # device -> host copy (an explicit "cpu" is counted as a read above)
         return str(kwargs.get("device", "")) == "cpu" and args[0].device.type != "cpu"
-    if func is aten.index.Tensor:  # boolean-mask indexing runs nonzero underneath
+    if func is _aten.index.Tensor:  # boolean-mask indexing runs nonzero underneath
         return any(i is not None and i.dtype == torch.bool for i in args[1])
-    if func is aten.repeat_interleave.Tensor:  # without output_size it must learn the sum
+    if func is _aten.repeat_interleave.Tensor:  # without output_size it must learn the sum
         return kwargs.get("output_size") is None and (len(args) < 2 or args[-1] is None)
     return False
 
@@ -70,7 +70,7 @@ class _HostReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        is_read = name in HOST_READS or (name == "to" and _to_host(args, kwargs))
+        is_read = name in _HOST_READS or (name == "to" and _to_host(args, kwargs))
         if not is_read or self.counter._reading:
             return func(*args, **kwargs)
         self.counter.syncs += 1
@@ -83,7 +83,7 @@ class _HostReads(TorchFunctionMode):
 
 
 class OpCounter(TorchDispatchMode):
-    """``with OpCounter() as c: ...`` then ``c.ops`` (total aten ops), ``c.syncs``, ``c.by_op``.
+    """``with OpCounter() as c: ...`` then ``c.ops`` (total _aten ops), ``c.syncs``, ``c.by_op``.
 
     ``c.host_reads`` counts the reads by method name (``item``, ``tolist``, ``__bool__``, ...).
     """
@@ -121,3 +121,6 @@ class OpCounter(TorchDispatchMode):
         if not self._reading:  # a read already counted once at the Python level
             self.syncs += _is_sync(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+__all__ = ["OpCounter"]

@@ -5,25 +5,16 @@ Nothing here downloads anything: models are built from a config with random weig
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from tensordict import TensorDict
 
 from nopad._errors import input_error
 
 
-def long_tailed_lengths(n: int, width: int, *, low: int = 1, generator: torch.Generator | None = None) -> torch.Tensor:
+def _long_tailed_lengths(n: int, width: int, *, low: int = 1, generator: torch.Generator | None = None) -> torch.Tensor:
     """(n,) int64 lengths in [low, width], exponential with mean width / 4: most short, a few long."""
     draw = -torch.log1p(-torch.rand(n, generator=generator)) * (width / 4)
     return (draw + low).round().long().clamp(low, width)
-
-
-def lognormal_lengths(n: int, capacity: int, seed: int = 0) -> np.ndarray:
-    """(n,) int64 lognormal lengths in [1, capacity] (median capacity/12, sigma 1.2): mostly short, a
-    long tail up to the capacity. The packing benchmark's conversations (numpy: packing runs on the host)."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.lognormal(mean=np.log(capacity / 12), sigma=1.2, size=n)
-    return np.clip(lengths.astype(np.int64), 1, capacity)
 
 
 def synthetic_batch(
@@ -42,8 +33,8 @@ def synthetic_batch(
     (B, mrope, S), with S = prompt_width + resp_width and long-tailed lengths.
     """
     g = torch.Generator().manual_seed(seed)
-    prompt_lens = long_tailed_lengths(B, prompt_width, generator=g)
-    resp_lens = long_tailed_lengths(B, resp_width, generator=g)
+    prompt_lens = _long_tailed_lengths(B, prompt_width, generator=g)
+    resp_lens = _long_tailed_lengths(B, resp_width, generator=g)
     cols_p, cols_r = torch.arange(prompt_width), torch.arange(resp_width)
     response_mask = (cols_r < resp_lens[:, None]).long()
     attention_mask = torch.cat([(cols_p >= prompt_width - prompt_lens[:, None]).long(), response_mask], 1)
@@ -94,3 +85,6 @@ def tiny_causal_lm(
     model = model_cls(config)
     model.config._attn_implementation = attn_implementation
     return model.float().eval()
+
+
+__all__ = ["synthetic_batch", "tiny_causal_lm"]

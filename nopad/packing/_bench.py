@@ -13,9 +13,16 @@ import numpy as np
 
 from nopad.packing._algorithms import ALGORITHMS, packing_metrics
 from nopad.packing._offline import pack_conversations
-from nopad.synthetic import lognormal_lengths
 
 CONVERSATION_MEDIAN = 402  # tokens: a chat-sized conversation
+
+
+def lognormal_lengths(n: int, capacity: int, seed: int = 0) -> np.ndarray:
+    """(n,) int64 lognormal lengths in [1, capacity] (median capacity/12, sigma 1.2): mostly short, a
+    long tail up to the capacity. The packing benchmark's conversations (numpy: packing runs on the host)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.lognormal(mean=np.log(capacity / 12), sigma=1.2, size=n)
+    return np.clip(lengths.astype(np.int64), 1, capacity)
 
 
 def packing_bench(n: int = 100_000, capacity: int = 8192, seed: int = 0) -> list[dict[str, object]]:
