@@ -1,31 +1,15 @@
-"""nopad: padded <-> nested <-> packed LLM training batches, exact and without per-row loops."""
+"""nopad: padded <-> nested <-> packed LLM training batches, exact and without per-row loops.
+
+The conversions a forward pass needs are here; the rest lives in its module:
+``nopad.layout`` (the index plan), ``nopad.ops`` (flash-attn's padding primitives),
+``nopad.rows`` / ``nopad.balance`` (rows of nested batches, micro-batches),
+``nopad.engines.fsdp`` / ``nopad.engines.megatron`` / ``nopad.engines.leak``, ``nopad.parallel``,
+``nopad.attention``, ``nopad.losses``, ``nopad.packing``, ``nopad.integrations.verl``,
+``nopad.diagnostics`` and ``nopad.synthetic``. ``import nopad`` loads neither transformers nor verl.
+"""
 
 from nopad.diagnostics import OpCounter
-from nopad.layout import (
-    IndexPlan,
-    gather_rows,
-    is_nested,
-    jagged_values,
-    nested_offsets,
-    prepare_offsets,
-    prepare_position_ids,
-    prepare_row_ids,
-    ragged_dim,
-    spread_over_tokens,
-    to_host,
-    wrap_jagged,
-)
-from nopad.losses import (
-    LossConfig,
-    agg_loss,
-    compute_policy_loss,
-    compute_value_loss,
-    kl_penalty,
-    ppo_loss,
-    sft_loss,
-    value_loss,
-)
-from nopad.ops import index_first_axis, index_put_first_axis, pad_input, unpad_input
+from nopad.layout import IndexPlan
 from nopad.padding import (
     build_attention_mask_from_nested,
     embeds_padding_2_no_padding,
@@ -35,42 +19,17 @@ from nopad.padding import (
     response_from_nested,
     response_to_nested,
 )
-from nopad.rows import select_rows
 
 __version__ = "0.1.0"
 
 __all__ = [
     "IndexPlan",
-    "LossConfig",
     "OpCounter",
-    "agg_loss",
-    "compute_policy_loss",
-    "compute_value_loss",
-    "is_nested",
-    "jagged_values",
-    "kl_penalty",
-    "nested_offsets",
-    "ppo_loss",
-    "ragged_dim",
-    "spread_over_tokens",
-    "sft_loss",
-    "value_loss",
     "build_attention_mask_from_nested",
     "embeds_padding_2_no_padding",
-    "gather_rows",
-    "index_first_axis",
-    "index_put_first_axis",
     "left_right_2_no_padding",
     "no_padding_2_padding",
-    "pad_input",
     "plan_left_right",
-    "prepare_offsets",
-    "prepare_position_ids",
-    "prepare_row_ids",
     "response_from_nested",
     "response_to_nested",
-    "select_rows",
-    "to_host",
-    "wrap_jagged",
-    "unpad_input",
 ]

@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._errors import bounds, input_error
-from nopad.layout import is_nested, jagged_values
+from nopad._layout import is_nested, jagged_values
 
 _SCALARS = (type(None), bool, str, bytes, numbers.Number)
 

@@ -17,11 +17,11 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._errors import check_int
+from nopad._layout import IndexPlan, prepare_offsets, wrap_jagged
+from nopad._ops import unpad_input
+from nopad._padding import left_right_2_no_padding, no_padding_2_padding, plan_left_right
 from nopad._torch_internals import put_checked
 from nopad.diagnostics import OpCounter
-from nopad.layout import IndexPlan, prepare_offsets, wrap_jagged
-from nopad.ops import unpad_input
-from nopad.padding import left_right_2_no_padding, no_padding_2_padding, plan_left_right
 from nopad.synthetic import synthetic_batch
 
 
@@ -179,7 +179,7 @@ def bench_padded_to_nested_steps(
 ) -> list[dict]:
     """Where padded -> nested spends its time: each step added to the one before, all timed in turn
     with the bare gather. Rows of {steps, ms, /gather}."""
-    from nopad.padding import plan_left_right
+    from nopad._padding import plan_left_right
 
     data = synthetic_batch(B, prompt_width, resp_width, device=device)
     am, rm, ids, pos = (data[k] for k in ("attention_mask", "response_mask", "input_ids", "position_ids"))

@@ -19,9 +19,9 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad._layout import IndexPlan, nested_offsets
 from nopad.balance import Workload, balanced_partitions
 from nopad.diagnostics import OpCounter
-from nopad.layout import IndexPlan, nested_offsets
 from nopad.rows import micro_batches, select_rows
 
 BUDGET = 16_384
@@ -38,7 +38,7 @@ def nested_rows_batch(B: int, device: str = "cpu", seed: int = 0) -> TensorDict:
     td["input_ids"] = plan.to_nested(torch.randint(0, 150_000, (total,), generator=g).to(device))
     td["position_ids"] = plan.to_nested(plan.position_ids)
     td["loss_mask"] = plan.to_nested(torch.randint(0, 2, (total,), generator=g).to(device))
-    from nopad.layout import remember_host_lengths
+    from nopad._layout import remember_host_lengths
 
     remember_host_lengths(plan.offsets, lengths.numpy())
     return td

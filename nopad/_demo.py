@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from nopad.padding import left_right_2_no_padding, no_padding_2_padding
+from nopad._padding import left_right_2_no_padding, no_padding_2_padding
 from nopad.synthetic import synthetic_batch, tiny_causal_lm
 
 TOLERANCE = 1e-5

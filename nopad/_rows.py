@@ -28,8 +28,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._errors import check_int, input_error
-from nopad._torch_internals import put_checked
-from nopad.layout import (
+from nopad._layout import (
     device_to_host,
     expand_ranges,
     host_ranges,
@@ -45,6 +44,7 @@ from nopad.layout import (
     spread_over_tokens,
     wrap_jagged,
 )
+from nopad._torch_internals import put_checked
 
 NESTED, DENSE, SUB, DATA, STACK = "nested", "dense", "tensordict", "NonTensorData", "NonTensorStack"
 

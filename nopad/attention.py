@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nopad._errors import check_int, free_to_read, input_error
-from nopad.layout import IndexPlan, block_causal_mask, to_host
+from nopad._layout import IndexPlan, block_causal_mask, to_host
 from nopad.parallel._ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
 
 IMPLEMENTATION = "nopad_varlen"

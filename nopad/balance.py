@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from nopad._errors import check_int, input_error
+from nopad._layout import device_to_host, round_up
 from nopad._partition import first_fit, fits, karmarkar_karp_arrays, max_over_group, order_partitions, split_until
-from nopad.layout import device_to_host, round_up
 
 __all__ = ["Workload", "balanced_partitions", "karmarkar_karp", "micro_batch_partitions", "rank_order"]
 

@@ -12,7 +12,7 @@ gradient averaging of FSDP/DDP, so summing the micro-batch gradients gives the m
 however the batch was split. :func:`global_batch_info` computes the figures.
 
 No host syncs: metrics are returned as detached 0-d tensors (call ``.item()`` or
-:func:`nopad.to_host` once per step to log them). Every function is a fixed number of tensor ops.
+a host read once per step to log them). Every function is a fixed number of tensor ops.
 
 Bad input is refused before any work, on the host: every option is a real bool, one of its
 documented strings or a finite number in range, and every tensor has the shape and dtype it must.
@@ -42,9 +42,9 @@ from torch import Tensor
 
 from nopad._batch import check_choice, check_real, check_real_dtype, get_field
 from nopad._errors import check_flag, check_int, check_mask, check_optional_int, input_error, mask_error, mask_flag
-from nopad.layout import IndexPlan, jagged_values, nested_offsets, ragged_dim, to_host, wrap_jagged
-from nopad.layout import is_nested as _is_nested
-from nopad.padding import no_padding_2_padding
+from nopad._layout import IndexPlan, jagged_values, nested_offsets, ragged_dim, to_host, wrap_jagged
+from nopad._layout import is_nested as _is_nested
+from nopad._padding import no_padding_2_padding
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")

@@ -26,6 +26,14 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._errors import input_error
+from nopad._layout import (
+    device_to_host,
+    jagged_values,
+    known_host_lengths,
+    nested_offsets,
+    ragged_dim,
+    remember_host_lengths,
+)
 from nopad._rows import (
     NESTED,
     RowPlan,
@@ -41,14 +49,6 @@ from nopad._rows import (
 )
 from nopad._torch_internals import put_checked
 from nopad.balance import Workload, micro_batch_partitions
-from nopad.layout import (
-    device_to_host,
-    jagged_values,
-    known_host_lengths,
-    nested_offsets,
-    ragged_dim,
-    remember_host_lengths,
-)
 
 __all__ = [
     "RowRestore",

@@ -863,7 +863,7 @@ def test_ppo_loss_checks_its_config_and_figures_once(monkeypatch):
 def test_packed_logprobs_reads_the_micro_batch_temperature_as_prepare_model_inputs_does():
     """It ignored micro["temperature"] (its own default 1.0 won); the padded reference now reads the
     padded batch's the same way, so the two agree on one TensorDict."""
-    from nopad.padding import left_right_2_no_padding, no_padding_2_padding
+    from nopad._padding import left_right_2_no_padding, no_padding_2_padding
     from tests.models import tiny_llama
 
     model = tiny_llama()

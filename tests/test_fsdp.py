@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nopad import left_right_2_no_padding, no_padding_2_padding
+from nopad._layout import IndexPlan
 from nopad.diagnostics import OpCounter
 from nopad.engines.fsdp import (
     packed_logprobs,
@@ -20,7 +21,6 @@ from nopad.engines.fsdp import (
     token_log_probs,
 )
 from nopad.engines.leak import check_isolation, probe_batch
-from nopad.layout import IndexPlan
 from tests.dist_utils import run_distributed
 from tests.models import VOCAB, make_padded_batch, tiny_llama, tiny_qwen2, tiny_qwen2_vl_text
 

@@ -30,6 +30,9 @@ CORE = {
     "nopad.ops",
     "nopad.layout",
     "nopad.padding",
+    "nopad._ops",
+    "nopad._layout",
+    "nopad._padding",
     "nopad._batch",
     "nopad.rows",
     "nopad._rows",
@@ -171,7 +174,7 @@ def test_import_nopad_adds_no_import_hook_and_imports_neither_transformers_nor_v
     import sys
 
     code = (
-        "import sys; before = list(sys.meta_path); import nopad, nopad.rows, nopad.balance, nopad.padding; "
+        "import sys; before = list(sys.meta_path); import nopad, nopad.rows, nopad.balance, nopad._padding; "
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'verl'}); "
         "print(sys.meta_path == before, heavy)"
     )

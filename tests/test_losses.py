@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import nopad.losses as L
+from nopad._padding import left_right_2_no_padding
 from nopad.diagnostics import OpCounter
-from nopad.padding import left_right_2_no_padding
 from tests.dist_utils import run_distributed
 
 MODES = list(L.AGG_MODES)

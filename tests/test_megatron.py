@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nopad._bench import bench_thd, reference_preprocess_thd
+from nopad._layout import IndexPlan, prepare_offsets
 from nopad.diagnostics import OpCounter
 from nopad.engines.megatron import (
     FallbackPackedSeqParams,
@@ -25,7 +26,6 @@ from nopad.engines.megatron import (
     postprocess_thd,
     preprocess_thd,
 )
-from nopad.layout import IndexPlan, prepare_offsets
 from nopad.parallel import _thd as thd_module
 from tests.dist_utils import run_distributed
 

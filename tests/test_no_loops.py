@@ -4,6 +4,10 @@ import pytest
 import torch
 
 import nopad
+import nopad._layout
+import nopad.layout
+import nopad.ops
+import nopad.rows
 from nopad.diagnostics import OpCounter
 from tests.batches import make_batch
 
@@ -46,7 +50,7 @@ def test_the_standard_batch_converts_within_the_op_budget(B):
 
 
 def test_a_host_plan_leaves_only_the_gathers_and_one_copy():
-    from nopad.padding import plan_left_right
+    from nopad._padding import plan_left_right
 
     data = _standard_batch(64)
     masks = data["attention_mask"], data["response_mask"]
@@ -61,7 +65,7 @@ def test_a_host_plan_leaves_only_the_gathers_and_one_copy():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_counts_are_the_cpus_and_a_host_plan_never_waits_for_the_device():
-    from nopad.padding import plan_left_right
+    from nopad._padding import plan_left_right
 
     host = _standard_batch(64)
     data = host.to("cuda")
@@ -109,7 +113,7 @@ def test_response_round_trip_is_sync_free(device_path):
         resp_mask = nopad.response_to_nested(
             out["response_mask"],
             torch.nested.nested_tensor_from_jagged(
-                torch.ones(int(out["response_mask"].sum())), nopad.prepare_offsets(out["response_mask"].sum(-1))
+                torch.ones(int(out["response_mask"].sum())), nopad.layout.prepare_offsets(out["response_mask"].sum(-1))
             ),
         )
         with OpCounter() as c:

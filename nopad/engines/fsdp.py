@@ -26,8 +26,8 @@ from torch import Tensor
 
 from nopad._batch import check_choice, check_real, check_real_dtype, get_field
 from nopad._errors import check_flag, check_int, input_error
+from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
 from nopad.attention import KERNELS, available_kernels, packed_attention, reads_boundaries, use_packed_attention
-from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
 from nopad.parallel._ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
 PAD_TOKEN_ID = 0

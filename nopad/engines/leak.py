@@ -15,8 +15,8 @@ from torch import Tensor
 
 from nopad._batch import check_real
 from nopad._errors import check_int, input_error
+from nopad._layout import IndexPlan
 from nopad.engines.fsdp import prepare_model_inputs
-from nopad.layout import IndexPlan
 
 
 @dataclass

@@ -27,8 +27,8 @@ import numpy as np
 from torch import Tensor
 
 from nopad._errors import check_flag, free_to_read, input_error
+from nopad._layout import check_nested, is_nested, jagged_values, nested_offsets, wrap_jagged
 from nopad._torch_internals import cached_seqlens
-from nopad.layout import check_nested, is_nested, jagged_values, nested_offsets, wrap_jagged
 from nopad.parallel._cp import CpLayout, check_cp_args, gather_cp_flat, unshard_index
 from nopad.parallel._thd import (
     FallbackPackedSeqParams,

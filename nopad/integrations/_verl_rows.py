@@ -20,6 +20,7 @@ from torch import Tensor
 
 from nopad._batch import get_field
 from nopad._errors import check_int, input_error
+from nopad._layout import is_nested, ragged_dim
 from nopad._partition import fits, karmarkar_karp_arrays, order_partitions
 from nopad._rows import (
     NESTED,
@@ -35,7 +36,6 @@ from nopad._rows import (
 from nopad._torch_internals import put_checked
 from nopad.balance import Workload, balanced_partitions
 from nopad.balance import karmarkar_karp as _karmarkar_karp
-from nopad.layout import is_nested, ragged_dim
 from nopad.rows import RowRestore, batch_lengths
 
 TENSORDICT_UTILS = "verl.utils.tensordict_utils"

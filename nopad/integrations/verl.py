@@ -47,12 +47,12 @@ import torch
 from tensordict import NonTensorData, TensorDict
 from torch import Tensor
 
+import nopad._padding as _padding
 import nopad.integrations._verl_rows as _rows
-import nopad.padding as _padding
 from nopad._batch import get_field
 from nopad._errors import check_flag, check_int, check_optional_int, input_error
+from nopad._layout import is_nested
 from nopad.engines.megatron import ThdPlan, postprocess_thd
-from nopad.layout import is_nested
 from nopad.parallel._cp import alignment_of
 
 SUPPORTED_VERSIONS = ("0.9.1",)

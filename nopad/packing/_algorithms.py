@@ -24,7 +24,7 @@ from itertools import chain
 import numpy as np
 
 from nopad._errors import check_int, input_error
-from nopad.layout import round_up
+from nopad._layout import round_up
 
 Bins = list[list[int]]
 Lengths = Sequence[int] | np.ndarray

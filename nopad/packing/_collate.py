@@ -17,7 +17,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._errors import check_int, input_error
-from nopad.layout import (
+from nopad._layout import (
     prepare_offsets,
     prepare_position_ids,
     prepare_row_ids,

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from nopad._errors import check_int, input_error
-from nopad.layout import host_ranges, round_up
+from nopad._layout import host_ranges, round_up
 from nopad.packing._algorithms import ALGORITHMS, bin_of_items
 from nopad.packing._rows import (
     TOKEN_FIELDS,

@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._errors import check_int, input_error
-from nopad.layout import IndexPlan, check_nested, jagged_values, nested_offsets, prepare_position_ids, round_up
+from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, prepare_position_ids, round_up
 from nopad.packing._algorithms import ALGORITHMS, Bins, pack_lengths
 from nopad.parallel._cp import CpLayout, cp_alignment
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from nopad._errors import input_error
-from nopad.layout import prepare_row_ids
+from nopad._layout import prepare_row_ids
 
 ROW_FIELDS = ("input_ids", "target_ids", "token_mask", "position_ids", "packed_cu_seqlens")
 TOKEN_FIELDS = ROW_FIELDS[:4]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nopad._errors import check_int, input_error
-from nopad.layout import prepare_offsets, round_up
+from nopad._layout import prepare_offsets, round_up
 
 CpLayout = Literal["zigzag", "contiguous"]
 CP_LAYOUTS = ("zigzag", "contiguous")

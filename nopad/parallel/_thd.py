@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from nopad._errors import check_flag, check_int, check_optional_int, free_to_read, input_error
-from nopad.layout import (
+from nopad._layout import (
     IndexPlan,
     as_lengths,
     check_nested,
@@ -153,7 +153,7 @@ class ThdPlan:
         padded_lengths: (B,) int64 each sequence's padded segment (tail padding folded into the last).
         padded_max_seqlen: int, the longest padded segment (``max_seqlen_q/kv`` of PackedSeqParams).
         alignment: int, the multiple every padded segment is.
-        plan: the :class:`~nopad.layout.IndexPlan` of the real tokens (row ids, positions, labels).
+        plan: the :class:`~nopad._layout.IndexPlan` of the real tokens (row ids, positions, labels).
         local_len: int, T / cp_size, the slots this rank holds.
         global_index: (local_len,) int64 global padded slot of each local slot.
         segment: (local_len,) int64 the sequence each local slot belongs to.

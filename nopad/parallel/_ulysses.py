@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nopad._errors import check_int, input_error
-from nopad.layout import block_causal_mask, round_up
+from nopad._layout import block_causal_mask, round_up
 
 ULYSSES_PREFIX = "nopad_ulysses_"
 SP_GROUP_KWARG = "nopad_sp_group"
