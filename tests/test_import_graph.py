@@ -36,7 +36,7 @@ CORE = {
     "nopad.diagnostics",
     "nopad.synthetic",
 }
-APPS = {"nopad", "nopad.cli", "nopad.bench", "nopad.bench_model", "nopad.demo"}
+APPS = {"nopad", "nopad.cli", "nopad.bench", "nopad.bench_head", "nopad.bench_model", "nopad.demo"}
 
 
 def layer_of(module: str) -> str:

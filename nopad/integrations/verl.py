@@ -6,6 +6,9 @@
                                  response_to_nested, build_attention_mask_from_nested,
                                  embeds_padding_2_no_padding
     verl.models.mcore.util       preprocess_thd_engine, postprocess_thd_engine
+    verl.utils.experimental.torch_functional
+                                 FusedLinearForPPO (``use_fused_kernels``' torch path: nopad's
+                                 chunked head, nopad.engines.fsdp.head_log_probs)
 
 Each replacement has verl's signature and verl's observable behaviour (in-place updates of the
 TensorDict, ``NonTensorData`` metadata, output dtypes, shapes and values, PackedSeqParams fields,
@@ -46,6 +49,7 @@ import nopad.padding as _padding
 from nopad._batch import check_flag, get_field
 from nopad.engines.megatron import postprocess_thd, thd_plan
 from nopad.errors import input_error
+from nopad.integrations._verl_head import TORCH_FUNCTIONAL_MODULE, FusedLinearForPPO
 from nopad.layout import is_nested
 
 SUPPORTED_VERSIONS = ("0.9.1",)
@@ -60,7 +64,8 @@ PADDING_NAMES = (
     "embeds_padding_2_no_padding",
 )
 THD_NAMES = ("preprocess_thd_engine", "postprocess_thd_engine")
-ROUTED = {PADDING_MODULE: PADDING_NAMES, MCORE_UTIL_MODULE: THD_NAMES}
+HEAD_NAMES = ("FusedLinearForPPO",)
+ROUTED = {PADDING_MODULE: PADDING_NAMES, MCORE_UTIL_MODULE: THD_NAMES, TORCH_FUNCTIONAL_MODULE: HEAD_NAMES}
 
 
 # ---- the replacements, with verl's signatures ----------------------------------------------------
@@ -269,6 +274,7 @@ REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
         "preprocess_thd_engine": preprocess_thd_engine,
         "postprocess_thd_engine": postprocess_thd_engine,
     },
+    TORCH_FUNCTIONAL_MODULE: {"FusedLinearForPPO": FusedLinearForPPO},
 }
 
 
