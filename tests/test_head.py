@@ -401,7 +401,7 @@ def test_head_auto_is_chunked_for_a_served_model_and_no_logits_are_made():
         hook.remove()
     L = args.labels.shape[0]
     assert out.log_probs.shape == out.entropy.shape == (1, L)
-    assert seen == [(1, L, 1)]  # what the body's output layer handed on: a stand-in, not (1, L, V)
+    assert seen == [(1, L, 3)]  # what the output layer handed on: log-prob, entropy, probe; not (1, L, V)
     ref = prepare_model_outputs(m(**inputs), args, calculate_entropy=True)
     got = prepare_model_outputs(out, args, calculate_entropy=True)
     for key in ("log_probs", "entropy"):

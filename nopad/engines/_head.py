@@ -397,12 +397,11 @@ class _Call:
         self.spec, self.labels, self.temperature, self.real = spec, labels, temperature, real
         self.with_entropy, self.tile = with_entropy, tile
         self.calls = 0
-        self.probe: Tensor | None = None
+        self.stand_in: Tensor | None = None
         self.declined: str | None = None
-        self.result: HeadOutput | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:
-        """The output layer's forward, standing in: the head on this row, a (1, L, 1) probe returned."""
+        """The output layer's forward, standing in: the head on this row, a (1, L, 3) stand-in returned."""
         layer = self.spec.layer
         self.calls += 1
         length = self.labels.shape[0]
@@ -431,27 +430,38 @@ class _Call:
         if pad:
             log_probs = torch.nn.functional.pad(log_probs, (0, pad))
             entropy = None if entropy is None else torch.nn.functional.pad(entropy, (0, pad))
-        self.result = HeadOutput(log_probs.unsqueeze(0), None if entropy is None else entropy.unsqueeze(0))
-        # the model's forward receives this instead of (1, L, V) logits; what it returns shows what it
-        # does to its output layer's result (values across the range logits take)
-        self.probe = torch.linspace(-24.0, 24.0, length, device=hidden.device, dtype=torch.float32).view(1, length, 1)
-        return self.probe
+        # What the model's forward receives instead of (1, L, V) logits: (1, L, 3) = log-prob, entropy
+        # and a probe. The results are read back from this tensor, so the gradient reaches it: hooks
+        # on the layer's output (FSDP's, when the layer is sharded on its own) fire in the backward.
+        # What the forward makes of the probe (values across the range logits take) shows what it does
+        # to its output layer's result.
+        probe = torch.linspace(-24.0, 24.0, length, device=hidden.device, dtype=log_probs.dtype)
+        entropy = log_probs.new_zeros(()).expand(length) if entropy is None else entropy
+        self.stand_in = torch.stack([log_probs, entropy, probe], -1).unsqueeze(0)
+        return self.stand_in
+
+    def result(self) -> HeadOutput:
+        """The per-token results, as new tensors (not views) read from the stand-in output."""
+        assert self.stand_in is not None
+        entropy = self.stand_in[..., 1].clone() if self.with_entropy else None
+        return HeadOutput(self.stand_in[..., 0].clone(), entropy)
 
     def verdict(self, model: torch.nn.Module, output: Any) -> str | None:
         """None when the forward made of the probe exactly what the spec says; else why not."""
         if self.declined is not None:
             return self.declined
-        if self.calls == 0 or self.probe is None:
+        if self.calls == 0 or self.stand_in is None:
             return "its forward did not call its output layer"
         logits = getattr(output, "logits", output)
         spec = self.spec
-        if logits is self.probe and spec.plain:
+        if logits is self.stand_in and spec.plain:
             return None
-        if not isinstance(logits, Tensor) or logits.shape != self.probe.shape:
+        if not isinstance(logits, Tensor) or logits.shape != self.stand_in.shape:
             return "its forward returns something other than its output layer's result as logits"
         if _CHECKED.get(model):
             return None
-        if not torch.allclose(logits.float(), spec.expected(self.probe), rtol=1e-3, atol=1e-3):  # one host sync, once
+        probe = self.stand_in[..., 2].detach()  # one host sync, on a model's first forward only
+        if not torch.allclose(logits[..., 2].detach().to(probe.dtype), spec.expected(probe), rtol=1e-3, atol=1e-3):
             said = "unchanged" if spec.plain else f"scaled by {spec.scale:g}, soft-capped at {spec.softcap}"
             return (
                 f"its forward changes its output layer's result in a way nopad does not know "
@@ -504,12 +514,12 @@ def head_forward(
             _restore(layer, layer_own)
         why = call.verdict(model, output)
         if why is None:
-            return call.result
+            return call.result()
         _REFUSED[model] = why
         if required:
             raise input_error("head", None, "a model the chunked head can serve (or head='logits')", why)
         # the probe reached the output only if the stand-in ran: then the logits must be computed again
-        return output if call.probe is None else original(*args, **kwargs)
+        return output if call.stand_in is None else original(*args, **kwargs)
 
     model.forward = forward  # type: ignore[method-assign]
     try:
