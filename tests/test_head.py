@@ -577,3 +577,36 @@ def test_ulysses_sp2_chunked_head_equals_one_process_logits_path():
             assert (ent - ref["entropy"].values()).abs().max() <= TOL, (name, rank)
             for n, p in m.named_parameters():
                 assert torch.allclose(grads[n], p.grad, rtol=1e-4, atol=TOL), (name, n)
+
+
+# ---- on a GPU --------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("per_token", [False, True])
+def test_on_cuda_in_bf16_the_head_is_as_close_as_the_logits_path_and_never_waits_for_the_device(per_token):
+    cpu = _case(1000, 32000, 256, 0, per_token=per_token)
+    hidden, weight = (t.detach().cuda().requires_grad_() for t in cpu[:2])
+    labels, weights = cpu[3].cuda(), cpu[5].cuda()
+    temperature = cpu[4].cuda() if per_token else cpu[4]
+
+    def run(fn, h, w):
+        lp, ent = fn(h, w)
+        grads = torch.autograd.grad((lp * weights[0]).sum() + (ent * weights[1]).sum(), (h, w))
+        return (lp, ent, *grads)
+
+    logits_path = lambda h, w: token_log_probs(h @ w.T, labels, temperature, True)  # noqa: E731
+    exact = run(logits_path, hidden, weight)
+    low = [t.detach().bfloat16().requires_grad_() for t in (hidden, weight)]
+    bf16_logits = run(logits_path, *low)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any call that waits for the GPU raises
+    try:
+        bf16_head = run(lambda h, w: head_log_probs(h, w, labels, temperature, True), *low)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for ref, theirs, ours in zip(exact, bf16_logits, bf16_head):
+        assert ours.dtype == theirs.dtype
+        their_error = (theirs.float() - ref).abs().max()
+        assert (ours.float() - ref).abs().max() <= 1.5 * their_error + 1e-3

@@ -560,5 +560,5 @@ def test_verls_fused_model_forward_gives_the_same_log_probs_and_entropy_through_
 
 def test_fused_linear_for_ppo_keeps_verls_backend_check(clean):
     with nv.install():
-        with pytest.raises(ValueError, match="Unsupported FusedLinearForPPO backend: triton"):
+        with pytest.raises(ValueError, match="impl_backend: expected 'torch' or 'liger'.*got 'triton'"):
             nv.FusedLinearForPPO(impl_backend="triton")

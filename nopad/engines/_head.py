@@ -38,10 +38,12 @@ from torch import Tensor
 
 from nopad.errors import input_error
 
-# Tile sizes (tokens x vocabulary entries) by device type. CPU: tiles that stay in the caches
-# between the matmul that writes them and the elementwise passes that read them (measured in
-# docs/results.md, "The output head"); CUDA: whole-vocabulary row chunks, few launches.
-DEFAULT_TILE = {"cpu": (1024, 4096), "cuda": (4096, 1 << 30)}
+# Tile sizes (tokens x vocabulary entries) by device type. CPU: measured on this project's 2-core
+# CPU (docs/results.md, "The output head"): every shape from 128 x 8,192 to 2,048 tokens x the
+# whole vocabulary ran within the noise of each other, so a tile of 8 MiB, which stays in the
+# last-level cache between the matmul that writes it and the passes that read it. CUDA: whole-
+# vocabulary rows, few kernel launches (not measured: no GPU was lent when this was chosen).
+DEFAULT_TILE = {"cpu": (512, 4096), "cuda": (2048, 1 << 30)}
 
 
 def default_tile(device: torch.device) -> tuple[int, int]:

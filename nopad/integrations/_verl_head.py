@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from nopad.engines.fsdp import head_log_probs
+from nopad.errors import input_error
 
 TORCH_FUNCTIONAL_MODULE = "verl.utils.experimental.torch_functional"
 
@@ -31,7 +32,9 @@ class FusedLinearForPPO(torch.nn.Module):
     def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
         super().__init__()
         if impl_backend not in ("torch", "liger"):
-            raise ValueError(f"Unsupported FusedLinearForPPO backend: {impl_backend}. Choose 'torch' or 'liger'.")
+            raise input_error(
+                "impl_backend", None, "'torch' or 'liger' (verl's FusedLinearForPPO backends)", repr(impl_backend)
+            )
         self.chunk_size = chunk_size
         self.impl_backend = impl_backend
 
