@@ -610,3 +610,17 @@ def test_on_cuda_in_bf16_the_head_is_as_close_as_the_logits_path_and_never_waits
         assert ours.dtype == theirs.dtype
         their_error = (theirs.float() - ref).abs().max()
         assert (ours.float() - ref).abs().max() <= 1.5 * their_error + 1e-3
+
+
+def test_under_autocast_auto_takes_the_logits_path_for_that_call_only():
+    m = tiny_llama()
+    micro = left_right_2_no_padding(make_padded_batch(2, 4, 3, seed=0))
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with pytest.raises(ValueError, match="mixes dtypes"):
+                packed_logprobs(m, micro, head="chunked")
+            auto = packed_logprobs(m, micro)
+            assert torch.equal(auto.values(), packed_logprobs(m, micro, head="logits").values())
+        inputs, args = prepare_model_inputs(micro)
+        with chunked_head(m, args):  # not remembered: without autocast the head serves the model again
+            assert hasattr(m(**inputs), "log_probs")

@@ -401,6 +401,7 @@ class _Call:
         self.calls = 0
         self.stand_in: Tensor | None = None
         self.declined: str | None = None
+        self.transient = False
 
     def forward(self, hidden: Tensor) -> Tensor:
         """The output layer's forward, standing in: the head on this row, a (1, L, 3) stand-in returned."""
@@ -414,6 +415,9 @@ class _Call:
             self.declined = "its output layer's weight is a DTensor inside the forward (tensor parallel)"
         elif hidden.dim() != 3 or hidden.shape[:2] != (1, length):
             self.declined = f"its output layer got hidden states {tuple(hidden.shape)}, not (1, {length}, hidden)"
+        elif hidden.dtype != weight.dtype or torch.is_autocast_enabled(hidden.device.type):
+            self.transient = True  # a condition of this call (autocast), not of the model: not remembered
+            self.declined = f"its output layer mixes dtypes ({hidden.dtype} hidden, {weight.dtype} weight, or autocast)"
         if self.declined is not None:  # the real layer; a probe returned by an earlier call forces a rerun
             return torch.nn.Linear.forward(layer, hidden)
         real = self.real
@@ -517,7 +521,8 @@ def head_forward(
         why = call.verdict(model, output)
         if why is None:
             return call.result()
-        _REFUSED[model] = why
+        if not call.transient:
+            _REFUSED[model] = why
         if required:
             raise input_error("head", None, "a model the chunked head can serve (or head='logits')", why)
         # the probe reached the output only if the stand-in ran: then the logits must be computed again

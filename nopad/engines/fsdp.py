@@ -426,7 +426,7 @@ def chunked_head(
     Served: an output layer that is a plain ``torch.nn.Linear`` (bias or not, tied or not), with
     soft-capping (Gemma 2/3's ``final_logit_softcapping``) or a scaled head (Cohere's
     ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``) read from
-    the model. The forward hands the model a (1, L, 1) stand-in for the logits and checks what the
+    the model. The forward hands the model a (1, L, 3) stand-in for the logits and checks what the
     model makes of it: anything it does to the logits beyond what was read is refused, never
     ignored (checked on the first forward, one host sync when the model post-processes its logits).
     """
