@@ -85,8 +85,11 @@ def measure(
     repeats: int = 1,
     temperature: float = 0.9,
     chunk_size: int | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
-    """One configuration, in THIS process (the CLI runs it in a child): {ms, peak_gib} above the inputs."""
+    """One configuration, in THIS process (the CLI runs it in a child): {ms, cpu_ms, peak_gib} above the inputs."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
     cuda = device.startswith("cuda")
     _step(contender, _inputs(8, hidden, 64, device, torch_dtype), temperature, chunk_size)  # one-time set-up
@@ -144,6 +147,7 @@ def bench_head(
     repeats: int = 1,
     logits_max_tokens: int | None = None,
     chunk_size: int | None = None,
+    threads: int | None = None,
     contenders: tuple[str, ...] = CONTENDERS,
     timeout: float | None = None,
     on_row=None,
@@ -177,6 +181,7 @@ def bench_head(
                     dtype=dtype,
                     repeats=repeats,
                     chunk_size=chunk_size,
+                    threads=threads,
                 )
                 result = _child(config, timeout)
                 if "error" in result:
@@ -215,6 +220,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the logits path only up to this T (default: 4096 on a CPU, every T on CUDA)",
     )
     parser.add_argument("--head-chunk-size", type=int, default=None, help="the chunked head's tokens per tile")
+    parser.add_argument(
+        "--head-threads", type=int, default=None, help="intra-op threads in each measuring process (default: torch's)"
+    )
 
 
 def run(args: argparse.Namespace, format_table: Callable[[list[dict[str, Any]]], str]) -> int:
@@ -229,8 +237,9 @@ def run(args: argparse.Namespace, format_table: Callable[[list[dict[str, Any]]],
     if not args.json:
         print(
             f"device={args.device}  dtype={dtype}  H={args.head_hidden}  V={args.head_vocab}  "
-            f"threads={torch.get_num_threads()}  log-prob + entropy, forward + backward; best of {rounds} "
-            f"process(es) x {repeats} call(s), taken in turn; peak memory above the inputs (gradients included)"
+            f"threads={args.head_threads or torch.get_num_threads()}  log-prob + entropy, forward + backward; "
+            f"best of {rounds} process(es) x {repeats} call(s), taken in turn; peak memory above the inputs "
+            "(gradients included)"
         )
         if logits_max is not None and any(T > logits_max for T in tokens):
             print(
@@ -254,6 +263,7 @@ def run(args: argparse.Namespace, format_table: Callable[[list[dict[str, Any]]],
         repeats=repeats,
         logits_max_tokens=logits_max,
         chunk_size=args.head_chunk_size,
+        threads=args.head_threads,
         on_row=show,
     )
     grew = growth(rows)
