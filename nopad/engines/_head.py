@@ -39,11 +39,11 @@ from torch import Tensor
 from nopad.errors import input_error
 
 # Tile sizes (tokens x vocabulary entries) by device type. CPU: measured on this project's 2-core
-# CPU (docs/results.md, "The output head"): every shape from 128 x 8,192 to 2,048 tokens x the
-# whole vocabulary ran within the noise of each other, so a tile of 8 MiB, which stays in the
-# last-level cache between the matmul that writes it and the passes that read it. CUDA: whole-
-# vocabulary rows, few kernel launches (not measured: no GPU was lent when this was chosen).
-DEFAULT_TILE = {"cpu": (512, 4096), "cuda": (2048, 1 << 30)}
+# CPU (docs/results.md, "The output head"): 1,024 x 16,384 (a 64 MiB float32 tile) was the fastest
+# with 2 threads; smaller tiles run many more short parallel regions, which lose whole time slices
+# to spin-waiting when the machine is shared, and larger ones lost a little matmul efficiency.
+# CUDA: whole-vocabulary rows, few kernel launches (not measured: no GPU was lent then).
+DEFAULT_TILE = {"cpu": (1024, 16384), "cuda": (2048, 1 << 30)}
 
 
 def default_tile(device: torch.device) -> tuple[int, int]:

@@ -362,8 +362,8 @@ def head_log_probs(
     writes the gradients of ``hidden``, ``weight`` and ``bias`` directly. Memory: a few tiles,
     whatever T and V. Float32 results (float64 for float64 inputs); no host sync.
     ``temperature``: a float or a per-token (T,) tensor, as :func:`token_log_probs` takes it.
-    ``chunk_size``: tokens per tile (default by device: 512 tokens by 4,096 vocabulary entries on a
-    CPU, 2,048 tokens by the whole vocabulary on CUDA; see docs/results.md). A tied embedding is
+    ``chunk_size``: tokens per tile (default by device: 1,024 tokens by 16,384 vocabulary entries on
+    a CPU, 2,048 tokens by the whole vocabulary on CUDA; see docs/results.md). A tied embedding is
     just the weight passed here: its gradient accumulates into the same parameter. The work is a
     loop over tiles: its op count grows with T / chunk_size (the head's one exception to a fixed
     number of ops per call), never with the number of sequences.
@@ -646,7 +646,6 @@ __getattr__ = moved_attributes(
 )
 
 __all__ = [
-    "HEADS",
     "OutputArgs",
     "available_kernels",
     "chunked_head",
