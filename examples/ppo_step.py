@@ -22,9 +22,9 @@ import warnings
 import torch
 from tensordict import TensorDict
 
-from nopad.padding import left_right_2_no_padding
 from nopad.engines.fsdp import packed_logprobs
 from nopad.losses import LossConfig, global_batch_info, ppo_loss
+from nopad.padding import left_right_2_no_padding
 
 VOCAB, PROMPT_WIDTH, RESPONSE_WIDTH = 128, 24, 32
 

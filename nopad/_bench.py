@@ -368,6 +368,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead: a causal LM's log-probs, padded vs packed with each attention kernel",
     )
+    parser.add_argument(
+        "--head",
+        action="store_true",
+        help="instead: the output head's peak memory and forward+backward time, logits vs chunked (and verl's)",
+    )
+    from nopad._bench_head import add_arguments as add_head_arguments
+
+    add_head_arguments(parser)
     parser.add_argument("--plot", metavar="FILE.png", help="write time against batch size to this PNG")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -394,6 +402,10 @@ def run_model(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.model:
         return run_model(args)
+    if args.head:
+        from nopad._bench_head import run as run_head
+
+        return run_head(args, format_table)
     if args.all:
         args.engines = args.packing = args.steps = args.batches = True
     results: dict[str, list[dict]] = {}

@@ -49,6 +49,7 @@ APPS = {
     "nopad._bench",
     "nopad._bench_model",
     "nopad._bench_rows",
+    "nopad._bench_head",
     "nopad._demo",
 }
 

@@ -598,3 +598,78 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+# ---- the fused-kernel head: FusedLinearForPPO ------------------------------------------------------
+def _head_case(shape, vocab=257, hidden=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(*shape, hidden, generator=g, dtype=dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g, dtype=dtype) / hidden**0.5).requires_grad_()
+    ids = torch.randint(0, vocab, shape, generator=g, dtype=torch.int32)  # verl casts them to int64 itself
+    weights = torch.randn(2, *shape, generator=g)
+    return h, w, ids, weights
+
+
+def _fused(cls, h, w, ids, weights, temperature):
+    lp, ent = cls()(h, w, ids, temperature)
+    grads = torch.autograd.grad((lp * weights[0]).sum() + (ent.float() * weights[1]).sum(), (h, w))
+    return lp, ent, grads
+
+
+@pytest.mark.parametrize("shape", [(1,), (700,), (2, 300)], ids=["one-token", "2-D, not a multiple of 512", "3-D"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_fused_linear_for_ppo_is_served_by_the_chunked_head_with_verls_results(clean, shape, temperature):
+    from verl.utils.experimental import torch_functional as tf
+
+    theirs_cls = tf.FusedLinearForPPO
+    h, w, ids, weights = _head_case(shape)
+    theirs = _fused(theirs_cls, h, w, ids, weights, temperature)
+    with nv.install() as handle:
+        assert tf.FusedLinearForPPO is nv.FusedLinearForPPO
+        assert (tf.__name__, "FusedLinearForPPO") in handle.bindings
+        ours = _fused(tf.FusedLinearForPPO, h, w, ids, weights, temperature)
+    assert tf.FusedLinearForPPO is theirs_cls
+    for a, b in zip((ours[0], ours[1], *ours[2]), (theirs[0], theirs[1], *theirs[2])):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()  # weight grads sum 700 tokens
+
+
+def test_verls_fused_model_forward_gives_the_same_log_probs_and_entropy_through_nopad(clean):
+    """verl's own ``forward_with_torch_backend`` (what ``use_fused_kernels`` patches in) on a tiny Qwen2."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from verl.models.transformers.dense_common import forward_with_torch_backend
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=1000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config).float()
+    input_ids = torch.randint(0, 1000, (1, 40))
+    position_ids = torch.cat([torch.arange(25), torch.arange(15)]).unsqueeze(0)  # two packed sequences
+
+    def run():
+        model.zero_grad()
+        out = forward_with_torch_backend(
+            model, input_ids=input_ids, position_ids=position_ids, use_cache=False, return_dict=True, temperature=0.8
+        )
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+        return out.log_probs.detach(), out.entropy.detach(), model.lm_head.weight.grad.clone()
+
+    theirs = run()
+    with nv.install():
+        ours = run()
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+    assert ours[2].abs().max() > 1e-4
+
+
+def test_fused_linear_for_ppo_keeps_verls_backend_check(clean):
+    with nv.install():
+        with pytest.raises(ValueError, match="impl_backend: expected 'torch' or 'liger'.*got 'triton'"):
+            nv.FusedLinearForPPO(impl_backend="triton")

@@ -17,6 +17,8 @@ Needs the ``hf`` extra (transformers) only for Ulysses (:func:`nopad.parallel._u
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -28,9 +30,11 @@ from nopad._batch import check_choice, check_real, check_real_dtype, get_field
 from nopad._errors import check_flag, check_int, input_error
 from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
 from nopad.attention import KERNELS, available_kernels, packed_attention, reads_boundaries, use_packed_attention
+from nopad.engines._head import default_tile, head_forward, run_head
 from nopad.parallel._ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
 PAD_TOKEN_ID = 0
+HEADS = ("auto", "chunked", "logits")
 
 
 @dataclass
@@ -39,7 +43,7 @@ class OutputArgs:
 
     labels / temperature are this rank's slice (L,) of the padded row; label_mask (T_pad,) is False
     at the last token of every sequence and at the pad; ``plan`` is the micro-batch's index plan;
-    ``padded_total`` = T_pad; ``sp_group`` / ``sp_size`` as given.
+    ``padded_total`` = T_pad; ``sp_group`` / ``sp_size`` / ``sp_rank`` as given.
     """
 
     plan: IndexPlan
@@ -49,6 +53,13 @@ class OutputArgs:
     padded_total: int
     sp_group: Any = None
     sp_size: int = 1
+    sp_rank: int = 0
+
+    @property
+    def real_tokens(self) -> int:
+        """How many of this rank's ``L`` tokens are real (the rest are the row's pad at its end)."""
+        local = self.labels.shape[0]
+        return max(0, min(local, self.plan.total - self.sp_rank * local))
 
 
 def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
@@ -223,6 +234,7 @@ def prepare_model_inputs(
         padded_total=padded_total,
         sp_group=sp_group,
         sp_size=sp_size,
+        sp_rank=sp_rank,
     )
     return model_inputs, args
 
@@ -328,6 +340,120 @@ def _log_probs(
     return _TokenLogProbs.apply(logits, labels, inv_temp, with_entropy)
 
 
+def head_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: Tensor | float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+    *,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """(T, H) hidden states, (V, H) output weight, (T,) labels -> (T,) log-probs and optional (T,) entropy.
+
+    Equal to :func:`token_log_probs` of the logits ``softcap * tanh(logit_scale * (hidden @ weight.T
+    + bias) / softcap)`` (``logit_scale * (hidden @ weight.T + bias)`` without ``softcap``), without
+    ever holding them: the head works in tiles of ``chunk_size`` tokens by a slice of the
+    vocabulary, keeps an online log-sum-exp per token, and its backward recomputes each tile and
+    writes the gradients of ``hidden``, ``weight`` and ``bias`` directly. Memory: a few tiles,
+    whatever T and V. Float32 results (float64 for float64 inputs); no host sync.
+    ``temperature``: a float or a per-token (T,) tensor, as :func:`token_log_probs` takes it.
+    ``chunk_size``: tokens per tile (default by device: 1,024 tokens by 16,384 vocabulary entries on
+    a CPU, 2,048 tokens by the whole vocabulary on CUDA; see docs/results.md). A tied embedding is
+    just the weight passed here: its gradient accumulates into the same parameter. The work is a
+    loop over tiles: its op count grows with T / chunk_size (the head's one exception to a fixed
+    number of ops per call), never with the number of sequences.
+    """
+    check_real_dtype(hidden, "hidden", floating=True)
+    check_real_dtype(weight, "weight", floating=True)
+    check_real_dtype(labels, "labels")
+    if labels.dtype.is_floating_point:
+        raise input_error("labels", None, "token ids (an integer tensor)", f"dtype {labels.dtype}")
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
+        raise input_error(
+            "hidden", None, f"(tokens, hidden) matching labels {tuple(labels.shape)}", f"{tuple(hidden.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.dtype != hidden.dtype:
+        raise input_error(
+            "weight",
+            None,
+            f"(vocab, {hidden.shape[1]}) of dtype {hidden.dtype} like hidden",
+            f"{tuple(weight.shape)} of dtype {weight.dtype}",
+        )
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
+        raise input_error(
+            "bias", None, f"({weight.shape[0]},) of dtype {weight.dtype}", f"{tuple(bias.shape)} of dtype {bias.dtype}"
+        )
+    with_entropy = check_flag(with_entropy, "with_entropy")
+    logit_scale = check_real(logit_scale, "logit_scale", low=0, low_open=True)
+    if softcap is not None:
+        softcap = check_real(softcap, "softcap", low=0, low_open=True)
+    if isinstance(temperature, Tensor):
+        temperature = _temperature_tensor(temperature, hidden.shape[0], "temperature")
+    else:
+        temperature = _check_temperature(temperature)
+    tile = None
+    if chunk_size is not None:
+        tile = (check_int(chunk_size, "chunk_size", low=1), default_tile(hidden.device)[1])
+    return run_head(
+        hidden, weight, bias, labels, temperature, with_entropy, scale=logit_scale, softcap=softcap, tile=tile
+    )
+
+
+@contextmanager
+def chunked_head(
+    model: torch.nn.Module,
+    output_args: OutputArgs,
+    head: str = "auto",
+    *,
+    calculate_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> Iterator[torch.nn.Module]:
+    """Within the block, ``model(**model_inputs)`` returns per-token log-probs instead of logits.
+
+    The model's own forward runs (inside FSDP's hooks when sharded: the weight is whole while the
+    head uses it); only its output layer is replaced, by :func:`head_log_probs` on this rank's real
+    tokens, so no (L, V) logits exist. The forward then returns an object with ``log_probs``
+    (1, L) and ``entropy`` (1, L) (when ``calculate_entropy``), which :func:`prepare_model_outputs`
+    takes like logits. ``head``: "chunked" requires it (ValueError naming why a model is not
+    served), "auto" uses it wherever it serves the model and returns the model's logits
+    otherwise, "logits" changes nothing.
+
+    Served: an output layer that is a plain ``torch.nn.Linear`` (bias or not, tied or not), with
+    soft-capping (Gemma 2/3's ``final_logit_softcapping``) or a scaled head (Cohere's
+    ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``) read from
+    the model. The forward hands the model a (1, L, 3) stand-in for the logits and checks what the
+    model makes of it: anything it does to the logits beyond what was read is refused, never
+    ignored (checked on the first forward, one host sync when the model post-processes its logits).
+    """
+    check_choice(head, "head", HEADS)
+    calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
+    if not isinstance(output_args, OutputArgs):
+        raise input_error("output_args", None, "the OutputArgs of prepare_model_inputs", type(output_args).__name__)
+    if chunk_size is not None:
+        chunk_size = check_int(chunk_size, "chunk_size", low=1)
+    if head == "logits":
+        yield model
+        return
+    args = output_args
+    tile = None
+    if chunk_size is not None:
+        tile = (chunk_size, default_tile(args.labels.device)[1])
+    with head_forward(
+        model,
+        args.labels,
+        args.temperature,
+        args.real_tokens,
+        with_entropy=calculate_entropy,
+        required=head == "chunked",
+        tile=tile,
+    ) as served:
+        yield served
+
+
 def prepare_model_outputs(
     logits: Any,
     output_args: OutputArgs,
@@ -337,21 +463,28 @@ def prepare_model_outputs(
 ) -> dict[str, Tensor]:
     """Model output -> {"log_probs": nested (B, j), "entropy": nested (B, j) if asked}. No host sync.
 
-    ``logits``: (1, L, V) or an object with ``.logits``. Log-probs are of the rolled labels at the
-    given temperature; the last token of each sequence gets 0 (its label belongs to no sequence).
-    Under Ulysses the per-rank results are all-gathered over ``sp_group``; the pad is stripped.
-    ``micro_batch`` is accepted for verl's signature and not needed.
+    ``logits``: (1, L, V), an object with ``.logits``, or an object with per-token ``.log_probs``
+    (1, L) and ``.entropy`` (1, L) for this rank's labels (what a forward under
+    :func:`chunked_head` returns, or verl's fused-kernel output). Log-probs are of the rolled labels
+    at the given temperature; the last token of each sequence gets 0 (its label belongs to no
+    sequence). Under Ulysses the per-rank results are all-gathered over ``sp_group``; the pad is
+    stripped. ``micro_batch`` is accepted for verl's signature and not needed.
     """
-    logits = getattr(logits, "logits", logits)
     if not isinstance(output_args, OutputArgs):
         raise input_error("output_args", None, "the OutputArgs of prepare_model_inputs", type(output_args).__name__)
     args = output_args
     calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
     local = args.labels.shape[0]
-    check_real_dtype(logits, "logits", floating=True)
-    if logits.dim() != 3 or logits.shape[:2] != (1, local):
-        raise input_error("logits", None, f"(1, {local}, vocab) for this rank's packed row", f"{tuple(logits.shape)}")
-    log_probs, entropy = _log_probs(logits[0], args.labels, args.temperature, calculate_entropy)
+    if getattr(logits, "log_probs", None) is not None:
+        log_probs, entropy = _per_token(logits, local, calculate_entropy)
+    else:
+        logits = getattr(logits, "logits", logits)
+        check_real_dtype(logits, "logits", floating=True)
+        if logits.dim() != 3 or logits.shape[:2] != (1, local):
+            raise input_error(
+                "logits", None, f"(1, {local}, vocab) for this rank's packed row", f"{tuple(logits.shape)}"
+            )
+        log_probs, entropy = _log_probs(logits[0], args.labels, args.temperature, calculate_entropy)
     if args.sp_size > 1:
         log_probs = gather_seq(log_probs, args.sp_group, dim=0)
         entropy = gather_seq(entropy, args.sp_group, dim=0) if entropy is not None else None
@@ -361,6 +494,21 @@ def prepare_model_outputs(
     if entropy is not None:
         out["entropy"] = args.plan.to_nested(entropy[:total])
     return out
+
+
+def _per_token(output: Any, local: int, calculate_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """(L,) log-probs and entropy (when asked) from an output that carries them as (1, L)."""
+    found = {"log_probs": output.log_probs, "entropy": getattr(output, "entropy", None) if calculate_entropy else None}
+    for name, value in found.items():
+        if value is None and name == "entropy" and calculate_entropy:
+            raise input_error("entropy", None, "per-token entropy in the model output (calculate_entropy=True)", "none")
+        if value is None:
+            continue
+        check_real_dtype(value, name, floating=True)
+        if value.shape != (1, local):
+            raise input_error(name, None, f"(1, {local}) for this rank's packed row", f"{tuple(value.shape)}")
+    entropy = found["entropy"]
+    return found["log_probs"][0], None if entropy is None else entropy[0]
 
 
 # ---- convenience ----------------------------------------------------------------------------
@@ -378,6 +526,8 @@ def packed_logprobs(
     *,
     calculate_entropy: Literal[False] = ...,
     attention: str | None = ...,
+    head: str = ...,
+    chunk_size: int | None = ...,
     **input_kwargs,
 ) -> Tensor: ...
 
@@ -390,6 +540,8 @@ def packed_logprobs(
     *,
     calculate_entropy: Literal[True],
     attention: str | None = ...,
+    head: str = ...,
+    chunk_size: int | None = ...,
     **input_kwargs,
 ) -> dict[str, Tensor]: ...
 
@@ -401,6 +553,8 @@ def packed_logprobs(
     *,
     calculate_entropy: bool = False,
     attention: str | None = "auto",
+    head: str = "auto",
+    chunk_size: int | None = None,
     **input_kwargs,
 ) -> Tensor | dict[str, Tensor]:
     """Nested micro-batch -> nested (B, j) log-probs from ONE packed forward of ``model``.
@@ -409,6 +563,9 @@ def packed_logprobs(
     eager) through ``nopad_varlen`` for this forward (HF's own packed sdpa builds a dense block
     mask and is slower than padding); a kernel name (:data:`nopad.attention.KERNELS`) forces that
     kernel on any device; None runs the model's attention as it is. The model is restored after.
+    ``head``: "auto" computes log-probs (and entropy) with the chunked head wherever it serves the
+    model, never holding (L, V) logits (see :func:`chunked_head`); "chunked" requires it; "logits"
+    takes the model's logits. ``chunk_size``: the head's tokens per tile.
     ``input_kwargs`` go to :func:`prepare_model_inputs` (pad_to_multiple, sp_group, ...). With
     ``calculate_entropy`` returns the dict of :func:`prepare_model_outputs` instead.
     ``temperature`` as :func:`prepare_model_inputs` takes it: when None, the micro-batch's
@@ -417,11 +574,14 @@ def packed_logprobs(
     check_flag(calculate_entropy, "calculate_entropy")
     if attention is not None:
         check_choice(attention, "attention", ("auto", *KERNELS))
+    check_choice(head, "head", HEADS)
     with packed_attention(model, attention):
         inputs, args = prepare_model_inputs(
             micro_batch, temperature=temperature, attn_implementation=_attn_implementation(model), **input_kwargs
         )
-        out = prepare_model_outputs(model(**inputs), args, micro_batch, calculate_entropy=calculate_entropy)
+        with chunked_head(model, args, head, calculate_entropy=calculate_entropy, chunk_size=chunk_size):
+            output = model(**inputs)
+        out = prepare_model_outputs(output, args, micro_batch, calculate_entropy=calculate_entropy)
     return out if calculate_entropy else out["log_probs"]
 
 
@@ -486,6 +646,8 @@ def padded_logprobs(
 __all__ = [
     "OutputArgs",
     "available_kernels",
+    "chunked_head",
+    "head_log_probs",
     "packed_logprobs",
     "padded_logprobs",
     "prepare_model_inputs",

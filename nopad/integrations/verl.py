@@ -11,6 +11,9 @@
     verl.utils.seqlen_balancing  rearrange_micro_batches, restore_dynamic_batch,
                                  get_seqlen_balanced_partitions, karmarkar_karp
     verl.workers.engine.utils    postprocess_batch_func (the join of the micro-batches' outputs)
+    verl.utils.experimental.torch_functional
+                                 FusedLinearForPPO (``use_fused_kernels``' torch path: nopad's
+                                 chunked head, nopad.engines.fsdp.head_log_probs)
 
 Each replacement has verl's signature and verl's observable behaviour (in-place updates of the
 TensorDict, ``NonTensorData`` metadata, output dtypes, shapes and values, PackedSeqParams fields,
@@ -53,6 +56,7 @@ from nopad._batch import get_field
 from nopad._errors import check_flag, check_int, check_optional_int, input_error
 from nopad._layout import is_nested
 from nopad.engines.megatron import ThdPlan, postprocess_thd
+from nopad.integrations._verl_head import TORCH_FUNCTIONAL_MODULE, FusedLinearForPPO
 from nopad.parallel._cp import alignment_of
 
 SUPPORTED_VERSIONS = ("0.9.1",)
@@ -82,12 +86,14 @@ BALANCING_NAMES = (
     "karmarkar_karp",
 )
 ENGINE_NAMES = ("postprocess_batch_func",)
+HEAD_NAMES = ("FusedLinearForPPO",)
 ROUTED = {
     PADDING_MODULE: PADDING_NAMES,
     MCORE_UTIL_MODULE: THD_NAMES,
     _rows.TENSORDICT_UTILS: TENSORDICT_NAMES,
     _rows.SEQLEN_BALANCING: BALANCING_NAMES,
     _rows.ENGINE_UTILS: ENGINE_NAMES,
+    TORCH_FUNCTIONAL_MODULE: HEAD_NAMES,
 }
 
 
@@ -297,6 +303,7 @@ REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
         "karmarkar_karp": _rows.karmarkar_karp,
     },
     _rows.ENGINE_UTILS: {"postprocess_batch_func": postprocess_batch_func},
+    TORCH_FUNCTIONAL_MODULE: {"FusedLinearForPPO": FusedLinearForPPO},
 }
 
 

@@ -1,0 +1,281 @@
+"""`nopad bench --head`: the output head's peak memory and forward+backward time, logits vs chunked.
+
+Each (contender, T) runs in a fresh child process: a process's resident set never shrinks, so the
+peak of one configuration would hide the next. The child builds the inputs (hidden (T, H), the
+(V, H) output weight, labels), notes its memory, runs log-prob + entropy forward and backward
+(the loss weighs both) ``repeats`` times and reports the best time and the peak memory above the
+inputs: on a CPU the process's peak resident set (``ru_maxrss``) minus the one after the inputs
+were built, on CUDA ``max_memory_allocated`` minus the allocation after the inputs. The gradients
+of hidden and weight count as memory above the inputs, the same for every contender.
+
+Contenders:
+
+    logits    (T, V) logits, then nopad's ``token_log_probs`` (what ``packed_logprobs(head="logits")`` does)
+    chunked   nopad's ``head_log_probs`` (what ``packed_logprobs`` does by default)
+    verl      verl 0.9.1's ``FusedLinearForPPO`` (torch backend, chunks of 512), where verl is importable
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nopad._errors import input_error
+
+GIB = 1024**3
+CONTENDERS = ("logits", "chunked", "verl")
+
+
+def _inputs(tokens: int, hidden: int, vocab: int, device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Any]:
+    """Drawn in place, on the device, in their dtype: nothing larger than an input is ever allocated,
+    so the memory noted after this is the inputs' own."""
+    torch.manual_seed(seed)
+    h = torch.empty(tokens, hidden, device=device, dtype=dtype).normal_(0.0, 2.0).requires_grad_()
+    w = torch.empty(vocab, hidden, device=device, dtype=dtype).normal_(0.0, hidden**-0.5).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), device=device)
+    weights = torch.randn(2, tokens, device=device)
+    return {"hidden": h, "weight": w, "labels": labels, "weights": weights}
+
+
+def _step(contender: str, x: dict[str, Any], temperature: float, chunk_size: int | None) -> None:
+    hidden, weight, labels = x["hidden"], x["weight"], x["labels"]
+    if contender == "logits":
+        from nopad.engines.fsdp import token_log_probs
+
+        lp, ent = token_log_probs(hidden @ weight.T, labels, temperature, with_entropy=True)
+    elif contender == "chunked":
+        from nopad.engines.fsdp import head_log_probs
+
+        lp, ent = head_log_probs(hidden, weight, labels, temperature, True, chunk_size)
+    elif contender == "verl":
+        from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+        lp, ent = FusedLinearForPPO()(hidden, weight, labels, temperature)
+    else:
+        raise input_error("contender", None, f"one of {list(CONTENDERS)}", repr(contender))
+    assert ent is not None
+    loss = (lp * x["weights"][0]).sum() + (ent.float() * x["weights"][1]).sum()
+    loss.backward()
+    hidden.grad = weight.grad = None
+
+
+def _rss_peak_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def measure(
+    contender: str,
+    tokens: int,
+    *,
+    hidden: int = 896,
+    vocab: int = 151_936,
+    device: str = "cpu",
+    dtype: str = "float32",
+    repeats: int = 1,
+    temperature: float = 0.9,
+    chunk_size: int | None = None,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """One configuration, in THIS process (the CLI runs it in a child): {ms, cpu_ms, peak_gib} above the inputs."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch_dtype = getattr(torch, dtype)
+    cuda = device.startswith("cuda")
+    _step(contender, _inputs(8, hidden, 64, device, torch_dtype), temperature, chunk_size)  # one-time set-up
+    x = _inputs(tokens, hidden, vocab, device, torch_dtype)
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        base = _rss_peak_bytes()
+    best, cpu = float("inf"), float("inf")
+    for _ in range(repeats):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        _step(contender, x, temperature, chunk_size)
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+        if wall < best:
+            best, cpu = wall, time.process_time() - start_cpu
+    peak = torch.cuda.max_memory_allocated(device) if cuda else _rss_peak_bytes()
+    return {"contender": contender, "T": tokens, "ms": best * 1e3, "cpu_ms": cpu * 1e3, "peak_gib": (peak - base) / GIB}
+
+
+def _child(config: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+    """:func:`measure` in a fresh interpreter (this checkout first on its path)."""
+    code = (
+        "import json, sys; from nopad._bench_head import measure; print(json.dumps(measure(**json.loads(sys.argv[1]))))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(config)], capture_output=True, text=True, timeout=timeout, env=env
+        )
+    except subprocess.TimeoutExpired:
+        return {"contender": config["contender"], "T": config["tokens"], "error": f"over {timeout:.0f} s"}
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["killed (out of memory?)"])[-1]
+        return {"contender": config["contender"], "T": config["tokens"], "error": last[-200:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def verl_importable() -> bool:
+    return importlib.util.find_spec("verl") is not None
+
+
+def bench_head(
+    tokens: tuple[int, ...] = (2048, 4096, 8192),
+    *,
+    hidden: int = 896,
+    vocab: int = 151_936,
+    device: str = "cpu",
+    dtype: str = "float32",
+    rounds: int = 1,
+    repeats: int = 1,
+    logits_max_tokens: int | None = None,
+    chunk_size: int | None = None,
+    threads: int | None = None,
+    contenders: tuple[str, ...] = CONTENDERS,
+    timeout: float | None = None,
+    on_row=None,
+) -> list[dict[str, Any]]:
+    """Rows of {T, <contender>_ms, <contender>_gib, ratios} over ``tokens``.
+
+    Each (contender, T) runs ``rounds`` times, each in a fresh child process, the contenders in
+    turn (so a busy spell on a shared machine hits them alike), ``repeats`` timed calls per
+    child; the best wall time is kept (with the process CPU time of that call, ``<contender>_cpu_ms``)
+    and the largest peak. ``logits_max_tokens``: the logits path runs only up to this T (its
+    (T, V) buffers grow by several GiB per 2,048 tokens at this vocabulary); None runs it everywhere.
+    """
+    if "verl" in contenders and not verl_importable():
+        contenders = tuple(c for c in contenders if c != "verl")
+    rows = []
+    for T in tokens:
+        row: dict[str, Any] = {"T": T}
+        runnable = [
+            c for c in contenders if not (c == "logits" and logits_max_tokens is not None and T > logits_max_tokens)
+        ]
+        for contender in contenders:
+            row[f"{contender}_ms"] = row[f"{contender}_cpu_ms"] = row[f"{contender}_gib"] = None
+        for _ in range(rounds):
+            for contender in runnable:
+                config = dict(
+                    contender=contender,
+                    tokens=T,
+                    hidden=hidden,
+                    vocab=vocab,
+                    device=device,
+                    dtype=dtype,
+                    repeats=repeats,
+                    chunk_size=chunk_size,
+                    threads=threads,
+                )
+                result = _child(config, timeout)
+                if "error" in result:
+                    row[f"{contender}_error"] = result["error"]
+                    continue
+                if row[f"{contender}_ms"] is None or result["ms"] < row[f"{contender}_ms"]:
+                    row[f"{contender}_ms"], row[f"{contender}_cpu_ms"] = result["ms"], result["cpu_ms"]
+                row[f"{contender}_gib"] = max(row[f"{contender}_gib"] or 0.0, result["peak_gib"])
+        for other in ("logits", "verl"):
+            if row.get(f"{other}_ms") and row.get("chunked_ms"):
+                row[f"chunked/{other} time"] = row["chunked_ms"] / row[f"{other}_ms"]
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    return rows
+
+
+def growth(rows: list[dict[str, Any]], contender: str = "chunked") -> float | None:
+    """Peak memory at the largest T minus at the smallest (GiB), for one contender."""
+    measured = [r for r in rows if r.get(f"{contender}_gib") is not None]
+    if len(measured) < 2:
+        return None
+    return measured[-1][f"{contender}_gib"] - measured[0][f"{contender}_gib"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``nopad bench --head`` adds (each prefixed ``--head-``)."""
+    parser.add_argument("--head-tokens", type=int, nargs="+", default=None, help="T values (default: by device)")
+    parser.add_argument("--head-hidden", type=int, default=896)
+    parser.add_argument("--head-vocab", type=int, default=151_936)
+    parser.add_argument("--head-dtype", choices=("float32", "bfloat16"), default=None, help="default: by device")
+    parser.add_argument(
+        "--head-logits-max",
+        type=int,
+        default=None,
+        help="run the logits path only up to this T (default: 4096 on a CPU, every T on CUDA)",
+    )
+    parser.add_argument("--head-chunk-size", type=int, default=None, help="the chunked head's tokens per tile")
+    parser.add_argument(
+        "--head-threads", type=int, default=None, help="intra-op threads in each measuring process (default: torch's)"
+    )
+
+
+def run(args: argparse.Namespace, format_table: Callable[[list[dict[str, Any]]], str]) -> int:
+    """``nopad bench --head`` (``format_table`` is the bench's table printer)."""
+    cuda = args.device.startswith("cuda")
+    tokens = tuple(args.head_tokens or ((4096, 8192, 16384, 32768) if cuda else (2048, 4096, 8192)))
+    dtype = args.head_dtype or ("bfloat16" if cuda else "float32")
+    logits_max = args.head_logits_max if args.head_logits_max is not None else (None if cuda else 4096)
+    # CPU: each size twice, in turn, in fresh processes (the calls are long; a shared machine is
+    # noisy); CUDA: once, the best of up to 3 calls in it (the first pays for the kernels' set-up)
+    rounds, repeats = (1, max(1, min(args.repeats, 3))) if cuda else (2, 1)
+    if not args.json:
+        print(
+            f"device={args.device}  dtype={dtype}  H={args.head_hidden}  V={args.head_vocab}  "
+            f"threads={args.head_threads or torch.get_num_threads()}  log-prob + entropy, forward + backward; "
+            f"best of {rounds} process(es) x {repeats} call(s), taken in turn; peak memory above the inputs "
+            "(gradients included)"
+        )
+        if logits_max is not None and any(T > logits_max for T in tokens):
+            print(
+                f"the logits path runs only up to T={logits_max} (--head-logits-max): its (T, V) buffers "
+                f"need several GiB more per 2,048 tokens at this vocabulary"
+            )
+        if not verl_importable():
+            print("verl is not importable here: no FusedLinearForPPO column (run in verl's environment for it)")
+
+    def show(row):
+        if not args.json:
+            print(format_table([row]), flush=True)
+
+    rows = bench_head(
+        tokens,
+        hidden=args.head_hidden,
+        vocab=args.head_vocab,
+        device=args.device,
+        dtype=dtype,
+        rounds=rounds,
+        repeats=repeats,
+        logits_max_tokens=logits_max,
+        chunk_size=args.head_chunk_size,
+        threads=args.head_threads,
+        on_row=show,
+    )
+    grew = growth(rows)
+    if args.json:
+        print(json.dumps({"head": rows, "chunked_growth_gib": grew}, indent=2))
+        return 0
+    print(f"\n{format_table(_uniform(rows))}")
+    if grew is not None:
+        print(f"\nchunked head: peak memory grows by {grew:.3f} GiB from T={rows[0]['T']} to T={rows[-1]['T']}")
+    return 0
+
+
+def _uniform(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return [{k: r.get(k) for k in keys} for r in rows]
