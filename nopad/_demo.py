@@ -56,7 +56,7 @@ def run_demo(
     log-probs are compared with an fp32 padded forward: packed must be within the bf16 padded
     path's own error plus 10%.
     """
-    from nopad.attention import Needs, current_implementation, packed_attention, select_kernel
+    from nopad._attention import Needs, current_implementation, packed_attention, select_kernel
     from nopad.engines.fsdp import packed_logprobs, padded_logprobs
     from nopad.engines.leak import check_isolation
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nopad.attention as attention
+import nopad._attention as attention
 
 CALLS: list[dict] = []
 

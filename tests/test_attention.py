@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import nopad.attention as attention
+import nopad._attention as attention
 from nopad import IndexPlan, left_right_2_no_padding, no_padding_2_padding
 from nopad.diagnostics import OpCounter
 from nopad.engines.fsdp import (

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nopad.attention import nopad_varlen_attention
+from nopad._attention import nopad_varlen_attention
 from nopad.engines.megatron import postprocess_thd, preprocess_thd
 from nopad.parallel import _cp as cp_module
 from nopad.parallel import _thd as thd_module

@@ -26,10 +26,10 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad._attention import KERNELS, available_kernels, packed_attention, reads_boundaries, use_packed_attention
 from nopad._batch import check_choice, check_real, check_real_dtype, get_field
 from nopad._errors import check_flag, check_int, input_error
 from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
-from nopad.attention import KERNELS, available_kernels, packed_attention, reads_boundaries, use_packed_attention
 from nopad.engines._head import default_tile, head_forward, run_head
 from nopad.parallel._ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
@@ -561,7 +561,7 @@ def packed_logprobs(
 
     ``attention``: "auto" runs a CUDA model whose attention does not read packed boundaries (sdpa,
     eager) through ``nopad_varlen`` for this forward (HF's own packed sdpa builds a dense block
-    mask and is slower than padding); a kernel name (:data:`nopad.attention.KERNELS`) forces that
+    mask and is slower than padding); a kernel name (:data:`nopad._attention.KERNELS`) forces that
     kernel on any device; None runs the model's attention as it is. The model is restored after.
     ``head``: "auto" computes log-probs (and entropy) with the chunked head wherever it serves the
     model, never holding (L, V) logits (see :func:`chunked_head`); "chunked" requires it; "logits"

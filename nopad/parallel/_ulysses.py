@@ -227,7 +227,7 @@ def enable_ulysses(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-# model -> its configs: a switch per forward (nopad.attention.packed_attention) need not walk every module
+# model -> its configs: a switch per forward (nopad._attention.packed_attention) need not walk every module
 _CONFIGS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 
