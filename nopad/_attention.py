@@ -399,7 +399,7 @@ def nopad_varlen_attention(
 
     Boundaries, in this order: a (B, T) padding mask (rows unpadded, one sequence each);
     ``cu_seq_lens_q`` (+ ``max_length_q``) from the model kwargs, as
-    :func:`nopad.engines.fsdp.prepare_model_inputs` passes them (checked to rise from 0 to B * T,
+    :func:`nopad.engines._fsdp.prepare_model_inputs` passes them (checked to rise from 0 to B * T,
     with the max length holding the longest: see :func:`_given_boundaries`); packed ``position_ids``
     (a sequence starts where they do not count up by one, as HF's padding-free collators make
     them; one host sync per forward); else every row is one sequence.

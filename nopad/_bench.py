@@ -242,7 +242,7 @@ def bench_thd(
     seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> list[tuple[int, float, float, float]]:
-    """Time :func:`~nopad.engines.megatron.preprocess_thd` (need_roll, zigzag) against the per-sequence loop.
+    """Time :func:`~nopad.engines._megatron.preprocess_thd` (need_roll, zigzag) against the per-sequence loop.
 
     Random lengths in [1, max_len]; rank 0 of ``cp_size``; tensors on ``device``. Checks both agree,
     then returns rows ``(B, ref_ms, nopad_ms, ref_ms / nopad_ms)`` (best of ``repeats``).

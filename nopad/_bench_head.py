@@ -49,11 +49,11 @@ def _inputs(tokens: int, hidden: int, vocab: int, device: str, dtype: torch.dtyp
 def _step(contender: str, x: dict[str, Any], temperature: float, chunk_size: int | None) -> None:
     hidden, weight, labels = x["hidden"], x["weight"], x["labels"]
     if contender == "logits":
-        from nopad.engines.fsdp import token_log_probs
+        from nopad.engines._fsdp import token_log_probs
 
         lp, ent = token_log_probs(hidden @ weight.T, labels, temperature, with_entropy=True)
     elif contender == "chunked":
-        from nopad.engines.fsdp import head_log_probs
+        from nopad.engines._fsdp import head_log_probs
 
         lp, ent = head_log_probs(hidden, weight, labels, temperature, True, chunk_size)
     elif contender == "verl":

@@ -27,7 +27,7 @@ from tensordict import TensorDict
 
 from nopad._attention import available_kernels
 from nopad._padding import left_right_2_no_padding, no_padding_2_padding
-from nopad.engines.fsdp import packed_logprobs, padded_logprobs
+from nopad.engines._fsdp import packed_logprobs, padded_logprobs
 from nopad.synthetic import synthetic_batch, tiny_causal_lm
 
 

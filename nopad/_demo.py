@@ -57,8 +57,8 @@ def run_demo(
     path's own error plus 10%.
     """
     from nopad._attention import Needs, current_implementation, packed_attention, select_kernel
-    from nopad.engines.fsdp import packed_logprobs, padded_logprobs
-    from nopad.engines.leak import check_isolation
+    from nopad.engines._fsdp import packed_logprobs, padded_logprobs
+    from nopad.engines._leak import check_isolation
 
     on_gpu = torch.device(device).type == "cuda"
     B, P, R, hidden, layers, heads, kv_heads, vocab = SIZES["cuda" if on_gpu else "cpu"]

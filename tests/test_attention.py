@@ -17,15 +17,10 @@ from hypothesis import strategies as st
 
 import nopad._attention as attention
 from nopad import IndexPlan, left_right_2_no_padding, no_padding_2_padding
+from nopad.attention import available_kernels, use_packed_attention
 from nopad.diagnostics import OpCounter
-from nopad.engines.fsdp import (
-    available_kernels,
-    packed_logprobs,
-    padded_logprobs,
-    prepare_model_inputs,
-    use_packed_attention,
-)
-from nopad.engines.leak import check_isolation
+from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs
+from nopad.engines._leak import check_isolation
 from nopad.synthetic import tiny_causal_lm
 from tests.kernel_standins import CALLS, aten_flash_without_window, use_standins, varlen_attn_2_10, varlen_attn_2_11
 from tests.models import VOCAB, make_padded_batch, tiny_llama, tiny_qwen2, tiny_qwen2_vl_text

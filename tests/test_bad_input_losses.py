@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-import nopad.losses as L
+import nopad._losses as L
 from nopad._batch import get_field
 from nopad.diagnostics import OpCounter
-from nopad.engines.fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs, token_log_probs
-from nopad.engines.leak import check_isolation, probe_batch
-from nopad.engines.megatron import postprocess_thd, preprocess_thd
+from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs, token_log_probs
+from nopad.engines._leak import check_isolation, probe_batch
+from nopad.engines._megatron import postprocess_thd, preprocess_thd
 from tests.models import VOCAB, make_padded_batch
 from tests.test_losses import SHAPES, rollout
 
@@ -735,7 +735,7 @@ def test_temperature_checks_never_mutate_and_valid_forms_give_the_float_result_e
     micro = _micro()
     expected = prepare_model_inputs(micro, temperature=0.5)[1]
     logits = torch.randn(1, expected.labels.shape[0], VOCAB)
-    from nopad.engines.fsdp import prepare_model_outputs
+    from nopad.engines._fsdp import prepare_model_outputs
 
     reference = prepare_model_outputs(logits, expected)["log_probs"].values()
     for temperature in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5), torch.full((3,), 0.5)):
@@ -781,7 +781,7 @@ def test_device_values_are_not_read_and_a_bad_one_turns_the_result_nan():
         token_log_probs(logits, labels, torch.ones(4, device="meta"), with_entropy=True)
     assert counter.syncs == 0
     # the same guard on real values: a NaN temperature row gives NaN for that row only, never a number
-    from nopad.engines.fsdp import _log_probs
+    from nopad.engines._fsdp import _log_probs
 
     temps = torch.where(torch.tensor([True, False, True, True]), torch.ones(4), NAN)
     lp, ent = _log_probs(torch.randn(4, 7), torch.tensor([1, 2, 3, 4]), temps, True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nopad._attention import nopad_varlen_attention
-from nopad.engines.megatron import postprocess_thd, preprocess_thd
+from nopad.engines._megatron import postprocess_thd, preprocess_thd
 from nopad.parallel import _cp as cp_module
 from nopad.parallel import _thd as thd_module
 from nopad.parallel._cp import check_cp_args, cp_alignment, prepare_padded_lengths

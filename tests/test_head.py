@@ -14,8 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nopad import left_right_2_no_padding, no_padding_2_padding
 from nopad.diagnostics import OpCounter
-from nopad.engines._head import run_head
-from nopad.engines.fsdp import (
+from nopad.engines._fsdp import (
     chunked_head,
     head_log_probs,
     packed_logprobs,
@@ -24,6 +23,7 @@ from nopad.engines.fsdp import (
     prepare_model_outputs,
     token_log_probs,
 )
+from nopad.engines._head import run_head
 from tests.dist_utils import run_distributed
 from tests.models import VOCAB, make_padded_batch, tiny_llama, tiny_qwen2
 

@@ -327,7 +327,7 @@ def test_verls_ppo_loss_gives_the_same_loss_and_metrics_with_install(clean, loss
 def test_nopads_ppo_loss_takes_verls_config_fields_and_metric_names(clean, nested_fields):
     from verl.workers.utils import losses as vl
 
-    import nopad.losses as L
+    import nopad._losses as L
 
     model_output, data = _ppo_micro_batch(seed=1, nested_fields=nested_fields)
     theirs_loss, theirs_metrics = vl.ppo_loss(_actor_config(), model_output, data.clone())
@@ -342,7 +342,7 @@ def test_nopads_ppo_loss_takes_verls_config_fields_and_metric_names(clean, neste
 def test_kl_penalty_takes_verls_keyword_and_matches_verl():
     from verl.trainer.ppo.core_algos import kl_penalty as verl_kl
 
-    import nopad.losses as L
+    import nopad._losses as L
 
     logp, ref = -torch.rand(3, 5), -torch.rand(3, 5)
     for kind in ("k1", "abs", "k2", "k3", "low_var_kl", "k3+"):
@@ -478,7 +478,7 @@ def test_verl_metadata_none_and_per_row_figures_read_as_one_value_or_are_refused
     from tensordict import NonTensorStack
     from verl.utils import tensordict_utils as tu
 
-    import nopad.losses as L
+    import nopad._losses as L
 
     model_output, data = _ppo_micro_batch(seed=2)  # global_batch_size=None, as verl assigns it
     expected = L.ppo_loss(_actor_config(), model_output, data.clone())[0]

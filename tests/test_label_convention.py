@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nopad._layout import IndexPlan, prepare_offsets
-from nopad.engines.fsdp import prepare_model_inputs
+from nopad.engines._fsdp import prepare_model_inputs
 from nopad.engines.megatron import ThdPlan
 from nopad.packing import pack_conversations, pack_online
 

@@ -1,4 +1,4 @@
-"""Engine adapters: Megatron-core THD (``nopad.engines.megatron``) and HF/FSDP (``nopad.engines.fsdp``).
+"""Engine adapters: Megatron-core THD (``nopad.engines._megatron``) and HF/FSDP (``nopad.engines._fsdp``).
 
 Submodules are imported on demand so ``import nopad`` never pulls in megatron-core or transformers.
 """

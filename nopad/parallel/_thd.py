@@ -6,7 +6,7 @@ its results go back to the device in one (non-blocking, pinned) copy. The device
 per-slot index from a fixed handful of ops whatever the batch size: one op finds each slot's chunk
 (:func:`~nopad.parallel._cp.run_of_each`) and one gather reads the chunk's shift, length and source
 start. The Megatron adapter
-(:mod:`nopad.engines.megatron`) and the packers (:mod:`nopad.packing._thd`) both shard through it,
+(:mod:`nopad.engines._megatron`) and the packers (:mod:`nopad.packing._thd`) both shard through it,
 so the CP layout has one derivation (:func:`~nopad.parallel._cp.rank_chunks`). ``PackedSeqParams``
 is megatron-core's when it is installed, else a stand-in with the same fields.
 """
@@ -390,7 +390,7 @@ class ThdPlan:
 
     def unshard_index(self) -> Tensor:
         """(total,) where each real token sits in the rank-major gathered buffer (cp_size * local_len):
-        the way back for :func:`~nopad.engines.megatron.postprocess_thd`. Computed once, from the
+        the way back for :func:`~nopad.engines._megatron.postprocess_thd`. Computed once, from the
         host arrays (one copy to the device, then 4 ops). No sync."""
         if self._unshard_index is None:
             host = real_token_pieces(self._host_cu, self._host_lengths, self.local_len, self.cp_size, self.cp_layout)

@@ -165,7 +165,7 @@ def ulysses_attention(base: str):
     """An HF attention function that runs ``base`` ('sdpa', 'eager', 'flash_attention_2', ...) under Ulysses SP.
 
     It reads the SP group from the ``nopad_sp_group`` kwarg and the full row's boundaries from
-    ``cu_seq_lens_q`` (both put there by :func:`nopad.engines.fsdp.prepare_model_inputs`). Without
+    ``cu_seq_lens_q`` (both put there by :func:`nopad.engines._fsdp.prepare_model_inputs`). Without
     a group it is ``base`` unchanged. Query/key/value arrive (B, H, L, D) for the local slice; the
     all-to-all turns them into (B, H / W, L * W, D), ``base`` runs on the whole row, and the output
     (B, L * W, H / W, D) goes back to (B, L, H, D).
@@ -193,7 +193,7 @@ def ulysses_attention(base: str):
                 "cu_seq_lens_q",
                 None,
                 "the full row's boundaries in the model kwargs under Ulysses SP",
-                "none (build the inputs with nopad.engines.fsdp.prepare_model_inputs)",
+                "none (build the inputs with nopad.engines._fsdp.prepare_model_inputs)",
             )
         if not getattr(base_fn, "reads_boundaries", "flash" in base):  # sdpa, eager: the mask carries them
             additive = None if base == "sdpa" else query.dtype

@@ -1,0 +1,643 @@
+"""HF causal-LM adapter for FSDP-style engines: one packed row per micro-batch, log-probs back nested.
+
+Data flow (B sequences, T real tokens, V vocab, W the Ulysses SP size, T_pad >= T the padded row)::
+
+    nested micro-batch (B, j)  --prepare_model_inputs-->  model kwargs: input_ids (1, T_pad / W),
+                                                          position_ids (1, T_pad / W) or (C, 1, T_pad / W),
+                                                          use_cache=False, no attention_mask
+                                                          [+ cu_seq_lens_q/k, max_length_q/k]
+    logits (1, T_pad / W, V)   --prepare_model_outputs->  log_probs / entropy nested (B, j)
+
+transformers (5.x) treats a row as packed only when there is no attention_mask AND no cache, and
+then finds the boundaries where position ids restart. ``use_cache`` left at its default silently
+lets every sequence attend to the ones before it; :func:`check_isolation` catches that.
+
+Needs the ``hf`` extra (transformers) only for Ulysses (:func:`nopad.parallel.enable_ulysses`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, overload
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from nopad._attention import KERNELS, packed_attention, reads_boundaries
+from nopad._batch import check_choice, check_real, check_real_dtype, get_field
+from nopad._errors import check_flag, check_int, input_error
+from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
+from nopad.engines._head import default_tile, head_forward, run_head
+from nopad.parallel._ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
+
+PAD_TOKEN_ID = 0
+HEADS = ("auto", "chunked", "logits")
+
+
+@dataclass
+class OutputArgs:
+    """What :func:`prepare_model_outputs` needs besides the logits; built by :func:`prepare_model_inputs`.
+
+    labels / temperature are this rank's slice (L,) of the padded row; label_mask (T_pad,) is False
+    at the last token of every sequence and at the pad; ``plan`` is the micro-batch's index plan;
+    ``padded_total`` = T_pad; ``sp_group`` / ``sp_size`` / ``sp_rank`` as given.
+    """
+
+    plan: IndexPlan
+    labels: Tensor
+    temperature: Tensor | float
+    label_mask: Tensor
+    padded_total: int
+    sp_group: Any = None
+    sp_size: int = 1
+    sp_rank: int = 0
+
+    @property
+    def real_tokens(self) -> int:
+        """How many of this rank's ``L`` tokens are real (the rest are the row's pad at its end)."""
+        local = self.labels.shape[0]
+        return max(0, min(local, self.plan.total - self.sp_rank * local))
+
+
+def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
+    input_ids, position_ids = get_field(micro_batch, "input_ids"), get_field(micro_batch, "position_ids")
+    input_ids = check_nested(input_ids, "input_ids", ragged_dim=None)  # the output of left_right_2_no_padding
+    position_ids = check_nested(position_ids, "position_ids", ragged_dim=None)
+    if input_ids.dim() != 2 or ragged_dim(input_ids) != 1:
+        raise input_error(
+            "input_ids",
+            None,
+            "nested (batch, j) ragged on dim 1",
+            f"{input_ids.dim()} dims, ragged dim {ragged_dim(input_ids)}",
+        )
+    total = jagged_values(input_ids).shape[0]
+    expected_ragged = 1 if position_ids.dim() == 2 else 2
+    pos_ragged = ragged_dim(position_ids)
+    pos_total = jagged_values(position_ids).shape[pos_ragged - 1]
+    if pos_ragged != expected_ragged or position_ids.dim() not in (2, 3) or pos_total != total:
+        raise input_error(
+            "position_ids",
+            None,
+            f"nested (batch, j) or (batch, C, j) with {total} tokens like input_ids",
+            f"{position_ids.dim()} dims, ragged dim {pos_ragged}, {pos_total} tokens",
+        )
+    ids_offsets, pos_offsets = nested_offsets(input_ids), nested_offsets(position_ids)
+    # left_right_2_no_padding shares one offsets tensor; comparing values (a sync) only when they differ.
+    if pos_offsets is not ids_offsets and not torch.equal(pos_offsets, ids_offsets):
+        raise input_error(
+            "position_ids",
+            None,
+            "the same sequence boundaries as input_ids",
+            f"offsets {pos_offsets.tolist()} vs {ids_offsets.tolist()}",
+        )
+    return input_ids, position_ids
+
+
+def _token_temperature(temperature, plan: IndexPlan, device) -> Tensor | float:
+    """A Python float stays a float (no (T,) tensor); a (B,) or 0-d tensor expands per token."""
+    if temperature is None:
+        temperature = 1.0
+    if not isinstance(temperature, Tensor):
+        return _check_temperature(temperature)
+    per_row = _temperature_tensor(temperature, plan.batch_size, "temperature")
+    return per_row.to(device=device, dtype=torch.float32)[plan.row_ids.to(device)]
+
+
+def _check_temperature(value: Any, field: str = "temperature") -> float:
+    """A Python (or numpy) temperature: a finite number > 0, not a bool or a string. No sync."""
+    return check_real(value, field, low=0, low_open=True)
+
+
+def _temperature_tensor(temperature: Tensor, rows: int, field: str) -> Tensor:
+    """(rows,) per-row temperatures from a 0-d or (rows,) tensor of real numbers, checked.
+
+    On the CPU every value is checked at once (a read of CPU memory, no device sync): a row that is
+    not a finite value > 0 is a ValueError naming it. A device tensor is not read (that would be a
+    host sync): such a row becomes NaN, so every log-prob and entropy of that sequence is NaN
+    instead of a plausible number (an inf temperature would give a uniform distribution, a
+    negative one the reversed one).
+    """
+    check_real_dtype(temperature, field)
+    if temperature.dim() == 0:
+        temperature = temperature.reshape(1).expand(rows)
+    if temperature.shape != (rows,) or temperature.is_nested:
+        shape = "nested" if temperature.is_nested else f"shape {tuple(temperature.shape)}"
+        raise input_error(field, None, f"a float, a 0-d tensor or a ({rows},) per-sample tensor", shape)
+    valid = torch.isfinite(temperature) & (temperature > 0)
+    if temperature.device.type != "cpu":
+        return torch.where(valid, temperature, float("nan"))
+    if not bool(valid.all()):
+        row = int((~valid).nonzero()[0])
+        raise input_error(field, row, "a finite number > 0", f"{temperature[row].item()!r}")
+    return temperature
+
+
+def _pad_last(x: Tensor, pad: int, value: Tensor | float) -> Tensor:
+    if pad == 0:
+        return x
+    if isinstance(value, Tensor):
+        return torch.cat([x, value.expand(*x.shape[:-1], pad).to(x.dtype)], dim=-1)
+    return torch.nn.functional.pad(x, (0, pad), value=value)
+
+
+def prepare_model_inputs(
+    micro_batch,
+    *,
+    temperature: float | Tensor | None = None,
+    attn_implementation: str | None = None,
+    pad_to_multiple: int = 1,
+    sp_group: Any = None,
+    sp_size: int | None = None,
+    sp_rank: int | None = None,
+    pad_token_id: int = PAD_TOKEN_ID,
+) -> tuple[dict, OutputArgs]:
+    """Nested micro-batch -> (model kwargs for one packed row, :class:`OutputArgs`). No host sync.
+
+    ``micro_batch`` (TensorDict or dict) holds nested ``input_ids`` (B, j) and ``position_ids``
+    (B, j) or (B, C, j). mrope ids go to the model as (4, 1, T): 3-row ids get each token's
+    position in its own sequence prepended as row 0, where Qwen2/3-VL look for packed boundaries
+    (an mrope model given 1-row ids sees no boundaries at all: :func:`check_isolation` shows it).
+    ``temperature``: a float or a (B,) tensor; when None, the micro-batch's ``temperature`` entry,
+    else 1.0. A float and a CPU tensor must be finite and > 0 (ValueError naming the row); a
+    device tensor is not read, a bad row gives NaN log-probs instead (see :func:`_temperature_tensor`).
+    ``attn_implementation`` (the model's ``config._attn_implementation``): when it reads packed
+    boundaries (flash-attn's, ``nopad_varlen``), or under Ulysses, the kwargs also carry
+    ``cu_seq_lens_q/k`` (int32, ending at T_pad) and ``max_length_q/k`` (ints; a sync only if the
+    nested tensors lost their cached max length).
+    ``pad_to_multiple`` pads the row to a bucket multiple; ``sp_size > 1`` pads to a multiple of it
+    too and keeps rank ``sp_rank``'s slice. Pad tokens are ``pad_token_id`` with position ids
+    0, 1, ... so transformers sees them as one more sequence, attended by no real token.
+    """
+    input_ids, position_ids = _checked_nested(micro_batch)
+    sp_size, sp_rank = _sp_size_rank(sp_group, sp_size, sp_rank)
+    pad_to_multiple = check_int(pad_to_multiple, "pad_to_multiple", low=1)
+    pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
+    if attn_implementation is not None and not isinstance(attn_implementation, str):
+        raise input_error("attn_implementation", None, "None or a name (str)", repr(attn_implementation))
+    if sp_size > 1 and attn_implementation is not None and not attn_implementation.startswith(ULYSSES_PREFIX):
+        raise input_error(
+            "attn_implementation",
+            None,
+            f"a Ulysses wrapper ('{ULYSSES_PREFIX}*', see enable_ulysses) for sp_size {sp_size}",
+            repr(attn_implementation),
+        )
+    plan = IndexPlan.from_nested(input_ids)
+    total = plan.total
+    if total == 0:
+        raise input_error("input_ids", None, "at least one token in the micro-batch", "0 tokens")
+    padded_total = padded_length(total, sp_size, pad_to_multiple)
+    pad = padded_total - total
+    ids, positions = jagged_values(input_ids), jagged_values(position_ids)  # (T,), (T,) or (C, T)
+    device = ids.device  # the values' (the nested tensor's own device costs a Python dispatch)
+    if positions.dim() == 2 and positions.shape[0] == 3:
+        # Qwen2/3-VL find packed boundaries only in row 0 of 4-row position ids: prepend the text positions.
+        positions = torch.cat([plan.position_ids.to(device=device, dtype=positions.dtype).unsqueeze(0), positions])
+    # The last token of each sequence has no next token of its own: its label slot holds the pad id.
+    # (An empty row's "last token" wraps onto the previous row's, which is already excluded.)
+    labels = plan.next_token_labels(ids, pad_token_id)
+    label_mask = _pad_last(~plan.last_token_mask.to(device), pad, False)
+    if temperature is None:
+        temperature = get_field(micro_batch, "temperature")
+    temps = _token_temperature(temperature, plan, device)
+
+    ids, labels = _pad_last(ids, pad, pad_token_id), _pad_last(labels, pad, pad_token_id)
+    positions = _pad_last(positions, pad, torch.arange(pad, device=device, dtype=positions.dtype))
+    if isinstance(temps, Tensor):
+        temps = _pad_last(temps, pad, 1.0)
+    if sp_size > 1:
+        ids, labels, positions = (slice_for_rank(t, sp_size, sp_rank) for t in (ids, labels, positions))
+        temps = slice_for_rank(temps, sp_size, sp_rank) if isinstance(temps, Tensor) else temps
+
+    model_inputs: dict[str, Any] = {
+        "input_ids": ids.unsqueeze(0),
+        "position_ids": positions.unsqueeze(-2),  # (1, L) or (C, 1, L)
+        "use_cache": False,
+    }
+    if sp_size > 1 or reads_boundaries(attn_implementation):
+        cu_seqlens = plan.cu_seqlens.to(device)
+        if pad:
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), padded_total)])
+        max_length = max(plan.max_seqlen, pad)
+        model_inputs.update(
+            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_length, max_length_k=max_length
+        )
+    if sp_size > 1:
+        model_inputs[SP_GROUP_KWARG] = sp_group
+    args = OutputArgs(
+        plan=plan,
+        labels=labels,
+        temperature=temps,
+        label_mask=label_mask,
+        padded_total=padded_total,
+        sp_group=sp_group,
+        sp_size=sp_size,
+        sp_rank=sp_rank,
+    )
+    return model_inputs, args
+
+
+def _sp_size_rank(group, sp_size: int | None, sp_rank: int | None) -> tuple[int, int]:
+    if group is not None:
+        import torch.distributed as dist
+
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if (sp_size is not None and sp_size != size) or (sp_rank is not None and sp_rank != rank):
+            raise input_error(
+                "sp_size/sp_rank", None, f"the group's size {size} and rank {rank}", f"{sp_size}/{sp_rank}"
+            )
+        return size, rank
+    sp_size = 1 if sp_size is None else check_int(sp_size, "sp_size", low=1)
+    sp_rank = 0 if sp_rank is None else check_int(sp_rank, "sp_rank", low=0, high=sp_size - 1)
+    if sp_size > 1:
+        raise input_error("sp_group", None, f"a process group for sp_size {sp_size}", "None")
+    return sp_size, sp_rank
+
+
+# ---- log-probs and entropy ------------------------------------------------------------------
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """log softmax(logits / t)[label] and the entropy of softmax(logits / t), per token.
+
+    Forward and (log-prob only) backward allocate ONE (L, V) float32 buffer each; the backward of
+    the entropy needs a second. The input logits are saved, not copied.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, inv_temp, with_entropy):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        inv_temp = inv_temp.to(dtype)
+        buf = logits.to(dtype) * inv_temp  # the one (L, V) buffer: scaled logits
+        row_max = buf.amax(-1, keepdim=True)
+        buf.sub_(row_max).exp_()
+        sum_exp = buf.sum(-1, keepdim=True)
+        lse = (row_max + sum_exp.log()).squeeze(-1)
+        log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(dtype) * inv_temp.squeeze(-1) - lse
+        entropy = None
+        if with_entropy:
+            # sum_v p_v * s_v in place (p is recomputed in backward): a row-wise reduction whose result
+            # does not depend on how many rows there are, unlike a batched matmul.
+            expected = buf.div_(sum_exp).mul_(logits).sum(-1) * inv_temp.squeeze(-1)
+            entropy = lse - expected
+        ctx.save_for_backward(logits, labels, inv_temp, lse, entropy if with_entropy else lse)
+        ctx.with_entropy = with_entropy
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, labels, inv_temp, lse, entropy = ctx.saved_tensors
+        g_lp = grad_log_probs if grad_log_probs is not None else torch.zeros_like(lse)
+        buf = logits.to(inv_temp.dtype) * inv_temp
+        if ctx.with_entropy and grad_entropy is not None:
+            # d entropy / d s_v = -p_v (log p_v + H); log p = s - lse.
+            buf.sub_(lse.unsqueeze(-1))
+            probs = buf.exp()
+            buf.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(g_lp.unsqueeze(-1)).mul_(probs)
+        else:
+            buf.sub_(lse.unsqueeze(-1)).exp_().mul_(g_lp.unsqueeze(-1))
+        buf.neg_().scatter_add_(-1, labels.unsqueeze(-1), g_lp.unsqueeze(-1)).mul_(inv_temp)
+        return buf.to(logits.dtype), None, None, None
+
+
+def token_log_probs(
+    logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """(L, V) logits, (L,) labels, float or (L,) temperature -> (L,) log-probs and optional (L,) entropy.
+
+    Float32 results. One extra (L, V) buffer in the forward (see :class:`_TokenLogProbs`).
+    Floating logits, integer labels (their range is not read: gather refuses one outside the
+    vocab), a temperature as :func:`prepare_model_inputs` takes it (per token here).
+    """
+    check_real_dtype(logits, "logits", floating=True)
+    check_real_dtype(labels, "labels")
+    if labels.dtype.is_floating_point:
+        raise input_error("labels", None, "token ids (an integer tensor)", f"dtype {labels.dtype}")
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise input_error(
+            "logits", None, f"(tokens, vocab) matching labels {tuple(labels.shape)}", f"{tuple(logits.shape)}"
+        )
+    with_entropy = check_flag(with_entropy, "with_entropy")
+    if isinstance(temperature, Tensor):
+        temperature = _temperature_tensor(temperature, logits.shape[0], "temperature")
+    else:
+        temperature = _check_temperature(temperature)
+    return _log_probs(logits, labels, temperature, with_entropy)
+
+
+def _log_probs(
+    logits: Tensor, labels: Tensor, temperature: Tensor | float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`token_log_probs` of arguments already checked (by :func:`prepare_model_inputs`)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # fp64 logits keep fp64 temperatures
+    if isinstance(temperature, Tensor):
+        inv_temp = temperature.to(device=logits.device, dtype=dtype).reciprocal().unsqueeze(-1)
+    else:
+        inv_temp = torch.full((1, 1), 1.0 / float(temperature), device=logits.device, dtype=dtype)
+        inv_temp = inv_temp.expand(logits.shape[0], 1)
+    return _TokenLogProbs.apply(logits, labels, inv_temp, with_entropy)
+
+
+def head_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: Tensor | float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+    *,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """(T, H) hidden states, (V, H) output weight, (T,) labels -> (T,) log-probs and optional (T,) entropy.
+
+    Equal to :func:`token_log_probs` of the logits ``softcap * tanh(logit_scale * (hidden @ weight.T
+    + bias) / softcap)`` (``logit_scale * (hidden @ weight.T + bias)`` without ``softcap``), without
+    ever holding them: the head works in tiles of ``chunk_size`` tokens by a slice of the
+    vocabulary, keeps an online log-sum-exp per token, and its backward recomputes each tile and
+    writes the gradients of ``hidden``, ``weight`` and ``bias`` directly. Memory: a few tiles,
+    whatever T and V. Float32 results (float64 for float64 inputs); no host sync.
+    ``temperature``: a float or a per-token (T,) tensor, as :func:`token_log_probs` takes it.
+    ``chunk_size``: tokens per tile (default by device: 1,024 tokens by 16,384 vocabulary entries on
+    a CPU, 2,048 tokens by the whole vocabulary on CUDA; see docs/results.md). A tied embedding is
+    just the weight passed here: its gradient accumulates into the same parameter. The work is a
+    loop over tiles: its op count grows with T / chunk_size (the head's one exception to a fixed
+    number of ops per call), never with the number of sequences.
+    """
+    check_real_dtype(hidden, "hidden", floating=True)
+    check_real_dtype(weight, "weight", floating=True)
+    check_real_dtype(labels, "labels")
+    if labels.dtype.is_floating_point:
+        raise input_error("labels", None, "token ids (an integer tensor)", f"dtype {labels.dtype}")
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
+        raise input_error(
+            "hidden", None, f"(tokens, hidden) matching labels {tuple(labels.shape)}", f"{tuple(hidden.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.dtype != hidden.dtype:
+        raise input_error(
+            "weight",
+            None,
+            f"(vocab, {hidden.shape[1]}) of dtype {hidden.dtype} like hidden",
+            f"{tuple(weight.shape)} of dtype {weight.dtype}",
+        )
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
+        raise input_error(
+            "bias", None, f"({weight.shape[0]},) of dtype {weight.dtype}", f"{tuple(bias.shape)} of dtype {bias.dtype}"
+        )
+    with_entropy = check_flag(with_entropy, "with_entropy")
+    logit_scale = check_real(logit_scale, "logit_scale", low=0, low_open=True)
+    if softcap is not None:
+        softcap = check_real(softcap, "softcap", low=0, low_open=True)
+    if isinstance(temperature, Tensor):
+        temperature = _temperature_tensor(temperature, hidden.shape[0], "temperature")
+    else:
+        temperature = _check_temperature(temperature)
+    tile = None
+    if chunk_size is not None:
+        tile = (check_int(chunk_size, "chunk_size", low=1), default_tile(hidden.device)[1])
+    return run_head(
+        hidden, weight, bias, labels, temperature, with_entropy, scale=logit_scale, softcap=softcap, tile=tile
+    )
+
+
+@contextmanager
+def chunked_head(
+    model: torch.nn.Module,
+    output_args: OutputArgs,
+    head: str = "auto",
+    *,
+    calculate_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> Iterator[torch.nn.Module]:
+    """Within the block, ``model(**model_inputs)`` returns per-token log-probs instead of logits.
+
+    The model's own forward runs (inside FSDP's hooks when sharded: the weight is whole while the
+    head uses it); only its output layer is replaced, by :func:`head_log_probs` on this rank's real
+    tokens, so no (L, V) logits exist. The forward then returns an object with ``log_probs``
+    (1, L) and ``entropy`` (1, L) (when ``calculate_entropy``), which :func:`prepare_model_outputs`
+    takes like logits. ``head``: "chunked" requires it (ValueError naming why a model is not
+    served), "auto" uses it wherever it serves the model and returns the model's logits
+    otherwise, "logits" changes nothing.
+
+    Served: an output layer that is a plain ``torch.nn.Linear`` (bias or not, tied or not), with
+    soft-capping (Gemma 2/3's ``final_logit_softcapping``) or a scaled head (Cohere's
+    ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``) read from
+    the model. The forward hands the model a (1, L, 3) stand-in for the logits and checks what the
+    model makes of it: anything it does to the logits beyond what was read is refused, never
+    ignored (checked on the first forward, one host sync when the model post-processes its logits).
+    """
+    check_choice(head, "head", HEADS)
+    calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
+    if not isinstance(output_args, OutputArgs):
+        raise input_error("output_args", None, "the OutputArgs of prepare_model_inputs", type(output_args).__name__)
+    if chunk_size is not None:
+        chunk_size = check_int(chunk_size, "chunk_size", low=1)
+    if head == "logits":
+        yield model
+        return
+    args = output_args
+    tile = None
+    if chunk_size is not None:
+        tile = (chunk_size, default_tile(args.labels.device)[1])
+    with head_forward(
+        model,
+        args.labels,
+        args.temperature,
+        args.real_tokens,
+        with_entropy=calculate_entropy,
+        required=head == "chunked",
+        tile=tile,
+    ) as served:
+        yield served
+
+
+def prepare_model_outputs(
+    logits: Any,
+    output_args: OutputArgs,
+    micro_batch=None,
+    *,
+    calculate_entropy: bool = False,
+) -> dict[str, Tensor]:
+    """Model output -> {"log_probs": nested (B, j), "entropy": nested (B, j) if asked}. No host sync.
+
+    ``logits``: (1, L, V), an object with ``.logits``, or an object with per-token ``.log_probs``
+    (1, L) and ``.entropy`` (1, L) for this rank's labels (what a forward under
+    :func:`chunked_head` returns, or verl's fused-kernel output). Log-probs are of the rolled labels
+    at the given temperature; the last token of each sequence gets 0 (its label belongs to no
+    sequence). Under Ulysses the per-rank results are all-gathered over ``sp_group``; the pad is
+    stripped. ``micro_batch`` is accepted for verl's signature and not needed.
+    """
+    if not isinstance(output_args, OutputArgs):
+        raise input_error("output_args", None, "the OutputArgs of prepare_model_inputs", type(output_args).__name__)
+    args = output_args
+    calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
+    local = args.labels.shape[0]
+    if getattr(logits, "log_probs", None) is not None:
+        log_probs, entropy = _per_token(logits, local, calculate_entropy)
+    else:
+        logits = getattr(logits, "logits", logits)
+        check_real_dtype(logits, "logits", floating=True)
+        if logits.dim() != 3 or logits.shape[:2] != (1, local):
+            raise input_error(
+                "logits", None, f"(1, {local}, vocab) for this rank's packed row", f"{tuple(logits.shape)}"
+            )
+        log_probs, entropy = _log_probs(logits[0], args.labels, args.temperature, calculate_entropy)
+    if args.sp_size > 1:
+        log_probs = gather_seq(log_probs, args.sp_group, dim=0)
+        entropy = gather_seq(entropy, args.sp_group, dim=0) if entropy is not None else None
+    total = args.plan.total
+    log_probs = torch.where(args.label_mask[:total], log_probs[:total], log_probs.new_zeros(()))
+    out = {"log_probs": args.plan.to_nested(log_probs)}
+    if entropy is not None:
+        out["entropy"] = args.plan.to_nested(entropy[:total])
+    return out
+
+
+def _per_token(output: Any, local: int, calculate_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """(L,) log-probs and entropy (when asked) from an output that carries them as (1, L)."""
+    found = {"log_probs": output.log_probs, "entropy": getattr(output, "entropy", None) if calculate_entropy else None}
+    for name, value in found.items():
+        if value is None and name == "entropy" and calculate_entropy:
+            raise input_error("entropy", None, "per-token entropy in the model output (calculate_entropy=True)", "none")
+        if value is None:
+            continue
+        check_real_dtype(value, name, floating=True)
+        if value.shape != (1, local):
+            raise input_error(name, None, f"(1, {local}) for this rank's packed row", f"{tuple(value.shape)}")
+    entropy = found["entropy"]
+    return found["log_probs"][0], None if entropy is None else entropy[0]
+
+
+# ---- convenience ----------------------------------------------------------------------------
+
+
+def _attn_implementation(model: torch.nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+@overload
+def packed_logprobs(
+    model: torch.nn.Module,
+    micro_batch,
+    temperature: float | Tensor | None = ...,
+    *,
+    calculate_entropy: Literal[False] = ...,
+    attention: str | None = ...,
+    head: str = ...,
+    chunk_size: int | None = ...,
+    **input_kwargs,
+) -> Tensor: ...
+
+
+@overload
+def packed_logprobs(
+    model: torch.nn.Module,
+    micro_batch,
+    temperature: float | Tensor | None = ...,
+    *,
+    calculate_entropy: Literal[True],
+    attention: str | None = ...,
+    head: str = ...,
+    chunk_size: int | None = ...,
+    **input_kwargs,
+) -> dict[str, Tensor]: ...
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    micro_batch,
+    temperature: float | Tensor | None = None,
+    *,
+    calculate_entropy: bool = False,
+    attention: str | None = "auto",
+    head: str = "auto",
+    chunk_size: int | None = None,
+    **input_kwargs,
+) -> Tensor | dict[str, Tensor]:
+    """Nested micro-batch -> nested (B, j) log-probs from ONE packed forward of ``model``.
+
+    ``attention``: "auto" runs a CUDA model whose attention does not read packed boundaries (sdpa,
+    eager) through ``nopad_varlen`` for this forward (HF's own packed sdpa builds a dense block
+    mask and is slower than padding); a kernel name (:data:`nopad._attention.KERNELS`) forces that
+    kernel on any device; None runs the model's attention as it is. The model is restored after.
+    ``head``: "auto" computes log-probs (and entropy) with the chunked head wherever it serves the
+    model, never holding (L, V) logits (see :func:`chunked_head`); "chunked" requires it; "logits"
+    takes the model's logits. ``chunk_size``: the head's tokens per tile.
+    ``input_kwargs`` go to :func:`prepare_model_inputs` (pad_to_multiple, sp_group, ...). With
+    ``calculate_entropy`` returns the dict of :func:`prepare_model_outputs` instead.
+    ``temperature`` as :func:`prepare_model_inputs` takes it: when None, the micro-batch's
+    ``temperature`` entry, else 1.0.
+    """
+    check_flag(calculate_entropy, "calculate_entropy")
+    if attention is not None:
+        check_choice(attention, "attention", ("auto", *KERNELS))
+    check_choice(head, "head", HEADS)
+    with packed_attention(model, attention):
+        inputs, args = prepare_model_inputs(
+            micro_batch, temperature=temperature, attn_implementation=_attn_implementation(model), **input_kwargs
+        )
+        with chunked_head(model, args, head, calculate_entropy=calculate_entropy, chunk_size=chunk_size):
+            output = model(**inputs)
+        out = prepare_model_outputs(output, args, micro_batch, calculate_entropy=calculate_entropy)
+    return out if calculate_entropy else out["log_probs"]
+
+
+def padded_logprobs(
+    model: torch.nn.Module,
+    padded: TensorDict,
+    temperature: float | Tensor | None = None,
+    *,
+    rows_per_forward: int | None = None,
+) -> Tensor:
+    """The reference: a padded forward (attention_mask, left-padded prompts) -> (B, R) response log-probs.
+
+    ``padded`` holds input_ids (B, S), attention_mask (B, S), response_mask (B, R), position_ids
+    (B, S) or (B, C, S). Entries where response_mask is 0 are 0. Materialises (B, R, V) log-softmax:
+    a reference, not a hot path. ``rows_per_forward`` splits the batch into forwards of that many
+    rows (the result is the same), so a reference fits where the whole padded batch would not.
+    ``temperature`` as :func:`prepare_model_inputs` takes it (None: ``padded``'s ``temperature``
+    entry, else 1.0); checked on the host (a reference may sync), so a bad row is a ValueError
+    naming it on any device.
+    """
+    for key in ("input_ids", "attention_mask", "response_mask", "position_ids"):
+        if key not in padded.keys():
+            raise input_error(f"padded[{key!r}]", None, "a padded (batch, ...) tensor", "missing")
+    batch = padded["input_ids"].shape[0]
+    if rows_per_forward is not None:
+        rows_per_forward = check_int(rows_per_forward, "rows_per_forward", low=1)
+    if temperature is None:
+        temperature = get_field(padded, "temperature", 1.0)
+    if isinstance(temperature, Tensor):
+        temperature = _temperature_tensor(temperature.cpu(), batch, "temperature").to(temperature.device)
+    else:
+        temperature = _check_temperature(temperature)
+    if rows_per_forward is not None and rows_per_forward < batch:
+        temperatures = temperature if isinstance(temperature, Tensor) else None
+        return torch.cat(
+            [
+                padded_logprobs(
+                    model,
+                    padded[i : i + rows_per_forward],
+                    temperature if temperatures is None else temperatures[i : i + rows_per_forward],
+                )
+                for i in range(0, batch, rows_per_forward)
+            ]
+        )
+    input_ids, attention_mask, response_mask = padded["input_ids"], padded["attention_mask"], padded["response_mask"]
+    position_ids = padded["position_ids"]
+    if position_ids.dim() == 3:
+        position_ids = position_ids.transpose(0, 1)  # (C, B, S), as mrope models take it
+    R = response_mask.shape[1]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits
+    scaled = logits[:, -R - 1 : -1].float()
+    if isinstance(temperature, Tensor):
+        scaled = scaled / temperature.to(scaled).view(-1, 1, 1)
+    else:
+        scaled = scaled / float(temperature)
+    log_probs = scaled.log_softmax(-1).gather(-1, input_ids[:, -R:].unsqueeze(-1)).squeeze(-1)
+    return torch.where(response_mask.bool(), log_probs, log_probs.new_zeros(()))
