@@ -4,7 +4,7 @@ The conversions a forward pass needs are here; the rest lives in its module:
 ``nopad.layout`` (the index plan), ``nopad.ops`` (flash-attn's padding primitives),
 ``nopad.rows`` / ``nopad.balance`` (rows of nested batches, micro-batches),
 ``nopad.engines._fsdp`` / ``nopad.engines._megatron`` / ``nopad.engines._leak``, ``nopad.parallel``,
-``nopad._attention``, ``nopad._losses``, ``nopad.packing``, ``nopad.integrations.verl``,
+``nopad.attention``, ``nopad.losses``, ``nopad.packing``, ``nopad.integrations.verl``,
 ``nopad.diagnostics`` and ``nopad.synthetic``. ``import nopad`` loads neither transformers nor verl.
 """
 

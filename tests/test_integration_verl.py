@@ -27,7 +27,7 @@ except Exception as exc:  # noqa: BLE001 - any failure to import verl means this
     pytest.skip(f"verl is not importable here ({exc!r}); these tests run in CI's verl leg", allow_module_level=True)
 
 from nopad import padding as nopad_padding  # noqa: E402
-from nopad.integrations import verl as nv  # noqa: E402
+from nopad.integrations import _verl as nv  # noqa: E402
 
 # verl modules that bind the routed names by ``from ... import``; each is imported if it can be
 CALLERS = (
@@ -122,7 +122,7 @@ def test_modules_imported_after_install_are_rebound_and_restored():
     code = """
 import sys
 from nopad import padding as nopad_padding
-from nopad.integrations import verl as nv
+from nopad.integrations import _verl as nv
 handle = nv.install()
 assert "verl.workers.utils.losses" not in sys.modules
 import verl.workers.utils.losses as losses
@@ -584,7 +584,7 @@ import megatron.core.parallel_state as ps
 ps.get_tensor_model_parallel_world_size = lambda: 2
 ps.get_context_parallel_world_size = lambda: 1
 ps.get_context_parallel_rank = lambda: 0
-from nopad.integrations import verl as nv
+from nopad.integrations import _verl as nv
 ids = torch.nested.nested_tensor_from_jagged(torch.arange(16), torch.tensor([0, 5, 8, 16]))
 with nv.install():
     assert "verl.models.mcore.util" not in sys.modules
