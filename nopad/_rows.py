@@ -487,3 +487,17 @@ def _same_value(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:
         return False
+
+
+def batch_lengths(data: TensorDict) -> np.ndarray:
+    """(B,) host lengths of a batch's rows: its nested ``input_ids`` (free when nopad laid them out,
+    else one host sync), or the ones of a padded ``attention_mask`` (one host sync)."""
+    ids = data.get("input_ids", None) if "input_ids" in data.keys() else None
+    if ids is not None and kind_of(ids) == NESTED:
+        offsets = nested_offsets(ids)
+        known = known_host_lengths(offsets)
+        return known if known is not None else device_to_host(offsets.diff()).astype(np.int64, copy=False)
+    mask = data.get("attention_mask", None) if "attention_mask" in data.keys() else None
+    if isinstance(mask, Tensor) and mask.dim() == 2:
+        return device_to_host((mask != 0).sum(-1)).astype(np.int64, copy=False)
+    raise input_error("data", None, "a nested input_ids or a padded (B, S) attention_mask", f"keys {list(data.keys())}")

@@ -25,6 +25,7 @@ from nopad._partition import fits, karmarkar_karp_arrays, order_partitions
 from nopad._rows import (
     NESTED,
     RowPlan,
+    batch_lengths,
     cat_plan,
     chunk_plan,
     kind_of,
@@ -36,7 +37,7 @@ from nopad._rows import (
 from nopad._torch_internals import put_checked
 from nopad.balance import Workload, balanced_partitions
 from nopad.balance import karmarkar_karp as _karmarkar_karp
-from nopad.rows import RowRestore, batch_lengths
+from nopad.rows import RowRestore
 
 TENSORDICT_UTILS = "verl.utils.tensordict_utils"
 SEQLEN_BALANCING = "verl.utils.seqlen_balancing"
