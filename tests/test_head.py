@@ -219,72 +219,43 @@ def test_no_tokens_by_vocabulary_tensor_exists_forward_or_backward_and_no_host_s
 # ---- real models through packed_logprobs --------------------------------------------------------
 
 
-def tiny_gemma2(seed: int = 0, vocab: int = VOCAB, softcap: float = 1.5) -> torch.nn.Module:
-    """A 2-layer Gemma2ForCausalLM with final-logit soft-capping (tight, so it really bends the logits)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+def _tiny(family: str, seed: int, vocab: int, **config: object) -> torch.nn.Module:
+    """A 2-layer ``<family>ForCausalLM`` built like the tiny models of tests/models.py, with ``config``."""
+    import transformers
+
+    from tests.models import _finish, _tiny_kwargs
 
     torch.manual_seed(seed)
-    config = Gemma2Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    kwargs = {k: v for k, v in _tiny_kwargs(vocab).items() if k != "rms_norm_eps"} | config
+    config_class, model_class = (getattr(transformers, f"{family}{kind}") for kind in ("Config", "ForCausalLM"))
+    return _finish(model_class(config_class(**kwargs)), "sdpa")
+
+
+def tiny_gemma2(seed: int = 0, vocab: int = VOCAB, softcap: float = 1.5) -> torch.nn.Module:
+    """Gemma2 with final-logit soft-capping (tight, so it really bends the logits)."""
+    model = _tiny(
+        "Gemma2",
+        seed,
+        vocab,
         head_dim=8,
-        max_position_embeddings=256,
         final_logit_softcapping=softcap,
         attn_logit_softcapping=None,
         sliding_window=128,  # longer than any test row: every layer sees its whole sequence
         tie_word_embeddings=True,
     )
-    model = Gemma2ForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
     with torch.no_grad():  # logits of a few units (random init gives ~0.1), so the cap really bends them
         model.lm_head.weight.mul_(30.0)
-    return model.float().eval()
+    return model
 
 
 def tiny_cohere(seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module:
-    """A 2-layer CohereForCausalLM: its forward multiplies the logits by ``logit_scale``."""
-    from transformers import CohereConfig, CohereForCausalLM
-
-    torch.manual_seed(seed)
-    config = CohereConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        logit_scale=0.5,
-        tie_word_embeddings=True,
-    )
-    model = CohereForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
-    return model.float().eval()
+    """Cohere: its forward multiplies the logits by ``logit_scale``."""
+    return _tiny("Cohere", seed, vocab, logit_scale=0.5, tie_word_embeddings=True)
 
 
 def tiny_granite(seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module:
-    """A 2-layer GraniteForCausalLM: its forward divides the logits by ``logits_scaling``."""
-    from transformers import GraniteConfig, GraniteForCausalLM
-
-    torch.manual_seed(seed)
-    config = GraniteConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        logits_scaling=4.0,
-        tie_word_embeddings=False,
-    )
-    model = GraniteForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
-    return model.float().eval()
+    """Granite: its forward divides the logits by ``logits_scaling``."""
+    return _tiny("Granite", seed, vocab, logits_scaling=4.0)
 
 
 def tiny_qwen2_biased(seed: int = 0) -> torch.nn.Module:
@@ -299,15 +270,9 @@ def tiny_qwen2_biased(seed: int = 0) -> torch.nn.Module:
 
 
 def tiny_llama_tied(seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.models import _tiny_kwargs
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**_tiny_kwargs(VOCAB), "tie_word_embeddings": True}))
-    model.config._attn_implementation = "sdpa"
+    model = _tiny("Llama", seed, VOCAB, rms_norm_eps=1e-6, tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    return model.float().eval()
+    return model
 
 
 MODELS = {

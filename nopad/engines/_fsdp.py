@@ -302,6 +302,16 @@ class _TokenLogProbs(torch.autograd.Function):
         return buf.to(logits.dtype), None, None, None
 
 
+def _check_rows_and_labels(x: Tensor, field: str, shape: str, labels: Tensor) -> None:
+    """``x`` a floating (tokens, *) 2-D tensor and ``labels`` (tokens,) integer token ids."""
+    check_real_dtype(x, field, floating=True)
+    check_real_dtype(labels, "labels")
+    if labels.dtype.is_floating_point:
+        raise input_error("labels", None, "token ids (an integer tensor)", f"dtype {labels.dtype}")
+    if x.dim() != 2 or labels.shape != x.shape[:1]:
+        raise input_error(field, None, f"{shape} matching labels {tuple(labels.shape)}", f"{tuple(x.shape)}")
+
+
 def token_log_probs(
     logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0, with_entropy: bool = False
 ) -> tuple[Tensor, Tensor | None]:
@@ -311,14 +321,7 @@ def token_log_probs(
     Floating logits, integer labels (their range is not read: gather refuses one outside the
     vocab), a temperature as :func:`prepare_model_inputs` takes it (per token here).
     """
-    check_real_dtype(logits, "logits", floating=True)
-    check_real_dtype(labels, "labels")
-    if labels.dtype.is_floating_point:
-        raise input_error("labels", None, "token ids (an integer tensor)", f"dtype {labels.dtype}")
-    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
-        raise input_error(
-            "logits", None, f"(tokens, vocab) matching labels {tuple(labels.shape)}", f"{tuple(logits.shape)}"
-        )
+    _check_rows_and_labels(logits, "logits", "(tokens, vocab)", labels)
     with_entropy = check_flag(with_entropy, "with_entropy")
     if isinstance(temperature, Tensor):
         temperature = _temperature_tensor(temperature, logits.shape[0], "temperature")
@@ -367,15 +370,8 @@ def head_log_probs(
     loop over tiles: its op count grows with T / chunk_size (the head's one exception to a fixed
     number of ops per call), never with the number of sequences.
     """
-    check_real_dtype(hidden, "hidden", floating=True)
+    _check_rows_and_labels(hidden, "hidden", "(tokens, hidden)", labels)
     check_real_dtype(weight, "weight", floating=True)
-    check_real_dtype(labels, "labels")
-    if labels.dtype.is_floating_point:
-        raise input_error("labels", None, "token ids (an integer tensor)", f"dtype {labels.dtype}")
-    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
-        raise input_error(
-            "hidden", None, f"(tokens, hidden) matching labels {tuple(labels.shape)}", f"{tuple(hidden.shape)}"
-        )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.dtype != hidden.dtype:
         raise input_error(
             "weight",
