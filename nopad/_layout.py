@@ -348,10 +348,9 @@ class IndexPlan:
             min_seqlen=int(lengths.min()),
         )
         plan._host = (lengths, starts, response_width)
-        remember_host_lengths(offsets_d, lengths)
         if response_width is not None and source is not None and slot is not None:
             plan.responses = ResponseGather(len(lengths), response_width, total, source, slot, response_lens)
-            _known(offsets_d).responses = plan.responses
+        _KNOWN[offsets_d] = _Known(lengths, plan.responses)  # fresh offsets: one insert, no lookup
         return plan
 
     @classmethod
@@ -847,9 +846,8 @@ class _Known:
 
     __slots__ = ("lengths", "responses")
 
-    def __init__(self) -> None:
-        self.lengths: np.ndarray | None = None
-        self.responses: ResponseGather | None = None
+    def __init__(self, lengths: np.ndarray | None = None, responses: ResponseGather | None = None) -> None:
+        self.lengths, self.responses = lengths, responses
 
 
 # Keyed by the offsets tensor itself, never by value: new rows always come with new offsets, so what

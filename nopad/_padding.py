@@ -68,15 +68,15 @@ def _row_facts(
     attention_mask: Tensor, response_mask: Tensor, prompt_width: int, check_response_mask: bool
 ) -> tuple[Any, list[tuple[Tensor, str]]]:
     """(B, 3 or 4) int64 numpy: ones, prompt ones, signed moment [, response tokens on padding], and
-    the masks that are not 0/1 masks (:func:`nopad._errors.check_mask`), as (mask, field). The sync.
+    the float masks that are not 0/1 masks (:func:`nopad._errors.check_mask`), as (mask, field). The sync.
 
     One weighted sum per row (integer, so exact; no BLAS, whose thread pool stalls on a busy host).
-    Whether each mask is a 0/1 mask travels in the same read, as two numbers: an integer mask's min
-    and max (its values then serve as the ones themselves: no comparison pass), a float mask's 0 and
-    count of entries neither 0 nor 1; a bool mask needs none.
+    An integer or bool mask selects: any nonzero entry is a token (as the gathers read it), so its
+    values need no check. A float mask must hold only 0s and 1s: how many do not travels in the
+    same read (a 0.5 is neither a token nor padding).
     """
     masks = [(attention_mask, "attention_mask")] + ([(response_mask, "response_mask")] if check_response_mask else [])
-    ones = attention_mask if not attention_mask.dtype.is_floating_point else attention_mask != 0
+    ones = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
     width = ones.shape[1]
     packed = _fits_one_int64(width)
     if packed:
@@ -87,30 +87,18 @@ def _row_facts(
         columns = [ones.sum(-1), ones[:, :prompt_width].sum(-1), (ones * moment).sum(-1)]
     if check_response_mask:
         columns.append(((response_mask != 0) & (ones[:, prompt_width:] == 0)).sum(-1))
-    checked = [(mask, field) for mask, field in masks if mask.dtype != torch.bool and mask.numel()]
+    checked = [(mask, field) for mask, field in masks if mask.dtype.is_floating_point and mask.numel()]
     rows = columns[0] if len(columns) == 1 else torch.stack(columns, 1).flatten()
     if rows.dtype != torch.int64:
         rows = rows.to(torch.int64)
-    host = device_to_host(torch.cat([rows, *(_bounds(mask) for mask, _ in checked)]) if checked else rows)
+    not_0_or_1 = [not_01(mask).sum().reshape(1) for mask, _ in checked]  # how many entries are neither
+    host = device_to_host(torch.cat([rows, *not_0_or_1]) if checked else rows)
     count = rows.shape[0]
-    bad = [
-        (mask, field)  # a float mask's (0, count of non-0/1) passes as (0, 0) only
-        for k, (mask, field) in enumerate(checked)
-        if host[count + 2 * k] < 0 or host[count + 2 * k + 1] > (0 if mask.dtype.is_floating_point else 1)
-    ]
+    bad = [(mask, field) for k, (mask, field) in enumerate(checked) if host[count + k] > 0]
     if bad:
         return None, bad
     facts = host[:count].reshape(-1, len(columns))
     return (_unpack_row_facts(facts, width) if packed else facts), []
-
-
-def _bounds(mask: Tensor) -> Tensor:
-    """(2,) int64 on the mask's device: an integer mask's (min, max), in [0, 1] for a 0/1 mask; a
-    float mask's (0, entries neither 0 nor 1), (0, 0) for a 0/1 mask. No sync."""
-    if mask.dtype.is_floating_point:
-        return torch.stack([mask.new_zeros((), dtype=torch.int64), not_01(mask).sum()])
-    bounds = torch.stack(torch.aminmax(mask))
-    return bounds if bounds.dtype == torch.int64 else bounds.to(torch.int64)
 
 
 def _unpack_row_facts(host: Any, width: int) -> Any:
@@ -156,7 +144,8 @@ def plan_left_right(
 ) -> IndexPlan:
     """Plan of a left-padded-prompt / right-padded-response batch, validated. ONE host sync.
 
-    attention_mask (B, S), response_mask (B, R) with R < S, both 0/1 masks. Raises
+    attention_mask (B, S), response_mask (B, R) with R < S: any nonzero entry of an integer or bool
+    mask is a token; a float mask holds only 0s and 1s. Raises
     ValueError naming the row when a row is not one contiguous run across column S - R or has an
     empty prompt but a response. Only the shape of ``response_mask`` is read unless
     ``check_response_mask``: then a row that marks response tokens attention_mask calls padding
@@ -167,9 +156,8 @@ def plan_left_right(
     A mask on the CPU (the rollout's) costs no device sync at all: pass ``device`` to build the
     plan for a batch that lives there.
 
-    Both masks are 0/1 masks (:func:`nopad._errors.check_mask`: bool, or integers or floats that
-    are only 0 and 1); the attention mask's values are checked in the same read, on every device,
-    and the response mask's with ``check_response_mask``.
+    A float mask's values are checked in the same read, on every device (the attention mask's, and
+    the response mask's with ``check_response_mask``).
     """
     check_response_mask = check_flag(check_response_mask, "check_response_mask")
     _check_masks(attention_mask, response_mask)
