@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from nopad import _torch_internals as _internals
 from nopad._errors import check_flag, check_int, check_mask, check_optional_int, free_to_read, input_error
@@ -350,7 +349,7 @@ class IndexPlan:
         plan._host = (lengths, starts, response_width)
         if response_width is not None and source is not None and slot is not None:
             plan.responses = ResponseGather(len(lengths), response_width, total, source, slot, response_lens)
-        _KNOWN[offsets_d] = _Known(lengths, plan.responses)  # fresh offsets: one insert, no lookup
+        _remember(offsets_d, _Known(lengths, plan.responses))
         return plan
 
     @classmethod
@@ -842,41 +841,53 @@ class ResponseGather:
 
 class _Known:
     """What nopad laid out itself for one offsets tensor: its rows' lengths on the host (so later
-    reorderings of those rows need no device sync) and, for a left/right conversion, the way back."""
+    reorderings of those rows need no device sync) and, for a left/right conversion, the way back.
+
+    Kept on the offsets tensor itself (an attribute: no lookup costs more than reading it), so it
+    lives exactly as long as they do, and is never matched by value: new rows always come with new
+    offsets, so what is known cannot go stale. A pickled or copied tensor arrives without it (an
+    empty record): the receiver learns the lengths again with one read.
+    """
 
     __slots__ = ("lengths", "responses")
 
     def __init__(self, lengths: np.ndarray | None = None, responses: ResponseGather | None = None) -> None:
         self.lengths, self.responses = lengths, responses
 
-
-# Keyed by the offsets tensor itself, never by value: new rows always come with new offsets, so what
-# is known cannot go stale. Weak keys: a record lives exactly as long as its offsets.
-_KNOWN: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+    def __reduce__(self) -> tuple[type, tuple]:
+        return _Known, ()
 
 
-def _known(offsets: Tensor) -> _Known:
-    record = _KNOWN.get(offsets)
-    if record is None:
-        record = _KNOWN[offsets] = _Known()
-    return record
+_ATTRIBUTE = "_nopad_known"
+
+
+def _record(offsets: Tensor) -> _Known | None:
+    return getattr(offsets, _ATTRIBUTE, None)
+
+
+def _remember(offsets: Tensor, record: _Known) -> None:
+    setattr(offsets, _ATTRIBUTE, record)
 
 
 def response_gather(offsets: Tensor) -> ResponseGather | None:
     """The :class:`ResponseGather` planned with these very offsets (identity, not value), or None."""
-    record = _KNOWN.get(offsets)
+    record = _record(offsets)
     return None if record is None else record.responses
 
 
 def remember_host_lengths(offsets: Tensor, lengths: np.ndarray) -> None:
     """Record ``lengths`` (host int64, (B,)) as the row lengths of ``offsets`` (B+1,). The caller
     guarantees they are: every later :func:`known_host_lengths` trusts them."""
-    _known(offsets).lengths = lengths
+    record = _record(offsets)
+    if record is None:
+        _remember(offsets, _Known(lengths))
+    else:
+        record.lengths = lengths
 
 
 def known_host_lengths(offsets: Tensor) -> np.ndarray | None:
     """The host row lengths recorded for these very offsets (identity, not value), or None."""
-    record = _KNOWN.get(offsets)
+    record = _record(offsets)
     return None if record is None else record.lengths
 
 

@@ -20,24 +20,20 @@ try:  # torch's constructor of jagged tensors, the one its own unpickler and vie
 except ImportError:  # pragma: no cover - a torch that moved it: everything takes the public path
     _njt = None  # type: ignore[assignment]
 
-USE_INTERNALS = _njt is not None
-
-
-def _fast() -> bool:
-    return USE_INTERNALS and _njt is not None
+USE_INTERNALS = _njt is not None  # tests set it False to take the public path everywhere
 
 
 def is_nested(x: object) -> bool:
     """True for a torch.nested tensor (jagged or strided). A jagged tensor is recognised by its
     class: reading ``is_nested`` costs a trip through its ``__torch_function__`` (about 20 us)."""
-    if _fast() and isinstance(x, _njt.NestedTensor):
+    if USE_INTERNALS and isinstance(x, _njt.NestedTensor):
         return True
     return bool(getattr(x, "is_nested", False))
 
 
 def is_jagged(x: object) -> bool:
     """True for a nested tensor of layout ``torch.jagged`` (``.layout`` costs a Python dispatch)."""
-    if _fast() and isinstance(x, _njt.NestedTensor):
+    if USE_INTERNALS and isinstance(x, _njt.NestedTensor):
         return True
     return is_nested(x) and x.layout == torch.jagged  # type: ignore[attr-defined]
 
@@ -46,7 +42,7 @@ def jagged_values(nested: Tensor) -> Tensor:
     """``nested.values()``: the values tensor itself, with the same autograd history (a jagged tensor
     built from values is a view of them). Only a jagged leaf that requires grad while its values do
     not needs the dispatched view, and gets it."""
-    values = getattr(nested, "_values", None) if _fast() else None
+    values = getattr(nested, "_values", None) if USE_INTERNALS else None
     if values is None:
         return nested.values()  # type: ignore[attr-defined]
     with torch._C.DisableTorchFunctionSubclass():
@@ -57,14 +53,14 @@ def jagged_values(nested: Tensor) -> Tensor:
 def ragged_dim(nested: Tensor) -> int:
     """Which dim of a jagged nested tensor is ragged: 1 for (B, j, *), 2 for (B, C, j). The public
     reading: the one dim whose size is not an int (a nested int)."""
-    if _fast() and hasattr(nested, "_ragged_idx"):
+    if USE_INTERNALS and hasattr(nested, "_ragged_idx"):
         return int(nested._ragged_idx)
     return next(i for i, size in enumerate(nested.shape) if not isinstance(size, int))
 
 
 def cached_seqlens(nested: Tensor) -> tuple[int | None, int | None]:
     """The (min, max) row lengths a jagged tensor records, if it records them (no sync); else None."""
-    if not _fast():
+    if not USE_INTERNALS:
         return None, None
     low, high = getattr(nested, "_maybe_min_seqlen", None), getattr(nested, "_maybe_max_seqlen", None)
     return (None if low is None else int(low)), (None if high is None else int(high))
@@ -86,7 +82,7 @@ def wrap_jagged(
     needs that, so values that do not require grad go to the constructor. ``records``: the
     :func:`seqlen_records` of these min / max lengths, shared between fields.
     """
-    if not _fast() or values.requires_grad or ragged_dim < 1 or torch.compiler.is_compiling():
+    if not USE_INTERNALS or values.requires_grad or ragged_dim < 1 or torch.compiler.is_compiling():
         return torch.nested.nested_tensor_from_jagged(
             values, offsets, jagged_dim=ragged_dim, min_seqlen=min_seqlen, max_seqlen=max_seqlen
         )
@@ -108,7 +104,7 @@ def seqlen_records(min_seqlen: int, max_seqlen: int) -> dict[str, Tensor] | None
     """The min / max length records a jagged tensor keeps, shared by every nested field with the same
     offsets (None on the public path, where the constructor makes its own). No tensor op once a
     length has been seen."""
-    if not _fast():
+    if not USE_INTERNALS:
         return None
     return {"min_seqlen": _seqlen_record(min_seqlen), "max_seqlen": _seqlen_record(max_seqlen)}
 
@@ -154,7 +150,7 @@ def put_checked(out: Any, key: str, value: Any) -> None:
     tensordict would check them again, which on a nested value costs more than the gather that
     made it (about 40 us a field on a CPU). A TensorDict of any other batch rank takes the checked way.
     """
-    if _fast() and out.batch_dims == 1 and hasattr(out, "_set_str"):
+    if USE_INTERNALS and out.batch_dims == 1 and hasattr(out, "_set_str"):
         out._set_str(key, value, inplace=False, validated=True)
     else:
         out.set(key, value)
