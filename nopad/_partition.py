@@ -1,54 +1,62 @@
-"""Partitions of rows on the host: Karmarkar-Karp (largest differencing) k-way partitioning on arrays,
-the partitions verl's ``karmarkar_karp`` returns item for item without a Python object per item or
-per set; and the steps of cutting rows into token-budget micro-batches.
+"""Partitions of rows on the host: Karmarkar-Karp (largest differencing) k-way partitioning, the
+partitions verl's ``karmarkar_karp`` returns item for item at a fraction of its cost; and the steps
+of cutting rows into token-budget micro-batches.
 
 A state is k sets; the heap pops the two states with the largest spread and merges set i of the
-first with set k-1-i of the second. Two facts make this cheap and exact:
+first with set k-1-i of the second. Three facts make this cheap and exact:
 
 - Sets compare by (sum, count, first item): items of different sets differ, so comparing their
-  item lists (as verl's sets do) is decided by the first item. A set's order is that key, and the
-  state with the larger spread (then the larger top set) pops first: a total order, so the pops do
-  not depend on the heap's layout.
-- A state keeps only its non-empty sets (the rest are empty and interchangeable), so merging two
-  small states costs their size, not k. Items of a set form a linked list, concatenated in O(1).
+  item lists (as verl's sets do) is decided by the first item. A set is one tuple, ordered by that
+  key, and the state with the larger spread (then the larger top set) pops first: a total order,
+  so the pops do not depend on the heap's layout.
+- A state keeps only its non-empty sets (the rest are empty and interchangeable), and the items of
+  a set form a linked list, concatenated in O(1): merging two states costs their non-empty sets.
+- Most merges meet a state of one set (every state starts as one item): that set goes into its
+  place by binary search, where verl sorts k sets with a Python comparison per pair.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from typing import Any
 
 import numpy as np
 import torch
 
-# A state: a (5, m) int64 array of its m non-empty sets in descending order, one column per set.
-SUM, COUNT, FIRST, HEAD, TAIL = range(5)
+# A set: (-sum, -count, -first item, first item, last item); a state: the list of its non-empty sets,
+# ascending, so in descending order of (sum, count, first item). ``after[i]``: the item after i in its set.
+_Set = tuple[int, int, int, int, int]
 
 
-def _sort_desc(sets: np.ndarray) -> np.ndarray:
-    return sets[:, np.lexsort(sets[FIRST::-1])[::-1]]  # keys (first, count, sum): sum decides first
+def _joined(x: _Set, y: _Set, after: list[int]) -> _Set:
+    """Set ``x`` with ``y``'s items after its own (both non-empty)."""
+    after[x[4]] = y[3]
+    return (x[0] + y[0], x[1] + y[1], x[2], x[3], y[4])
 
 
-def _heap_key(sets: np.ndarray, k: int) -> tuple[int, int, int, int]:
+def _merge(a: list[_Set], b: list[_Set], k: int, after: list[int]) -> list[_Set]:
+    """Set i of state ``a`` takes set k-1-i of state ``b``. ``a``'s sets fill positions [0, len a),
+    ``b``'s reversed fill [k - len b, k); they meet where both hold items."""
+    overlap = len(a) + len(b) - k
+    if len(b) == 1:  # b's one set meets a's position k-1, empty unless a is full
+        bisect.insort(a, _joined(a.pop(), b[0], after) if overlap > 0 else b[0])
+        return a
+    if len(a) == 1 and overlap <= 0:
+        bisect.insort(b, a[0])
+        return b
+    lo = len(a) - max(overlap, 0)  # a[lo:] meets the first `overlap` sets of b reversed
+    rb = b[::-1]
+    merged = a[:lo] + [_joined(x, y, after) for x, y in zip(a[lo:], rb)] + rb[max(overlap, 0) :]
+    merged.sort()
+    return merged
+
+
+def _heap_key(state: list[_Set], k: int) -> tuple[int, int, int, int]:
     """Smallest pops first: the largest spread, then the largest top set (sum, count, first item)."""
-    top, count, first = sets[: FIRST + 1, 0].tolist()
-    bottom = int(sets[SUM, -1]) if sets.shape[1] == k else 0
-    return bottom - top, -top, -count, -first
-
-
-def _merge(a: np.ndarray, b: np.ndarray, k: int, following: np.ndarray) -> np.ndarray:
-    """Set i of ``a`` takes the items of set k-1-i of ``b``. ``a``'s non-empty sets fill positions
-    [0, m_a), ``b``'s reversed fill [k - m_b, k); they overlap where both hold items."""
-    b = b[:, ::-1]
-    overlap = a.shape[1] + b.shape[1] - k
-    if overlap <= 0:
-        return _sort_desc(np.concatenate([a, b], axis=1))
-    lo = a.shape[1] - overlap  # a[:, lo:] meets b[:, :overlap]
-    joined = a[:, lo:].copy()
-    joined[SUM:FIRST] += b[SUM:FIRST, :overlap]
-    following[joined[TAIL]] = b[HEAD, :overlap]  # link a's last item to b's first
-    joined[TAIL] = b[TAIL, :overlap]
-    return _sort_desc(np.concatenate([a[:, :lo], joined, b[:, overlap:]], axis=1))
+    top = state[0]
+    bottom = -state[-1][0] if len(state) == k else 0
+    return bottom + top[0], top[0], top[1], top[2]
 
 
 def karmarkar_karp_arrays(values: np.ndarray, k: int, equal_size: bool) -> list[list[int]]:
@@ -57,24 +65,24 @@ def karmarkar_karp_arrays(values: np.ndarray, k: int, equal_size: bool) -> list[
     The final sets in descending order of (sum, count, first item); with ``equal_size`` every
     partition gets len(values) / k items (the caller checks divisibility). Host only.
     """
-    n = len(values)
-    order = np.lexsort((np.arange(n), values))  # ascending (value, index), as verl sorts its pairs
-    following = np.full(n, -1, dtype=np.int64)
+    work = [int(v) for v in values]
+    n = len(work)
+    order = sorted(range(n), key=lambda i: (work[i], i))  # ascending (value, index), as verl sorts its pairs
+    after = [-1] * n
     width = k if equal_size else 1
-    idx = order.reshape(-1, width)[:, ::-1]  # each state's sets, largest first
-    columns = np.stack([values[idx], np.ones_like(idx), idx, idx, idx], axis=1)  # (states, 5, width)
-    states: list[np.ndarray | None] = list(columns)
-    heap = [(_heap_key(s, k), i) for i, s in enumerate(columns)]
+    states: list[list[_Set] | None] = [
+        sorted((-work[i], -1, -i, i, i) for i in order[start : start + width]) for start in range(0, n, width)
+    ]
+    heap = [(_heap_key(s, k), i) for i, s in enumerate(states) if s is not None]
     heapq.heapify(heap)
     while len(heap) > 1:
         _, first = heapq.heappop(heap)
         _, second = heapq.heappop(heap)
-        merged = _merge(states[first], states[second], k, following)  # type: ignore[arg-type]
+        merged = _merge(states[first], states[second], k, after)  # type: ignore[arg-type]
         states[first], states[second] = merged, None
         heapq.heappush(heap, (_heap_key(merged, k), first))
-    heads = states[heap[0][1]][HEAD].tolist()  # type: ignore[index]
-    after = following.tolist()
-    return [_walk(head, after) for head in heads] + [[] for _ in range(k - len(heads))]
+    final: list[_Set] = states[heap[0][1]]  # type: ignore[assignment]
+    return [_walk(s[3], after) for s in final] + [[] for _ in range(k - len(final))]
 
 
 def _walk(head: int, after: list[int]) -> list[int]:
