@@ -228,4 +228,5 @@ def _row(name: str, B: int, ours_ms: float, theirs_ms: float, other: dict, same:
         f"{other['name']}_ms": theirs_ms,
         f"{other['name']}/nopad": theirs_ms / ours_ms,
         "identical": bool(same),
+        "max/mean workload": None,  # filled for the partitions: nopad's vs the contender's
     }

@@ -18,6 +18,7 @@ first with set k-1-i of the second. Three facts make this cheap and exact:
 from __future__ import annotations
 
 import bisect
+import gc
 import heapq
 from typing import Any
 
@@ -65,7 +66,16 @@ def karmarkar_karp_arrays(values: np.ndarray, k: int, equal_size: bool) -> list[
     The final sets in descending order of (sum, count, first item); with ``equal_size`` every
     partition gets len(values) / k items (the caller checks divisibility). Host only.
     """
-    work = [int(v) for v in values]
+    collecting = gc.isenabled()
+    gc.disable()  # thousands of small tuples and lists, no cycles: a collection midway only costs time
+    try:
+        return _karmarkar_karp([int(v) for v in values], k, equal_size)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _karmarkar_karp(work: list[int], k: int, equal_size: bool) -> list[list[int]]:
     n = len(work)
     order = sorted(range(n), key=lambda i: (work[i], i))  # ascending (value, index), as verl sorts its pairs
     after = [-1] * n

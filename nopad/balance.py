@@ -5,8 +5,8 @@ verl balances by an estimated workload per row, ``24576 * L + L**2`` for a row o
 model's linear and attention FLOPs, scaled). :class:`Workload` is that model with its two
 coefficients named, and can be derived from a model config instead. :func:`balanced_partitions`
 returns, for the same inputs, exactly the partitions of verl's ``get_seqlen_balanced_partitions``
-(Karmarkar-Karp, ``equal_size`` True or False), computed on arrays: about 40x faster for 1,024
-rows into 133 parts, 150x for 8,192 into 1,000.
+(Karmarkar-Karp, ``equal_size`` True or False), with no Python-level comparison: 150x faster than
+verl's for 1,024 rows into 133 parts, 330x for 4,096 into 533 (``nopad bench --batches``).
 """
 
 from __future__ import annotations
