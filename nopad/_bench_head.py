@@ -13,6 +13,8 @@ Contenders:
     logits    (T, V) logits, then nopad's ``token_log_probs`` (what ``packed_logprobs(head="logits")`` does)
     chunked   nopad's ``head_log_probs`` (what ``packed_logprobs`` does by default)
     verl      verl 0.9.1's ``FusedLinearForPPO`` (torch backend, chunks of 512), where verl is importable
+    chunked_lp   the tiles, log-probs only            } where cut_cross_entropy loads, on CUDA: the
+    fused_lp     cut_cross_entropy, log-probs only    } fused kernel against the tiles on its own terms
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch
 from nopad._errors import input_error
 
 GIB = 1024**3
-CONTENDERS = ("logits", "chunked", "verl")
+CONTENDERS = ("logits", "chunked", "verl", "chunked_lp", "fused_lp")
+FUSED = ("chunked_lp", "fused_lp")
 
 
 def _inputs(tokens: int, hidden: int, vocab: int, device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Any]:
@@ -60,10 +63,17 @@ def _step(contender: str, x: dict[str, Any], temperature: float, chunk_size: int
         from verl.utils.experimental.torch_functional import FusedLinearForPPO
 
         lp, ent = FusedLinearForPPO()(hidden, weight, labels, temperature)
+    elif contender in FUSED:
+        from nopad.engines._fsdp import head_log_probs
+
+        kernel = "tiles" if contender == "chunked_lp" else "cut_cross_entropy"
+        lp, ent = head_log_probs(hidden, weight, labels, temperature, False, chunk_size, kernel=kernel)
     else:
         raise input_error("contender", None, f"one of {list(CONTENDERS)}", repr(contender))
-    assert ent is not None
-    loss = (lp * x["weights"][0]).sum() + (ent.float() * x["weights"][1]).sum()
+    loss = (lp * x["weights"][0]).sum()
+    if contender not in FUSED:
+        assert ent is not None
+        loss = loss + (ent.float() * x["weights"][1]).sum()
     loss.backward()
     hidden.grad = weight.grad = None
 
@@ -136,6 +146,13 @@ def verl_importable() -> bool:
     return importlib.util.find_spec("verl") is not None
 
 
+def fused_runnable(device: str) -> bool:
+    """Whether cut_cross_entropy's fused kernel loads and runs on ``device`` (CUDA only)."""
+    from nopad.engines._head import kernel_installed
+
+    return torch.device(device).type == "cuda" and kernel_installed("cut_cross_entropy")
+
+
 def bench_head(
     tokens: tuple[int, ...] = (2048, 4096, 8192),
     *,
@@ -162,6 +179,8 @@ def bench_head(
     """
     if "verl" in contenders and not verl_importable():
         contenders = tuple(c for c in contenders if c != "verl")
+    if not fused_runnable(device):
+        contenders = tuple(c for c in contenders if c not in FUSED)
     rows = []
     for T in tokens:
         row: dict[str, Any] = {"T": T}

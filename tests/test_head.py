@@ -589,3 +589,125 @@ def test_under_autocast_auto_takes_the_logits_path_for_that_call_only():
         inputs, args = prepare_model_inputs(micro)
         with chunked_head(m, args):  # not remembered: without autocast the head serves the model again
             assert hasattr(m(**inputs), "log_probs")
+
+
+# ---- a fused kernel where it is installed: wired to the exact kernel, the tiles as reference -----
+
+
+def _cut_cross_entropy_standin(calls, with_bias):
+    """cut_cross_entropy.linear_cross_entropy's signature (PyPI 25.1.1, or its later one with a bias),
+    computed the plain way (CPU, exact): a keyword the release lacks raises TypeError as it would."""
+
+    def release(
+        e, c, targets, ignore_index=-100, softcap=None, reduction="mean", shift=False, filter_eps="high", impl="cce"
+    ):
+        return later(e, c, targets, None, ignore_index, softcap, reduction, shift, filter_eps, impl=impl)
+
+    def later(
+        e, c, targets, bias=None, ignore_index=-100, softcap=None, reduction="mean", shift=0, filter_eps="auto",
+        accum_e_fp32=False, accum_c_fp32=False, filter_e_grad=True, filter_c_grad=True, impl="cce",
+        vocab_parallel_options=None,
+    ):  # fmt: skip
+        calls.append({"impl": impl, "reduction": reduction, "softcap": softcap, "bias": bias is not None})
+        calls[-1]["filter_eps"] = filter_eps
+        logits = e @ c.T + (0 if bias is None else bias)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        return -logits.float().log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    return later if with_bias else release
+
+
+def _install_standin(monkeypatch, with_bias):
+    """The stand-in installed as cut_cross_entropy, and the CPU taken for CUDA: the calls it gets."""
+    import nopad.engines._head as head
+
+    calls: list[dict] = []
+    refusal = head._head_refusal
+    monkeypatch.setitem(head._LOADERS, "cut_cross_entropy", lambda: _cut_cross_entropy_standin(calls, with_bias))
+    monkeypatch.setattr(head, "_head_refusal", lambda kernel, device_type, needs: refusal(kernel, "cuda", needs))
+    head._kernel_function.cache_clear()
+    return calls
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    yield _install_standin(monkeypatch, with_bias=True)
+    import nopad.engines._head as head
+
+    head._kernel_function.cache_clear()
+
+
+@pytest.fixture
+def fused_release(monkeypatch):
+    yield _install_standin(monkeypatch, with_bias=False)
+    import nopad.engines._head as head
+
+    head._kernel_function.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("bias", "per_token", "softcap", "scale"),
+    [(False, True, None, 1.0), (True, False, None, 0.5), (False, False, None, 2.0), (True, False, 3.0, 1.0)],
+)
+def test_auto_takes_the_fused_kernel_where_it_serves_and_equals_the_tiles(fused, bias, per_token, softcap, scale):
+    hidden, weight, b, labels, temperature, weights = _case(7, 23, 5, 3, bias=bias, per_token=per_token)
+    if softcap is not None:
+        temperature = 1.0  # the kernel caps the logits itself: only an unscaled temperature folds in
+
+    def run(kernel):
+        return lambda: head_log_probs(
+            hidden, weight, labels, temperature, bias=b, logit_scale=scale, softcap=softcap, kernel=kernel
+        )
+
+    ours = _values_and_grads(run("auto"), hidden, weight, b, weights, False)
+    assert fused and fused[-1]["impl"] == "cce" and fused[-1]["reduction"] == "none"
+    assert fused[-1]["filter_eps"] is None  # exact gradients: no block filtered out
+    assert fused[-1]["softcap"] == softcap and fused[-1]["bias"] == bias
+    _assert_close(ours, _values_and_grads(run("tiles"), hidden, weight, b, weights, False))
+
+
+@pytest.mark.parametrize(
+    ("with_entropy", "bias", "per_token", "softcap", "why"),
+    [
+        (True, False, False, None, "gives log-probs only, not the entropy"),
+        (False, False, False, 3.0, "caps the logits before a temperature could divide them"),
+        (False, True, True, None, "a per-token temperature cannot scale it"),
+    ],
+)
+def test_calls_the_fused_kernel_cannot_serve_take_the_tiles_and_a_forced_kernel_says_why(
+    fused, with_entropy, bias, per_token, softcap, why
+):
+    hidden, weight, b, labels, temperature, _ = _case(5, 11, 4, 1, bias=bias, per_token=per_token)
+    args = (hidden, weight, labels, temperature, with_entropy)
+    auto = head_log_probs(*args, bias=b, softcap=softcap)
+    assert not fused  # the tiles ran
+    tiles = head_log_probs(*args, bias=b, softcap=softcap, kernel="tiles")
+    assert torch.equal(auto[0], tiles[0])
+    with pytest.raises(ValueError, match=why):
+        head_log_probs(*args, bias=b, softcap=softcap, kernel="cut_cross_entropy")
+
+
+def test_without_the_fused_kernel_installed_auto_runs_the_tiles_and_forcing_it_says_so():
+    hidden, weight, _, labels, temperature, _ = _case(4, 9, 3, 2)
+    lp, _ = head_log_probs(hidden, weight, labels, temperature)  # on a CPU, never the fused kernel
+    assert lp.shape == (4,)
+    with pytest.raises(ValueError, match="kernel: expected a head kernel that serves this call"):
+        head_log_probs(hidden, weight, labels, temperature, kernel="cut_cross_entropy")
+    with pytest.raises(ValueError, match=r"kernel: expected one of \['auto', 'cut_cross_entropy', 'tiles'\]"):
+        head_log_probs(hidden, weight, labels, temperature, kernel="liger")
+
+
+def test_the_pypi_release_without_a_bias_serves_a_head_without_one_and_a_bias_takes_the_tiles(fused_release):
+    hidden, weight, b, labels, temperature, weights = _case(6, 13, 4, 2, bias=True, per_token=True)
+
+    def run(kernel, bias):
+        return lambda: head_log_probs(hidden, weight, labels, temperature, bias=bias, kernel=kernel)
+
+    ours = _values_and_grads(run("auto", None), hidden, weight, None, weights, False)
+    assert len(fused_release) == 1 and fused_release[0]["filter_eps"] is None
+    _assert_close(ours, _values_and_grads(run("tiles", None), hidden, weight, None, weights, False))
+    head_log_probs(hidden, weight, labels, temperature, bias=b)
+    assert len(fused_release) == 1  # the tiles ran
+    with pytest.raises(ValueError, match=r"takes no bias \(its PyPI release 25.1.1 has none\)"):
+        head_log_probs(hidden, weight, labels, temperature, bias=b, kernel="cut_cross_entropy")

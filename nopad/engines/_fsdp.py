@@ -30,7 +30,7 @@ from nopad._attention import KERNELS, packed_attention, reads_boundaries
 from nopad._batch import check_choice, check_real, check_real_dtype, get_field
 from nopad._errors import check_flag, check_int, input_error
 from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
-from nopad.engines._head import default_tile, head_forward, run_head
+from nopad.engines._head import HEAD_KERNELS, default_tile, head_forward, run_head
 from nopad.parallel._ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
 PAD_TOKEN_ID = 0
@@ -354,6 +354,7 @@ def head_log_probs(
     bias: Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    kernel: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """(T, H) hidden states, (V, H) output weight, (T,) labels -> (T,) log-probs and optional (T,) entropy.
 
@@ -369,6 +370,12 @@ def head_log_probs(
     just the weight passed here: its gradient accumulates into the same parameter. The work is a
     loop over tiles: its op count grows with T / chunk_size (the head's one exception to a fixed
     number of ops per call), never with the number of sequences.
+
+    ``kernel``: "auto" runs cut_cross_entropy's fused kernel (Apple's Cut Cross-Entropy, where it is
+    installed, on CUDA: the label's logit and the log-sum-exp on chip) for a call it serves, log-probs
+    without entropy and a temperature it can fold in, and the tiles above for every other call;
+    "tiles" or "cut_cross_entropy" forces one (a forced kernel that cannot serve the call raises
+    ValueError saying why). Nothing extra needs installing: the tiles are the reference and the fallback.
     """
     _check_rows_and_labels(hidden, "hidden", "(tokens, hidden)", labels)
     check_real_dtype(weight, "weight", floating=True)
@@ -395,7 +402,16 @@ def head_log_probs(
     if chunk_size is not None:
         tile = (check_int(chunk_size, "chunk_size", low=1), default_tile(hidden.device)[1])
     return run_head(
-        hidden, weight, bias, labels, temperature, with_entropy, scale=logit_scale, softcap=softcap, tile=tile
+        hidden,
+        weight,
+        bias,
+        labels,
+        temperature,
+        with_entropy,
+        scale=logit_scale,
+        softcap=softcap,
+        tile=tile,
+        kernel=check_choice(kernel, "kernel", ("auto", *HEAD_KERNELS)),
     )
 
 

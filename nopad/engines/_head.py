@@ -26,6 +26,7 @@ soft-capping derivative), and the label's one-hot part is added once per token o
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import weakref
 from collections.abc import Iterator
@@ -339,6 +340,95 @@ def head_factors(
     return torch.full((1, 1), numerator / float(temperature), dtype=acc, device=like.device).expand(rows, 1)
 
 
+# ---- the kernels: a fused one where it is installed and serves the call, the tiles everywhere ----
+# In the order "auto" tries them. cut_cross_entropy (Apple's Cut Cross-Entropy, Triton, CUDA) computes
+# the label's logit and the log-sum-exp on chip and never writes logits; it gives log-probs only, so a
+# call that asks for entropy, or whose temperature it cannot fold into its inputs, takes the tiles.
+HEAD_KERNELS = ("cut_cross_entropy", "tiles")
+
+
+def _load_cut_cross_entropy() -> Any:
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy
+
+
+_LOADERS = {"cut_cross_entropy": _load_cut_cross_entropy}
+
+
+@functools.cache
+def _kernel_function(kernel: str) -> Any:
+    """The installed kernel's entry point, or None when it is missing or cannot load here."""
+    try:
+        return _LOADERS[kernel]()
+    except Exception:  # noqa: BLE001 - not installed, or installed without what it needs (Triton, CUDA)
+        return None
+
+
+def kernel_installed(kernel: str) -> bool:
+    return kernel == "tiles" or _kernel_function(kernel) is not None
+
+
+@dataclass(frozen=True)
+class HeadNeeds:
+    """What a call asks of a head kernel."""
+
+    entropy: bool
+    softcap: bool
+    bias: bool
+    per_token_temperature: bool
+    temperature_is_one: bool
+
+
+def _head_refusal(kernel: str, device_type: str, needs: HeadNeeds) -> str | None:
+    """Why ``kernel`` cannot serve this call, or None."""
+    if kernel == "tiles":
+        return None
+    if not kernel_installed(kernel):
+        return f"{kernel} is not installed (or cannot load here)"
+    if device_type != "cuda":
+        return f"{kernel} runs on CUDA only"
+    if needs.entropy:
+        return f"{kernel} gives log-probs only, not the entropy"
+    if needs.softcap and not needs.temperature_is_one:
+        return f"{kernel} caps the logits before a temperature could divide them"
+    if needs.bias and "bias" not in inspect.signature(_kernel_function(kernel)).parameters:
+        return f"this {kernel} takes no bias (its PyPI release 25.1.1 has none)"
+    if needs.bias and needs.per_token_temperature:
+        return f"{kernel} takes one bias: a per-token temperature cannot scale it"
+    return None
+
+
+def select_head_kernel(requested: str, device_type: str, needs: HeadNeeds) -> str:
+    """The kernel that runs a call: the first of :data:`HEAD_KERNELS` that serves it ("auto"), or the
+    one requested, which must serve it (else a ValueError saying why)."""
+    if requested == "auto":
+        return next(k for k in HEAD_KERNELS if _head_refusal(k, device_type, needs) is None)
+    if requested not in HEAD_KERNELS:
+        raise input_error("kernel", None, f"'auto' or one of {list(HEAD_KERNELS)}", repr(requested))
+    why = _head_refusal(requested, device_type, needs)
+    if why is not None:
+        raise input_error("kernel", None, f"a head kernel that serves this call ({why})", repr(requested))
+    return requested
+
+
+def _fused_log_probs(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, k: Tensor, softcap: float | None
+) -> Tensor:
+    """(T,) float32 log-probs from cut_cross_entropy, exact: ``filter_eps=None`` turns off its
+    gradient filtering (which skips blocks of small gradient), in its 25.1.1 release and since.
+
+    z = k x (k = scale / t per token) is the logits of the rows ``k * hidden`` and the bias ``k * bias``
+    (one k when there is a bias); with soft-capping (t = 1), k = scale and the kernel caps.
+    """
+    factors = k.to(hidden.dtype)
+    extra = {} if bias is None else {"bias": bias * factors[0, 0]}
+    loss = _kernel_function("cut_cross_entropy")(
+        hidden * factors, weight, labels, softcap=softcap, reduction="none", filter_eps=None, impl="cce", **extra
+    )
+    return -loss.float()
+
+
 def run_head(
     hidden: Tensor,
     weight: Tensor,
@@ -350,8 +440,20 @@ def run_head(
     scale: float = 1.0,
     softcap: float | None = None,
     tile: tuple[int, int] | None = None,
+    kernel: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """(T,) log-probs and entropy of checked arguments (the temperature per token or a float)."""
+    per_token = isinstance(temperature, Tensor)
+    needs = HeadNeeds(
+        entropy=with_entropy,
+        softcap=softcap is not None,
+        bias=bias is not None,
+        per_token_temperature=per_token,
+        temperature_is_one=not per_token and float(temperature) == 1.0,
+    )
+    if select_head_kernel(kernel, hidden.device.type, needs) == "cut_cross_entropy":
+        k = head_factors(temperature, hidden.shape[0], scale, None, hidden)
+        return _fused_log_probs(hidden, weight, bias, labels, k, softcap), None
     rows, cols = tile or default_tile(hidden.device)
     k = head_factors(temperature, hidden.shape[0], scale, softcap, hidden)
     pre = None if softcap is None else scale / softcap
