@@ -209,9 +209,9 @@ def bench_head(
                 if row[f"{contender}_ms"] is None or result["ms"] < row[f"{contender}_ms"]:
                     row[f"{contender}_ms"], row[f"{contender}_cpu_ms"] = result["ms"], result["cpu_ms"]
                 row[f"{contender}_gib"] = max(row[f"{contender}_gib"] or 0.0, result["peak_gib"])
-        for other in ("logits", "verl"):
-            if row.get(f"{other}_ms") and row.get("chunked_ms"):
-                row[f"chunked/{other} time"] = row["chunked_ms"] / row[f"{other}_ms"]
+        for ours, other in (("chunked", "logits"), ("chunked", "verl"), ("fused_lp", "chunked_lp")):
+            if row.get(f"{other}_ms") and row.get(f"{ours}_ms"):
+                row[f"{ours}/{other} time"] = row[f"{ours}_ms"] / row[f"{other}_ms"]
         rows.append(row)
         if on_row is not None:
             on_row(row)
