@@ -676,6 +676,10 @@ class IndexPlan:
         if not isinstance(values, Tensor) or values.dim() < ragged_dim or values.shape[ragged_dim - 1] != self.total:
             got = f"shape {tuple(values.shape)}" if isinstance(values, Tensor) else type(values).__name__
             raise input_error("values", None, f"{self.total} tokens on dim {ragged_dim - 1}", got)
+        return self._wrap(values, ragged_dim)
+
+    def _wrap(self, values: Tensor, ragged_dim: int) -> Tensor:
+        """:meth:`to_nested` of values known to hold this plan's tokens (its own gathers')."""
         if self._seqlen_cache is None and self._max_seqlen is not None and self._min_seqlen is not None:
             self._seqlen_cache = seqlen_records(self._min_seqlen, self._max_seqlen)
         return wrap_jagged(
@@ -700,7 +704,7 @@ class IndexPlan:
         """
         values = self.pack(x, seq_dim)
         values = values if seq_dim == 1 else values.movedim(0, seq_dim - 1)
-        return self.to_nested(values, ragged_dim=seq_dim)
+        return self._wrap(values, seq_dim)
 
     def unnest(self, nested: Tensor, width: int | None = None) -> Tensor:
         """Nested (B, j, *) or (B, C, j) -> padded (B, width, *) or (B, C, width).

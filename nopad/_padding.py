@@ -64,18 +64,14 @@ def _fits_one_int64(width: int) -> bool:
     return width + base * width + base**2 * (width * width // 2 + 1) < 2**63
 
 
-def _row_facts(
-    attention_mask: Tensor, response_mask: Tensor, prompt_width: int, check_response_mask: bool
-) -> tuple[Any, list[tuple[Tensor, str]]]:
-    """(B, 3 or 4) int64 numpy: ones, prompt ones, signed moment [, response tokens on padding], and
-    the float masks that are not 0/1 masks (:func:`nopad._errors.check_mask`), as (mask, field). The sync.
+def _row_facts(attention_mask: Tensor, response_mask: Tensor, prompt_width: int, check_response_mask: bool) -> Any:
+    """(B, 3 or 4) int64 numpy: ones, prompt ones, signed moment [, response tokens on padding]. The sync.
 
     One weighted sum per row (integer, so exact; no BLAS, whose thread pool stalls on a busy host).
     An integer or bool mask selects: any nonzero entry is a token (as the gathers read it), so its
     values need no check. A float mask must hold only 0s and 1s: how many do not travels in the
-    same read (a 0.5 is neither a token nor padding).
+    same read (a 0.5 is neither a token nor padding), and :func:`nopad._errors.mask_error` is raised.
     """
-    masks = [(attention_mask, "attention_mask")] + ([(response_mask, "response_mask")] if check_response_mask else [])
     ones = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
     width = ones.shape[1]
     packed = _fits_one_int64(width)
@@ -87,18 +83,26 @@ def _row_facts(
         columns = [ones.sum(-1), ones[:, :prompt_width].sum(-1), (ones * moment).sum(-1)]
     if check_response_mask:
         columns.append(((response_mask != 0) & (ones[:, prompt_width:] == 0)).sum(-1))
-    checked = [(mask, field) for mask, field in masks if mask.dtype.is_floating_point and mask.numel()]
     rows = columns[0] if len(columns) == 1 else torch.stack(columns, 1).flatten()
-    if rows.dtype != torch.int64:
-        rows = rows.to(torch.int64)
-    not_0_or_1 = [not_01(mask).sum().reshape(1) for mask, _ in checked]  # how many entries are neither
-    host = device_to_host(torch.cat([rows, *not_0_or_1]) if checked else rows)
+    if attention_mask.dtype.is_floating_point or (check_response_mask and response_mask.dtype.is_floating_point):
+        host = _read_with_float_mask_checks(rows, attention_mask, response_mask, check_response_mask)
+    else:
+        host = device_to_host(rows)
+    facts = host.reshape(-1, len(columns))
+    return _unpack_row_facts(facts, width) if packed else facts
+
+
+def _read_with_float_mask_checks(rows: Tensor, attention_mask: Tensor, response_mask: Tensor, both: bool) -> Any:
+    """``rows`` on the host, after refusing a float mask (of the two read) that is not a 0/1 mask:
+    how many of its entries are neither travels in the same copy."""
+    masks = ((attention_mask, "attention_mask"), (response_mask, "response_mask"))[: 2 if both else 1]
+    checked = [(mask, field) for mask, field in masks if mask.dtype.is_floating_point and mask.numel()]
+    host = device_to_host(torch.cat([rows, *(not_01(mask).sum().reshape(1) for mask, _ in checked)]))
     count = rows.shape[0]
-    bad = [(mask, field) for k, (mask, field) in enumerate(checked) if host[count + k] > 0]
-    if bad:
-        return None, bad
-    facts = host[:count].reshape(-1, len(columns))
-    return (_unpack_row_facts(facts, width) if packed else facts), []
+    for k, (mask, field) in enumerate(checked):
+        if host[count + k] > 0:
+            raise mask_error(mask, field)
+    return host[:count]
 
 
 def _unpack_row_facts(host: Any, width: int) -> Any:
@@ -190,9 +194,7 @@ def _plan_left_right(
 ) -> IndexPlan:
     """:func:`plan_left_right` of checked arguments: the row facts, their checks and the plan."""
     S, R = attention_mask.shape[1], response_mask.shape[-1]
-    facts, not_masks = _row_facts(attention_mask, response_mask, S - R, check_response_mask)
-    if not_masks:
-        raise mask_error(*not_masks[0])
+    facts = _row_facts(attention_mask, response_mask, S - R, check_response_mask)
     failure = _first_bad_row(facts, S - R)
     if failure is not None:
         field, row, expected = failure
@@ -277,35 +279,32 @@ def left_right_2_no_padding(
         raise input_error("fields", None, "a list of field names", f"the string {fields!r} (write [{fields!r}])")
     fields = list(fields)
     check_response_mask = check_flag(check_response_mask, "check_response_mask")
-    missing = [k for k in REQUIRED_KEYS if k not in data.keys()]
+    present = set(data.keys())  # one walk of the keys (each data.keys() builds a view)
+    missing = [k for k in REQUIRED_KEYS if k not in present]
     if missing:
         raise input_error("data", None, f"keys {list(REQUIRED_KEYS)}", f"missing {missing}")
-    absent = [k for k in fields if not isinstance(k, str) or k not in data.keys()]
+    absent = [k for k in fields if not isinstance(k, str) or k not in present]
     if absent:
         raise input_error("fields", None, f"names of per-token fields of data (keys {list(data.keys())})", f"{absent}")
     input_ids, attention_mask = data["input_ids"], data["attention_mask"]
     response_mask, position_ids = data["response_mask"], data["position_ids"]
-    if any(_is_nested(x) for x in (input_ids, attention_mask, response_mask, position_ids)):
-        raise input_error(
-            "data", None, "padded (dense) input_ids, attention_mask, response_mask, position_ids", "a nested tensor"
-        )
-    if input_ids.dim() != 2:
-        raise input_error("input_ids", None, "shape (batch, seqlen)", f"{tuple(input_ids.shape)}")
+    _check_masks(attention_mask, response_mask)
+    B, S = attention_mask.shape
     check_integer_tensor(input_ids, "input_ids")
     check_integer_tensor(position_ids, "position_ids")
-    B, S = input_ids.shape
-    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (B, S):
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-        raise input_error("attention_mask", None, f"shape {(B, S)} like input_ids", f"{shape}")
-    _check_masks(attention_mask, response_mask)
-    mrope = position_ids.dim() == 3
+    if _is_nested(input_ids) or input_ids.shape != (B, S):
+        got = "a nested tensor" if _is_nested(input_ids) else f"{tuple(input_ids.shape)}"
+        raise input_error("input_ids", None, f"shape ({B}, {S}) like attention_mask", got)
+    mrope = not _is_nested(position_ids) and position_ids.dim() == 3
     if (
-        position_ids.shape[0] != B
+        _is_nested(position_ids)
+        or position_ids.dim() not in (2, 3)
+        or position_ids.shape[0] != B
         or position_ids.shape[-1] != S
         or (mrope and position_ids.shape[1] not in (3, 4))
-        or position_ids.dim() not in (2, 3)
     ):
-        raise input_error("position_ids", None, f"shape ({B}, {S}) or ({B}, 3|4, {S})", f"{tuple(position_ids.shape)}")
+        got = "a nested tensor" if _is_nested(position_ids) else f"{tuple(position_ids.shape)}"
+        raise input_error("position_ids", None, f"shape ({B}, {S}) or ({B}, 3|4, {S})", got)
 
     if plan is None:
         plan = _plan_left_right(attention_mask, response_mask, check_response_mask, None)
@@ -326,7 +325,7 @@ def left_right_2_no_padding(
     put("position_ids", plan.nest(position_ids, seq_dim=2 if mrope else 1))
     put("loss_mask", response_mask)
     for key in (*PER_TOKEN_KEYS, *fields):
-        if key in data.keys() and not _is_nested(data[key]):
+        if key in present and not _is_nested(data[key]):
             put(key, plan.nest(_check_per_token(data, key, B, S)))
     out.set_non_tensor("max_seq_len", S)
     out.set_non_tensor("max_response_len", response_mask.shape[1])
