@@ -711,3 +711,9 @@ def test_the_pypi_release_without_a_bias_serves_a_head_without_one_and_a_bias_ta
     assert len(fused_release) == 1  # the tiles ran
     with pytest.raises(ValueError, match=r"takes no bias \(its PyPI release 25.1.1 has none\)"):
         head_log_probs(hidden, weight, labels, temperature, bias=b, kernel="cut_cross_entropy")
+
+
+def test_no_tokens_launch_no_fused_kernel_and_give_empty_results(fused):
+    hidden, weight, _, labels, _, _ = _case(3, 9, 4, 5)
+    lp, ent = head_log_probs(hidden[:0], weight, labels[:0], 0.7, kernel="cut_cross_entropy")
+    assert lp.shape == (0,) and ent is None and not fused

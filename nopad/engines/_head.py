@@ -451,7 +451,8 @@ def run_head(
         per_token_temperature=per_token,
         temperature_is_one=not per_token and float(temperature) == 1.0,
     )
-    if select_head_kernel(kernel, hidden.device.type, needs) == "cut_cross_entropy":
+    chosen = select_head_kernel(kernel, hidden.device.type, needs)
+    if chosen == "cut_cross_entropy" and hidden.shape[0]:  # no tokens: nothing to launch (the tiles give empty results)
         k = head_factors(temperature, hidden.shape[0], scale, None, hidden)
         return _fused_log_probs(hidden, weight, bias, labels, k, softcap), None
     rows, cols = tile or default_tile(hidden.device)
