@@ -4,6 +4,7 @@ real models (plain, biased, soft-capped, scaled, tied) served end to end or refu
 from __future__ import annotations
 
 import functools
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -623,27 +624,31 @@ def _install_standin(monkeypatch, with_bias):
     import nopad.engines._head as head
 
     calls: list[dict] = []
-    refusal = head._head_refusal
     monkeypatch.setitem(head._LOADERS, "cut_cross_entropy", lambda: _cut_cross_entropy_standin(calls, with_bias))
-    monkeypatch.setattr(head, "_head_refusal", lambda kernel, device_type, needs: refusal(kernel, "cuda", needs))
-    head._kernel_function.cache_clear()
+    monkeypatch.setattr(head, "_on_cuda", lambda device: True)
+    _clear_kernel_caches()
+    head._probe_failure("cut_cross_entropy", "cpu")  # the once-per-process probe, run and passed now
+    calls.clear()
     return calls
+
+
+def _clear_kernel_caches():
+    import nopad.engines._head as head
+
+    head._kernel_function.cache_clear()
+    head._probe_failure.cache_clear()
 
 
 @pytest.fixture
 def fused(monkeypatch):
     yield _install_standin(monkeypatch, with_bias=True)
-    import nopad.engines._head as head
-
-    head._kernel_function.cache_clear()
+    _clear_kernel_caches()
 
 
 @pytest.fixture
 def fused_release(monkeypatch):
     yield _install_standin(monkeypatch, with_bias=False)
-    import nopad.engines._head as head
-
-    head._kernel_function.cache_clear()
+    _clear_kernel_caches()
 
 
 @pytest.mark.parametrize(
@@ -717,3 +722,58 @@ def test_no_tokens_launch_no_fused_kernel_and_give_empty_results(fused):
     hidden, weight, _, labels, _, _ = _case(3, 9, 4, 5)
     lp, ent = head_log_probs(hidden[:0], weight, labels[:0], 0.7, kernel="cut_cross_entropy")
     assert lp.shape == (0,) and ent is None and not fused
+
+
+def _broken(kind):
+    """A cut_cross_entropy whose install fails at run time, or computes something else."""
+
+    def linear_cross_entropy(e, c, targets, ignore_index=-100, softcap=None, reduction="mean", shift=False,
+                             filter_eps="high", impl="cce"):  # fmt: skip
+        if kind == "raises":
+            raise RuntimeError("triton: unsupported target")
+        logits = e @ c.T
+        loss = -logits.float().log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return loss + 0.5 if kind == "values" else loss.detach() + 0 * e.sum(-1)  # "grads": no gradient to c
+
+    return linear_cross_entropy
+
+
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [("raises", r"RuntimeError: triton: unsupported target"), ("values", "differ"), ("grads", "differ")],
+)
+def test_an_install_that_fails_its_probe_is_never_used_and_says_why(monkeypatch, kind, why):
+    import nopad.engines._head as head
+
+    monkeypatch.setitem(head._LOADERS, "cut_cross_entropy", lambda: _broken(kind))
+    monkeypatch.setattr(head, "_on_cuda", lambda device: True)
+    _clear_kernel_caches()
+    try:
+        hidden, weight, _, labels, temperature, _ = _case(5, 11, 4, 3)
+        with pytest.warns(RuntimeWarning, match=f"failed its probe here.*{why}.*the head runs the tiles"):
+            lp, _ = head_log_probs(hidden, weight, labels, temperature)
+        expected, _ = head_log_probs(hidden, weight, labels, temperature, kernel="tiles")
+        assert torch.equal(lp, expected)
+        with pytest.raises(ValueError, match=f"failed its probe here.*{why}"):
+            head_log_probs(hidden, weight, labels, temperature, kernel="cut_cross_entropy")
+    finally:
+        _clear_kernel_caches()
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_the_probe_runs_when_the_first_call_comes_without_autograd(monkeypatch, context):
+    import nopad.engines._head as head
+
+    calls: list[dict] = []
+    monkeypatch.setitem(head._LOADERS, "cut_cross_entropy", lambda: _cut_cross_entropy_standin(calls, False))
+    monkeypatch.setattr(head, "_on_cuda", lambda device: True)
+    _clear_kernel_caches()
+    try:
+        hidden, weight, _, labels, temperature, _ = _case(5, 11, 4, 3)
+        with context(), warnings.catch_warnings():
+            warnings.simplefilter("error")  # a failed probe would warn
+            lp, _ = head_log_probs(hidden, weight, labels, temperature)
+        assert len(calls) == 2  # the probe's call and this one
+        assert torch.allclose(lp, head_log_probs(hidden, weight, labels, temperature, kernel="tiles")[0], atol=1e-5)
+    finally:
+        _clear_kernel_caches()

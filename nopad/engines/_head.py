@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -380,13 +381,17 @@ class HeadNeeds:
     temperature_is_one: bool
 
 
-def _head_refusal(kernel: str, device_type: str, needs: HeadNeeds) -> str | None:
+def _on_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _head_refusal(kernel: str, device: torch.device, needs: HeadNeeds) -> str | None:
     """Why ``kernel`` cannot serve this call, or None."""
     if kernel == "tiles":
         return None
     if not kernel_installed(kernel):
         return f"{kernel} is not installed (or cannot load here)"
-    if device_type != "cuda":
+    if not _on_cuda(device):
         return f"{kernel} runs on CUDA only"
     if needs.entropy:
         return f"{kernel} gives log-probs only, not the entropy"
@@ -396,17 +401,48 @@ def _head_refusal(kernel: str, device_type: str, needs: HeadNeeds) -> str | None
         return f"this {kernel} takes no bias (its PyPI release 25.1.1 has none)"
     if needs.bias and needs.per_token_temperature:
         return f"{kernel} takes one bias: a per-token temperature cannot scale it"
-    return None
+    return _probe_failure(kernel, str(device))
 
 
-def select_head_kernel(requested: str, device_type: str, needs: HeadNeeds) -> str:
+@functools.cache
+def _probe_failure(kernel: str, device: str) -> str | None:
+    """Why the installed ``kernel`` failed its probe on ``device``, or None. Once per process and
+    device, a small forward and backward must run and equal the tiles (its results are read back:
+    host syncs, once). An install that does not run here (a Triton it does not know) or computes
+    something else is never used."""
+    results = []
+    try:
+        # The first call may come inside no_grad or inference_mode (old log-probs): the probe needs autograd.
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
+            g = torch.Generator().manual_seed(0)
+            # Small integers: every logit is exact in any matmul precision, so the two must agree closely.
+            hidden, weight = (torch.randint(-2, 3, shape, generator=g).float() for shape in ((16, 64), (128, 64)))
+            labels, k = torch.randint(0, 128, (16,), generator=g), torch.full((16, 1), 0.25)
+            for fused in (True, False):
+                h, w = (x.to(device).requires_grad_() for x in (hidden, weight))
+                args = (h, w, None, labels.to(device), k.to(device))
+                lp = _fused_log_probs(*args, None) if fused else ChunkedHead.apply(*args, None, False, 16, 128)[0]
+                (lp * torch.arange(1.0, 17.0, device=device)).sum().backward()
+                grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in (h, w)]  # none: differs
+                results.append([x.detach().cpu() for x in (lp, *grads)])
+    except Exception as error:  # noqa: BLE001 - whatever the install raises, the tiles serve instead
+        failure = f"{kernel} failed its probe here ({type(error).__name__}: {error})"
+    else:
+        close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(*results))
+        failure = None if close else f"{kernel} failed its probe here (its results differ from the tiles')"
+    if failure is not None:
+        warnings.warn(f"nopad: {failure}; the head runs the tiles", RuntimeWarning, stacklevel=2)
+    return failure
+
+
+def select_head_kernel(requested: str, device: torch.device, needs: HeadNeeds) -> str:
     """The kernel that runs a call: the first of :data:`HEAD_KERNELS` that serves it ("auto"), or the
     one requested, which must serve it (else a ValueError saying why)."""
     if requested == "auto":
-        return next(k for k in HEAD_KERNELS if _head_refusal(k, device_type, needs) is None)
+        return next(k for k in HEAD_KERNELS if _head_refusal(k, device, needs) is None)
     if requested not in HEAD_KERNELS:
         raise input_error("kernel", None, f"'auto' or one of {list(HEAD_KERNELS)}", repr(requested))
-    why = _head_refusal(requested, device_type, needs)
+    why = _head_refusal(requested, device, needs)
     if why is not None:
         raise input_error("kernel", None, f"a head kernel that serves this call ({why})", repr(requested))
     return requested
@@ -451,7 +487,7 @@ def run_head(
         per_token_temperature=per_token,
         temperature_is_one=not per_token and float(temperature) == 1.0,
     )
-    chosen = select_head_kernel(kernel, hidden.device.type, needs)
+    chosen = select_head_kernel(kernel, hidden.device, needs)
     if chosen == "cut_cross_entropy" and hidden.shape[0]:  # no tokens: nothing to launch (the tiles give empty results)
         k = head_factors(temperature, hidden.shape[0], scale, None, hidden)
         return _fused_log_probs(hidden, weight, bias, labels, k, softcap), None
