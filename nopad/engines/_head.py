@@ -411,6 +411,7 @@ def _probe_failure(kernel: str, device: str) -> str | None:
     host syncs, once). An install that does not run here (a Triton it does not know) or computes
     something else is never used."""
     results = []
+    failure: str | None = None
     try:
         # The first call may come inside no_grad or inference_mode (old log-probs): the probe needs autograd.
         with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
