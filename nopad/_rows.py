@@ -111,6 +111,10 @@ def row_index(index: Any, batch: int) -> np.ndarray:
         raise input_error(
             "index", None, "a slice, row indices or a bool mask (an int would drop the batch dim)", repr(index)
         )
+    if isinstance(index, Tensor) and index.dtype == torch.uint8:  # torch indexes with one as a mask, numpy as rows
+        raise input_error(
+            "index", None, "integer row indices or a bool mask", "a uint8 tensor (ambiguous: use .bool())"
+        )
     array = device_to_host(index) if isinstance(index, Tensor) else np.asarray(index)
     if array.ndim != 1:
         raise input_error("index", None, "a 1-D index of rows", f"shape {array.shape}")

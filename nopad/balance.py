@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nopad._errors import check_int, input_error
+from nopad._errors import check_flag, check_int, input_error
 from nopad._layout import device_to_host, round_up
 from nopad._partition import first_fit, fits, karmarkar_karp_arrays, max_over_group, order_partitions, split_until
 
@@ -106,8 +106,9 @@ def karmarkar_karp(values: Sequence[int] | np.ndarray | Tensor, k_partitions: in
     lists in descending order of their sums. Integers >= 0. Host only (a device tensor is read)."""
     array = _host_ints(values, "values")
     k = check_int(k_partitions, "k_partitions", low=1)
-    _check_partitioning(array, k, bool(equal_size), "values")
-    return karmarkar_karp_arrays(array, k, bool(equal_size))
+    equal_size = check_flag(equal_size, "equal_size")
+    _check_partitioning(array, k, equal_size, "values")
+    return karmarkar_karp_arrays(array, k, equal_size)
 
 
 def balanced_partitions(
@@ -168,6 +169,8 @@ def micro_batch_partitions(
     group = check_int(force_group_size, "force_group_size", low=1)
     step = 1 if num_batches_divided_by is None else check_int(num_batches_divided_by, "num_batches_divided_by", low=1)
     least = 1 if min_num_micro_batch is None else check_int(min_num_micro_batch, "min_num_micro_batch", low=1)
+    if dp_group is not None and not isinstance(dp_group, torch.distributed.ProcessGroup):
+        raise input_error("dp_group", None, "a torch.distributed ProcessGroup, or None", type(dp_group).__name__)
     if len(lengths) == 0 or len(lengths) % group:
         raise input_error(
             "lengths", None, f"a non-empty batch of a multiple of force_group_size={group} rows", f"{len(lengths)} rows"
@@ -178,22 +181,29 @@ def micro_batch_partitions(
     start = round_up(max(min(groups, -(-int(tokens.sum()) // budget)), least, 1), step)
     fit_count, fitting = first_fit(work, tokens, budget, start, step)
     count, longest, fewest_groups = fit_count, int(tokens.max()), groups
-    if dp_group is not None and torch.distributed.is_initialized():
+    if dp_group is not None:
         count, longest, fewest_groups = max_over_group([fit_count, longest, -groups], dp_group)
         fewest_groups = -fewest_groups
     if longest > budget:
         what = "row" if group == 1 else f"group of {group} rows"
         raise input_error("max_token_len", None, f">= {longest}, the longest {what} (in tokens)", f"{budget}")
     if count > fewest_groups:
-        raise input_error(
-            "max_token_len",
-            None,
-            f"a budget met by at most {fewest_groups} micro-batches (the fewest rows or groups a rank has), "
-            f"a multiple of num_batches_divided_by={step}",
-            f"{budget}, which needs {count}",
-        )
+        raise _too_many_micro_batches(count, fewest_groups, budget, least, step)
     partitions = karmarkar_karp_arrays(work, count, False) if count != fit_count else fitting
     if not fits(partitions, tokens, budget):
         partitions = split_until(fitting, count, tokens)
     row_work = (workload or Workload())(lengths) if balance else None
     return order_partitions(partitions, group, row_work)
+
+
+def _too_many_micro_batches(count: int, most: int, budget: int, least: int, step: int) -> ValueError:
+    """The error for a cut into ``count`` micro-batches where a rank has only ``most`` rows (or
+    groups), naming the argument that asked for more."""
+    where = f"the fewest rows or groups a rank has: {most}"
+    if least > most:
+        return input_error("min_num_micro_batch", None, f"at most {most} micro-batches ({where})", f"{least}")
+    if round_up(least, step) > most:
+        expected = f"a count of micro-batches that divides into at most {most} ({where})"
+        return input_error("num_batches_divided_by", None, expected, f"{step}")
+    expected = f"a budget met by at most {most} micro-batches ({where}), a multiple of num_batches_divided_by={step}"
+    return input_error("max_token_len", None, expected, f"{budget}, which needs {count}")

@@ -129,7 +129,17 @@ def test_micro_batch_partitions_are_verls_cut(lengths, slack, step, least, balan
         (lambda: karmarkar_karp([2**62, 1], 1, False), "values whose sum fits in int64"),
         (lambda: micro_batch_partitions([5, 9], 8), "max_token_len: expected >= 9, the longest row (in tokens), got 8"),
         (lambda: micro_batch_partitions([5, 4], 8, force_group_size=2), "the longest group of 2 rows (in tokens)"),
-        (lambda: micro_batch_partitions([5, 5], 10, min_num_micro_batch=3), "at most 2 micro-batches"),
+        (lambda: micro_batch_partitions([5, 5], 10, min_num_micro_batch=3), "min_num_micro_batch: expected at most 2"),
+        (
+            lambda: micro_batch_partitions([9, 9], 10, num_batches_divided_by=3),
+            "num_batches_divided_by: expected a count",
+        ),
+        (
+            lambda: micro_batch_partitions([9, 9, 9], 10, num_batches_divided_by=2),
+            "max_token_len: expected a budget met",
+        ),
+        (lambda: micro_batch_partitions([5, 5], 10, dp_group="dp"), "dp_group: expected a torch.distributed"),
+        (lambda: karmarkar_karp([1, 2, 3, 4], 2, "false"), "equal_size: expected True or False"),
         (lambda: micro_batch_partitions([], 10), "a non-empty batch"),
         (lambda: micro_batch_partitions([1, 2], 10.0), "max_token_len: expected an int >= 1, got 10.0"),
         (lambda: Workload(linear=-1), "linear: expected an int >= 0, got -1"),

@@ -265,6 +265,7 @@ def test_a_converted_batch_is_cut_and_restored_without_a_host_sync():
         (lambda d: select_rows(d, [0.5]), "integer row indices"),
         (lambda d: select_rows(d, torch.tensor([True, False])), "a bool mask of 4 rows"),
         (lambda d: select_rows(d, [[0, 1]]), "a 1-D index of rows"),
+        (lambda d: select_rows(d, torch.tensor([1, 0, 1, 0], dtype=torch.uint8)), "a uint8 tensor (ambiguous"),
         (lambda d: select_rows({"x": 1}, [0]), "a TensorDict with a batch dim"),
         (lambda d: split_rows(d, [2, 0, 2]), "sizes[1]: expected an int >= 1, got 0"),
         (lambda d: split_rows(d, [1, 2]), "part sizes >= 1 that sum to the batch's 4 rows"),
