@@ -18,6 +18,7 @@ out itself (a conversion, or an earlier call here), since it keeps their host co
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -108,10 +109,17 @@ class RowRestore:
     in the batch's own row order, in one gather per field.
 
     ``partitions`` are the batch rows of each micro-batch (verl's ``batch_idx_list``).
+
+    Outputs given one per micro-batch are checked to be theirs, for free: each must hold its
+    micro-batch's number of rows, and a nested output that follows the rows (the offsets) of
+    another of :func:`micro_batches`' micro-batches is refused, so outputs out of order are never
+    put back into the wrong rows. (Two micro-batches of as many rows, given as outputs that carry
+    nothing of their micro-batch, cannot be told apart.)
     """
 
     def __init__(self, partitions: list[list[int]]) -> None:
         self.partitions = partitions
+        self._owners: dict[int, tuple[int, weakref.ref]] = {}  # id(offsets) -> (micro-batch, the offsets)
         self.order = np.array([row for p in partitions for row in p], dtype=np.int64)
         self.inverse = np.empty_like(self.order)
         self.inverse[self.order] = np.arange(len(self.order))
@@ -147,17 +155,45 @@ class RowRestore:
         if not all(isinstance(p, (list, tuple)) for p in parts):
             kinds = sorted({type(p).__name__ for p in parts})
             raise input_error("outputs", None, "tensors, TensorDicts, dicts or per-row lists", f"{kinds}")
-        for p, rows in zip(parts, self.partitions):
-            if len(p) != len(rows):
-                raise input_error("outputs", None, f"per-row lists of {len(rows)} as the micro-batch", f"{len(p)}")
+        self._check_parts([len(p) for p in parts])
         items = [item for p in parts for item in p]
         return [items[i] for i in self.inverse.tolist()]
 
     def _take(self, parts: list[TensorDict]) -> TensorDict:
-        rows = sum(batch_size_of(p, "outputs") for p in parts)
-        if rows != self.batch_size:
-            raise input_error("outputs", None, f"{self.batch_size} rows in all (the batch's)", f"{rows}")
+        sizes = [batch_size_of(p, "outputs") for p in parts]
+        if len(parts) != len(self.partitions) or len(parts) == 1:  # one joined output
+            if sum(sizes) != self.batch_size:
+                raise input_error("outputs", None, f"{self.batch_size} rows in all (the batch's)", f"{sum(sizes)}")
+        else:
+            self._check_parts(sizes)
+            for i, part in enumerate(parts):
+                self._check_owner(i, part)
+        rows = sum(sizes)
         return take(parts, RowPlan.of(self.inverse, [rows], rows))[0]
+
+    def _check_parts(self, sizes: list[int]) -> None:
+        """Each output holds its micro-batch's number of rows."""
+        for i, (size, rows) in enumerate(zip(sizes, self.partitions)):
+            if size != len(rows):
+                raise input_error(f"outputs[{i}]", None, f"{len(rows)} rows, as micro-batch {i} holds", f"{size}")
+
+    def _check_owner(self, i: int, part: TensorDict) -> None:
+        """The first nested output of micro-batch ``i`` does not follow the offsets of another one
+        (one field tells: a part's outputs come from one micro-batch; each further field costs)."""
+        offsets = next(
+            (nested_offsets(v) for v in part.values() if isinstance(v, Tensor) and kind_of(v) == NESTED), None
+        )
+        owner, ref = self._owners.get(id(offsets), (i, None))
+        if owner != i and ref is not None and ref() is offsets:
+            got = f"the rows of micro-batch {owner} (outputs out of order?)"
+            raise input_error(f"outputs[{i}]", None, f"the rows of micro-batch {i}", got)
+
+    def _remember_offsets(self, micro: list[TensorDict]) -> None:
+        for i, part in enumerate(micro):
+            for value in part.values():
+                if isinstance(value, Tensor) and kind_of(value) == NESTED:
+                    offsets = nested_offsets(value)
+                    self._owners[id(offsets)] = (i, weakref.ref(offsets))
 
     def __repr__(self) -> str:
         return f"RowRestore(rows={self.batch_size}, micro_batches={len(self.partitions)})"
@@ -218,8 +254,9 @@ def micro_batches(
         workload=workload,
     )
     restore = RowRestore(partitions)
-    plan = RowPlan.of(restore.order, [len(p) for p in partitions], batch)
-    return take([data], plan), restore
+    micro = take([data], RowPlan.of(restore.order, [len(p) for p in partitions], batch))
+    restore._remember_offsets(micro)
+    return micro, restore
 
 
 def _given_lengths(lengths: Any, data: TensorDict) -> np.ndarray:

@@ -256,6 +256,20 @@ def test_a_converted_batch_is_cut_and_restored_without_a_host_sync():
     assert counter.syncs == 0
 
 
+def test_outputs_out_of_order_are_refused_never_put_back_into_the_wrong_rows():
+    data = nested_batch([4, 4, 4, 4], register=False)
+    micro, restore = micro_batches(data, 8)
+    assert [len(p) for p in restore.partitions] == [2, 2]  # as many rows and tokens: only the offsets tell
+    outputs = [m["log_probs"] * 2 for m in micro]
+    swapped = r"outputs\[0\]: expected the rows of micro-batch 0, got the rows of micro-batch 1"
+    with pytest.raises(ValueError, match=swapped):
+        restore(outputs[::-1])
+    twice = r"outputs\[1\]: expected the rows of micro-batch 1, got the rows of micro-batch 0"
+    with pytest.raises(ValueError, match=twice):
+        restore([{"lp": outputs[0]}, {"lp": outputs[0]}])
+    assert torch.equal(restore(outputs).values(), data["log_probs"].values() * 2)
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("call", "words"),
@@ -283,7 +297,14 @@ def test_a_converted_batch_is_cut_and_restored_without_a_host_sync():
         (lambda d: micro_batches(d, 40, lengths=[1, 2, 3, 4]), "lengths summing to input_ids' 16 tokens"),
         (lambda d: micro_batches(d, 40, lengths=[7, 1, 4, 4]), "lengths row 0: expected input_ids' length 3"),
         (lambda d: RowRestore([[0, 1], [2, 3]])([d]), "a list of 2 outputs (one per micro-batch) or one joined"),
-        (lambda d: RowRestore([[0, 1], [2, 3]])([[1], [2, 3]]), "per-row lists of 2 as the micro-batch, got 1"),
+        (
+            lambda d: RowRestore([[0, 1], [2, 3]])([[1], [2, 3]]),
+            "outputs[0]: expected 2 rows, as micro-batch 0 holds, got 1",
+        ),
+        (
+            lambda d: RowRestore([[0], [1, 2, 3]])([d[:3], d[:1]]),
+            "outputs[0]: expected 1 rows, as micro-batch 0 holds, got 3",
+        ),
         (lambda d: RowRestore([[0, 1], [2, 3]])(["ab", "cd"]), "tensors, TensorDicts, dicts or per-row lists"),
     ],
 )
