@@ -302,7 +302,7 @@ def test_outputs_out_of_order_are_refused_never_put_back_into_the_wrong_rows():
             "outputs[0]: expected 2 rows, as micro-batch 0 holds, got 1",
         ),
         (
-            lambda d: RowRestore([[0], [1, 2, 3]])([d[:3], d[:1]]),
+            lambda d: RowRestore([[0], [1, 2, 3]])([select_rows(d, [0, 1, 2]), select_rows(d, [0])]),
             "outputs[0]: expected 1 rows, as micro-batch 0 holds, got 3",
         ),
         (lambda d: RowRestore([[0, 1], [2, 3]])(["ab", "cd"]), "tensors, TensorDicts, dicts or per-row lists"),
