@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nopad._errors import check_int, free_to_read, input_error
-from nopad._layout import IndexPlan, block_causal_mask, to_host
+from nopad._layout import IndexPlan, block_causal_mask, known_host_lengths, to_host
+from nopad._routing import route, route_of
 from nopad.parallel._ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
 
 IMPLEMENTATION = "nopad_varlen"
@@ -339,6 +340,17 @@ def _given_boundaries(
         )
     if max_length is not None and not isinstance(max_length, Tensor):
         max_length = check_int(max_length, "max_length_q", low=0)
+    known = known_host_lengths(cu)
+    if known is not None:  # boundaries nopad made itself: their lengths are on the host already
+        if int(known.sum()) != total or (len(known) and int(known.min()) < 0):
+            raise input_error(
+                "cu_seq_lens_q", None, f"boundaries rising from 0 to the row's {total} tokens", _shown(cu)
+            )
+        longest = int(known.max()) if len(known) else 0
+        if max_length is not None and int(max_length) < longest:
+            expected = f"the longest sequence, {longest} tokens (a shorter max length cuts it)"
+            raise input_error("max_length_q", None, expected, f"{int(max_length)}")
+        return cu.to(device=device, dtype=torch.int32), longest if max_length is None else int(max_length)
     steps = cu.diff()
     if max_length is None or free_to_read(cu):  # a read made anyway, or free: every check in it
         first, last, lowest, longest = to_host(cu[0], cu[-1], steps.min(), steps.max())
@@ -504,41 +516,68 @@ def current_implementation(model: torch.nn.Module) -> str | None:
 
 
 def use_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> torch.nn.Module:
-    """Switch ``model``'s attention to ``nopad_varlen`` with ``kernel`` ('auto' or one of :data:`KERNELS`).
+    """Make every position-mixing layer of ``model`` keep the sequences of a packed row apart.
 
-    A forced kernel that cannot run on the model's device and dtype is a ValueError now, not at the
-    first forward. A model under Ulysses (:func:`nopad.parallel._ulysses.enable_ulysses`) stays under it,
-    around the new kernel. Returns the model.
+    Its attention switches to ``nopad_varlen`` with ``kernel`` ('auto' or one of :data:`KERNELS`);
+    its layers that carry state along the sequence (gated delta nets, Mamba2 scans, causal convs)
+    get their packed forms (:mod:`nopad.layers`), for this model only. A module nopad cannot keep
+    apart is refused first, with a ValueError naming its class and what to do, and nothing is
+    changed. A forced kernel that cannot run on the model's device and dtype is a ValueError now,
+    not at the first forward. A model under Ulysses (:func:`nopad.parallel.enable_ulysses`) stays
+    under it, around the new kernel. Idempotent; returns the model (:func:`packed_attention` undoes
+    it on leaving its block).
     """
     if kernel not in _IMPLEMENTATION_OF:
         raise input_error("kernel", None, f"'auto' or one of {list(KERNELS)}", repr(kernel))
     device, dtype = _model_device_dtype(model)
     if kernel != "auto":
         select_kernel(kernel, device.type, dtype, Needs())
+    route(model)
+    _switch(model, kernel)
+    return model
+
+
+def _switch(model: torch.nn.Module, kernel: str) -> None:
     register()
     current = current_implementation(model) or ""
-    name = _IMPLEMENTATION_OF[kernel]
+    set_attn_implementation(model, _IMPLEMENTATION_OF[kernel])
     if current.startswith(ULYSSES_PREFIX):
-        set_attn_implementation(model, name)
-        return enable_ulysses(model)
-    set_attn_implementation(model, name)
-    return model
+        enable_ulysses(model)
 
 
 @contextlib.contextmanager
 def packed_attention(model: torch.nn.Module, kernel: str | None = "auto") -> Iterator[torch.nn.Module]:
-    """Within the block, ``model`` runs ``nopad_varlen`` where it pays: on CUDA, for a model whose
-    attention does not already read packed boundaries (sdpa, eager). ``kernel=None`` changes nothing;
-    a kernel name forces it on any device. The model's implementation is restored on exit."""
+    """Within the block, ``model``'s packed forwards keep their sequences apart in every layer, as
+    after :func:`use_packed_attention`; on leaving it, the model is as it was.
+
+    ``kernel="auto"`` keeps an attention that already reads packed boundaries (flash-attn's,
+    ``nopad_varlen``'s) and switches any other (sdpa, eager, flex) to ``nopad_varlen``; a kernel
+    name forces that kernel; ``None`` keeps the model's attention, which must read the boundaries
+    (else ValueError, before anything runs).
+    """
     current = current_implementation(model)
-    device, _ = _model_device_dtype(model)
-    switch = kernel is not None and (kernel != "auto" or (device.type == "cuda" and not reads_boundaries(current)))
-    if not switch:
-        yield model
-        return
-    use_packed_attention(model, kernel or "auto")
+    routed = route_of(model) is not None
+    found = route(model)
     try:
+        if kernel is None:
+            if found.survey.attention and not reads_boundaries(current):
+                raise input_error(
+                    "attention",
+                    None,
+                    "an attention implementation that reads packed boundaries for attention=None "
+                    "(flash-attn's or nopad_varlen), or 'auto'",
+                    repr(current),
+                )
+        elif kernel != "auto" or not reads_boundaries(current):
+            if kernel not in _IMPLEMENTATION_OF:
+                raise input_error("kernel", None, f"'auto' or one of {list(KERNELS)}", repr(kernel))
+            if kernel != "auto":
+                device, dtype = _model_device_dtype(model)
+                select_kernel(kernel, device.type, dtype, Needs())
+            _switch(model, kernel)
         yield model
     finally:
-        if current is not None:
+        if current is not None and current_implementation(model) != current:
             set_attn_implementation(model, current)
+        if not routed:
+            found.remove()

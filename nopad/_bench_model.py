@@ -27,7 +27,7 @@ from tensordict import TensorDict
 
 from nopad._attention import available_kernels
 from nopad._padding import left_right_2_no_padding, no_padding_2_padding
-from nopad.engines._fsdp import packed_logprobs, padded_logprobs
+from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs, prepare_model_outputs
 from nopad.synthetic import synthetic_batch, tiny_causal_lm
 
 
@@ -94,7 +94,12 @@ def _contenders(model: torch.nn.Module, data: TensorDict, kernels: list[str]) ->
     def packed(kernel: str | None) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             micro = left_right_2_no_padding(data)
-            return no_padding_2_padding(packed_logprobs(model, micro, attention=kernel), micro)
+            if kernel is None:  # transformers' own packed path: restarting position ids, its sdpa's block mask
+                inputs, args = prepare_model_inputs(micro)
+                log_probs = prepare_model_outputs(model(**inputs), args)["log_probs"]
+            else:
+                log_probs = packed_logprobs(model, micro, attention=kernel)
+            return no_padding_2_padding(log_probs, micro)
 
         return run
 

@@ -467,6 +467,7 @@ class IndexPlan:
         lengths_d, offsets_d = host_to_device(np.concatenate([lengths, offsets]), device).split_with_sizes(
             [len(lengths), len(offsets)]
         )
+        remember_host_lengths(offsets_d, lengths)
         return cls(
             lengths_d,
             offsets_d,

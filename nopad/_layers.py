@@ -1,0 +1,579 @@
+"""Packed forms of the layers that carry state along the sequence: one packed row of several
+sequences in, each sequence computed as if it ran alone out. Pure torch, any device, autograd.
+
+Softmax attention keeps the sequences of a packed row apart through its mask or its varlen kernel.
+These layers carry a state from token to token instead, and in one packed row that state would flow
+from each sequence into the next. Each form restarts it where a sequence starts::
+
+    causal_conv1d      depthwise causal conv (kernel K): a tap that would reach into the previous
+                       sequence reads zero, as a sequence alone reads its left zero padding
+    gated_delta_rule   the chunked gated delta rule (Qwen3.5, Qwen3-Next, OLMo hybrid): each
+                       head's (d_k, d_v) state starts at zero in every sequence
+    ssd_scan           Mamba2's chunked state-space scan (Bamba, Granite-4.0-H, Nemotron-H,
+                       Falcon-H1, Zamba2): each head's (d_head, d_state) state likewise
+
+The chunked forms use the aligned layout (:class:`ChunkLayout`): every sequence sits on whole
+chunks of its own, its last chunk zero-filled, exactly as that sequence alone is zero-padded to a
+chunk multiple. No chunk straddles a boundary, so the work inside chunks (the bulk) runs batched
+over every chunk of the row, with the arithmetic of a sequence run alone. Only the recurrence
+crosses chunks, and it runs over the chunk index *within* a sequence: step c advances every
+sequence that has a c-th chunk, so the loop has as many steps as the longest sequence has chunks,
+whatever the number of sequences, and a fixed number of tensor ops per step. (An exact in-chunk
+mask would keep chunks full, but a chunk touching several sequences then needs a state per
+sequence inside it; the aligned layout costs at most chunk - 1 zero slots per sequence.)
+
+Shapes: T tokens of the packed row, N sequences, H heads.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nopad._errors import input_error
+from nopad._layout import device_to_host, host_to_device, prepare_position_ids, spread_over_tokens
+
+
+class PackedRow:
+    """The sequences of one packed row, as the state-carrying layers read them.
+
+    ``cu_seqlens`` (N+1,) int64 on the row's device, ``lengths`` (N,) int64 on the host,
+    ``position_ids`` (T,) each token's position in its own sequence. Built once per forward and
+    shared by all its layers; the chunk layouts are cached on it, one per chunk size.
+    """
+
+    def __init__(self, cu_seqlens: Tensor, lengths: np.ndarray) -> None:
+        self.cu_seqlens = cu_seqlens.to(torch.int64)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.total = int(self.lengths.sum())
+        self.position_ids = prepare_position_ids(self.cu_seqlens, self.total)
+        self._layouts: dict[int, ChunkLayout] = {}
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: Tensor, lengths: np.ndarray | None = None) -> PackedRow:
+        """From (N+1,) boundaries; ``lengths`` their host lengths when known, else one host sync."""
+        if lengths is None:
+            lengths = np.diff(device_to_host(cu_seqlens.to(torch.int64)))
+        return cls(cu_seqlens, lengths)
+
+    @classmethod
+    def from_lengths(cls, lengths: Any, device: torch.device | str = "cpu") -> PackedRow:
+        """From host lengths (a sequence of ints or an int64 array). No sync."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        cu = host_to_device(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), torch.device(device))
+        return cls(cu, lengths)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens.device
+
+    @property
+    def seq_idx(self) -> Tensor:
+        """(1, T) int32 index of each token's sequence: the boundaries as causal-conv1d and mamba-ssm take them."""
+        rows = torch.arange(len(self.lengths), device=self.device, dtype=torch.int64)
+        return spread_over_tokens(rows, self.cu_seqlens, self.total).to(torch.int32).unsqueeze(0)
+
+    def layout(self, chunk: int) -> ChunkLayout:
+        """The aligned chunk layout of this row for ``chunk``-token chunks (cached)."""
+        if chunk not in self._layouts:
+            self._layouts[chunk] = ChunkLayout(self, chunk)
+        return self._layouts[chunk]
+
+
+class ChunkLayout:
+    """A packed row on whole chunks, sequence by sequence, in step-major order.
+
+    Sequence i of L_i tokens takes n_i = ceil(L_i / chunk) chunks. Sequences are ranked longest
+    first; step c holds the c-th chunk of every sequence with n_i > c, in rank order, so the
+    sequences a step advances are always a prefix of the ranking and their chunks one contiguous
+    slice of the chunk axis. ``steps`` is that slice per step, ``(first chunk, count)``, counts
+    non-increasing; ``slots`` (T,) is where each token sits in the flat (num_chunks * chunk) buffer.
+    Host math on the row's lengths and one host->device copy; no sync.
+    """
+
+    def __init__(self, row: PackedRow, chunk: int) -> None:
+        self.chunk = chunk
+        chunks = -(-row.lengths // chunk)  # n_i
+        order = np.argsort(-chunks, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        longest = int(chunks.max()) if len(chunks) else 0
+        counts = (chunks[None, :] > np.arange(longest)[:, None]).sum(1)  # sequences with a c-th chunk
+        firsts = np.cumsum(counts) - counts
+        self.num_chunks = int(counts.sum())
+        self.steps = list(zip(firsts.tolist(), counts.tolist()))
+        first_d, rank_d = host_to_device(np.concatenate([firsts, rank]).astype(np.int64), row.device).split(
+            [longest, len(rank)]
+        )
+        positions = row.position_ids
+        step = positions // chunk
+        seq = spread_over_tokens(rank_d, row.cu_seqlens, row.total)  # each token's sequence rank
+        self.slots = (first_d[step] + seq) * chunk + positions % chunk
+
+    def to_chunks(self, x: Tensor) -> Tensor:
+        """(T, *rest) -> (num_chunks, chunk, *rest), zeros in the slots no token fills."""
+        flat = x.new_zeros((self.num_chunks * self.chunk, *x.shape[1:])).index_copy(0, self.slots, x)
+        return flat.view(self.num_chunks, self.chunk, *x.shape[1:])
+
+    def from_chunks(self, y: Tensor) -> Tensor:
+        """(num_chunks, chunk, *rest) -> (T, *rest): the tokens back in packed order."""
+        return y.flatten(0, 1).index_select(0, self.slots)
+
+
+# ---- causal depthwise conv -----------------------------------------------------------------------
+
+
+def _activation(activation: str | Callable | None) -> Callable[[Tensor], Tensor]:
+    if activation is None:
+        return lambda x: x
+    if callable(activation):
+        return activation
+    if activation in ("silu", "swish"):
+        return F.silu
+    from transformers.activations import ACT2FN  # only models from transformers name other activations
+
+    return ACT2FN[activation]
+
+
+def torch_causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    positions: Tensor,
+    *,
+    activation: str | Callable | None = None,
+    history: Tensor | None = None,
+) -> Tensor:
+    """(C, T) channels by packed tokens -> (C, T), the depthwise causal conv of each sequence alone.
+
+    ``weight`` (C, K); ``positions`` (T,) each token's position in its own sequence (a tap j steps
+    back is used only where ``positions >= j``); ``history`` (C, K - 1) the inputs just before the
+    first token (another rank's, under sequence parallelism), zeros when None. Computed in
+    ``weight``'s dtype, returned in ``x``'s, as transformers' reference conv does. K taps: a fixed
+    number of ops.
+    """
+    C, T = x.shape
+    K = weight.shape[-1]
+    if weight.shape != (C, K):
+        raise input_error("weight", None, f"({C}, kernel) for {C} channels", f"{tuple(weight.shape)}")
+    dtype = x.dtype
+    x = x.to(weight.dtype)
+    if history is None:
+        history = x.new_zeros((C, K - 1))
+    extended = torch.cat([history.to(x.dtype), x], dim=1)  # (C, K - 1 + T)
+    out = x * weight[:, K - 1 : K]
+    for j in range(1, K):
+        tap = extended[:, K - 1 - j : K - 1 - j + T]  # x[:, t - j]
+        out = out + torch.where(positions >= j, tap, 0.0) * weight[:, K - 1 - j : K - j]
+    if bias is not None:
+        out = out + bias[:, None]
+    return _activation(activation)(out).to(dtype)
+
+
+# ---- the chunked gated delta rule ------------------------------------------------------------------
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, as flash-linear-attention normalises q and k."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _causal(chunk: int, device: torch.device, diagonal: int) -> Tensor:
+    return torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril(diagonal)
+
+
+def torch_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    row: PackedRow,
+    *,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> Tensor:
+    """The gated delta rule of each sequence of a packed row, its state reset at every start.
+
+    q, k (T, H_k, D_k); v (T, H, D_v); g (T, H) log decay (<= 0); beta (T, H). H_k divides H (each
+    query/key head serves H / H_k consecutive value heads). Per token t of a sequence, with state
+    S (D_k, D_v) starting at zero: S = exp(g_t) S; S += k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t.
+    ``scale`` defaults to D_k ** -0.5; ``use_qk_l2norm`` normalises q and k first. Computed in
+    float32, chunk by chunk (:class:`ChunkLayout`); returns (T, H, D_v) in q's dtype.
+    """
+    dtype = q.dtype
+    T, H, Dv = v.shape
+    if k.shape[1] != H:  # grouped values: repeat each query/key head for the value heads it serves
+        q, k = (x.repeat_interleave(H // k.shape[1], dim=1) for x in (q, k))
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    layout = row.layout(chunk_size)
+    # (chunks, H, chunk, D) and (chunks, H, chunk): heads next to the chunk axis, as a batch of chunks
+    q, k, v = (layout.to_chunks(x).transpose(1, 2) for x in (q, k, v))
+    g, beta = (layout.to_chunks(x).transpose(1, 2) for x in (g, beta))
+    decay = g.cumsum(-1)  # log of the decay from the chunk's start to each position
+    # exp(decay_i - decay_j) for j <= i: the decay between two positions of a chunk
+    pairwise = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(~_causal(layout.chunk, q.device, 0), -math.inf)
+    pairwise = pairwise.exp()
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    # The chunk's delta-rule updates in closed form (the UT transform): (I + strictly_lower(A)) X = B
+    system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(
+        system, k_beta * decay.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    q_decayed = q * decay.exp().unsqueeze(-1)
+    k_decayed = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+    chunk_decay = decay[..., -1].exp()[..., None, None]
+    state = q.new_zeros((layout.steps[0][1] if layout.steps else 0, H, k.shape[-1], Dv))
+    outputs = []
+    for first, count in layout.steps:
+        c = slice(first, first + count)
+        state = state[:count]  # the sequences that have this chunk: a prefix (longest first)
+        v_new = new_values[c] - k_cumdecay[c] @ state
+        outputs.append(q_decayed[c] @ state + intra[c] @ v_new)
+        state = state * chunk_decay[c] + k_decayed[c].transpose(-1, -2) @ v_new
+    out = torch.cat(outputs) if outputs else v.new_zeros((0, H, layout.chunk, Dv))
+    return layout.from_chunks(out.transpose(1, 2)).to(dtype)
+
+
+# ---- Mamba2's chunked state-space scan ------------------------------------------------------------
+
+
+def _segment_sums(a: Tensor) -> Tensor:
+    """(..., L) -> (..., L, L): [i, j] = a[j+1] + ... + a[i] for j <= i, -inf above the diagonal.
+
+    Summed directly (a masked cumsum), not as a difference of prefix sums, which would lose the
+    small terms of a long decay to cancellation.
+    """
+    L = a.shape[-1]
+    expanded = a[..., None].expand(*a.shape, L).masked_fill(~_causal(L, a.device, -1), 0)
+    return expanded.cumsum(-2).masked_fill(~_causal(L, a.device, 0), -math.inf)
+
+
+def torch_ssd_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    row: PackedRow,
+    *,
+    chunk_size: int,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> Tensor:
+    """Mamba2's selective state-space scan of each sequence of a packed row, its state reset at every start.
+
+    x (T, H, P); dt (T, H); A (H,); B, C (T, G, N) with G dividing H. Per token t of a sequence,
+    with state S (P, N) per head starting at zero, dt_t = clamp(softplus(dt_t + dt_bias)) (as
+    asked): S = exp(dt_t A) S + dt_t x_t B_t^T; y_t = S C_t + D x_t, then y_t * silu(z_t) if ``z``.
+    Computed in float32, chunk by chunk (:class:`ChunkLayout`); returns (T, H, P) float32, as
+    transformers' reference scan does.
+    """
+    T, H, P = x.shape
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1]).float()
+    x = x.float()
+    B, C = (y.float().repeat_interleave(H // y.shape[1], dim=1) for y in (B, C))  # (T, H, N)
+    skip = None if D is None else x * (D.float()[:, None] if D.dim() == 1 else D.float())
+    layout = row.layout(chunk_size)
+    xs = layout.to_chunks(x * dt[..., None])  # (chunks, L, H, P)
+    a = layout.to_chunks(A.float() * dt).transpose(1, 2)  # (chunks, H, L) log decays
+    B, C = layout.to_chunks(B), layout.to_chunks(C)  # (chunks, L, H, N)
+    decay = a.cumsum(-1)
+    # inside each chunk: attention-like scores C_l . B_s, decayed from s to l
+    scores = torch.einsum("clhn,cshn->chls", C, B) * _segment_sums(a).exp()
+    y = torch.einsum("chls,cshp->clhp", scores, xs)
+    # each chunk's own contribution to the state at its end
+    to_end = (decay[..., -1:] - decay).exp()  # (chunks, H, L)
+    chunk_states = torch.einsum("clhn,chl,clhp->chpn", B, to_end, xs)
+    chunk_decay = decay[..., -1].exp()[..., None, None]  # (chunks, H, 1, 1)
+    state = xs.new_zeros((layout.steps[0][1] if layout.steps else 0, H, P, B.shape[-1]))
+    entering = []  # the state each chunk starts from, in chunk order
+    for first, count in layout.steps:
+        c = slice(first, first + count)
+        state = state[:count]
+        entering.append(state)
+        state = state * chunk_decay[c] + chunk_states[c]
+    starts = torch.cat(entering) if entering else chunk_states
+    y = y + torch.einsum("clhn,chpn,chl->clhp", C, starts, decay.exp())
+    out = layout.from_chunks(y)
+    if skip is not None:
+        out = out + skip
+    if z is not None:
+        out = out * F.silu(z.float())
+    return out
+
+
+# ---- the optional CUDA kernels ---------------------------------------------------------------------
+# causal-conv1d, flash-linear-attention and mamba-ssm keep packed sequences apart themselves, given
+# the boundaries. Each is used on CUDA where it is installed and passes its probe (once per process
+# and device: a small packed case, forward and backward, must run and equal the torch form above);
+# everywhere else, and for calls a kernel does not serve, the torch form runs. Nothing to install.
+
+
+def _load_causal_conv1d() -> Callable:
+    from causal_conv1d import causal_conv1d_fn
+
+    return causal_conv1d_fn
+
+
+def _load_fla() -> Callable:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
+
+
+def _load_mamba_ssm() -> Callable:
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    return mamba_chunk_scan_combined
+
+
+# the form each kernel serves -> (its package, how to load its entry point); tests substitute loaders
+KERNELS: dict[str, tuple[str, Callable[[], Callable]]] = {
+    "causal_conv1d": ("causal-conv1d", _load_causal_conv1d),
+    "gated_delta_rule": ("flash-linear-attention", _load_fla),
+    "ssd_scan": ("mamba-ssm", _load_mamba_ssm),
+}
+KERNEL_DEVICES = ("cuda",)
+_LOADED: dict[str, Callable | None] = {}
+_PROBED: dict[tuple[str, str], str | None] = {}
+
+
+def _kernel(form: str) -> Callable | None:
+    """The installed kernel of ``form``, or None when it is missing or cannot load here. Once."""
+    if form not in _LOADED:
+        try:
+            _LOADED[form] = KERNELS[form][1]()
+        except Exception:  # noqa: BLE001 - not installed, or installed without what it needs (CUDA, Triton)
+            _LOADED[form] = None
+    return _LOADED[form]
+
+
+def kernel_refusal(form: str, device: torch.device) -> str | None:
+    """Why ``form``'s kernel does not run here (not installed, not this device, failed its probe), or None."""
+    package = KERNELS[form][0]
+    if device.type not in KERNEL_DEVICES:
+        return f"{package} runs on {' or '.join(KERNEL_DEVICES)}, not {device.type}"
+    if _kernel(form) is None:
+        return f"{package} is not installed (or cannot load here)"
+    key = (form, str(device))
+    if key not in _PROBED:
+        _PROBED[key] = _probe(form, device)
+    return _PROBED[key]
+
+
+def _probe(form: str, device: torch.device) -> str | None:
+    """None when the kernel runs a small packed case here and equals the torch form, forward and
+    backward; else why not (also warned once). Host syncs: once per process and device."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            row = PackedRow.from_lengths([37, 1, 5, 64, 20], device)
+            base = _probe_inputs(form, row.total)
+            results: list[list[Tensor]] = []
+            runs = (_KERNEL_RUNS[form], _TORCH_RUNS[form])
+            for run in runs:
+                inputs = [x.to(device).requires_grad_() for x in base]
+                out = run(*inputs, row)
+                (out * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
+                grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in inputs]  # none: differs
+                results.append([out.detach().float().cpu()] + [x.float().cpu() for x in grads])
+    except Exception as error:  # noqa: BLE001 - whatever the install raises, the torch form serves instead
+        failure: str | None = f"{KERNELS[form][0]} failed its probe here ({type(error).__name__}: {error})"
+    else:
+        close = all(torch.allclose(a, b, rtol=1e-2, atol=1e-2) for a, b in zip(*results))
+        failure = None if close else f"{KERNELS[form][0]} failed its probe here (it differs from the torch form)"
+    if failure is not None:
+        warnings.warn(f"nopad: {failure}; the torch form runs instead", RuntimeWarning, stacklevel=3)
+    return failure
+
+
+def _probe_inputs(form: str, T: int) -> list[Tensor]:
+    """Small random inputs of ``form`` for ``T`` tokens, the same every time (CPU, float32)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, low: float = -1.0, high: float = 1.0) -> Tensor:
+        return torch.rand(*shape, generator=g) * (high - low) + low
+
+    if form == "causal_conv1d":
+        return [rand(8, T), rand(8, 4), rand(8)]
+    if form == "gated_delta_rule":
+        return [rand(T, 2, 16), rand(T, 2, 16), rand(T, 2, 16), rand(T, 2, low=-1.0, high=0.0), rand(T, 2, low=0.0)]
+    return [rand(T, 4, 8), rand(T, 4), rand(4, low=-2.0, high=-0.5), rand(T, 1, 8), rand(T, 1, 8)]
+
+
+def _conv_kernel(x, weight, bias, row, activation="silu"):
+    # causal-conv1d reads seq_idx only from a channel-last (1, C, T) input
+    channel_last = x.t().contiguous().t().unsqueeze(0)
+    return _kernel("causal_conv1d")(channel_last, weight, bias, seq_idx=row.seq_idx, activation=activation)[0]
+
+
+def _gdn_kernel(q, k, v, g, beta, row, scale=None, use_qk_l2norm=True):
+    if k.shape[1] != v.shape[1]:
+        q, k = (x.repeat_interleave(v.shape[1] // k.shape[1], dim=1) for x in (q, k))
+    out, _ = _kernel("gated_delta_rule")(
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        scale=scale,
+        cu_seqlens=row.cu_seqlens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+    )
+    return out[0]
+
+
+def _ssd_kernel(x, dt, A, B, C, row, chunk_size=16, **options):
+    options.setdefault("dt_softplus", True)
+    out = _kernel("ssd_scan")(x[None], dt[None], A, B[None], C[None], chunk_size, seq_idx=row.seq_idx, **options)
+    return out[0] if isinstance(out, Tensor) else out[0][0]
+
+
+_KERNEL_RUNS: dict[str, Callable] = {
+    "causal_conv1d": _conv_kernel,
+    "gated_delta_rule": _gdn_kernel,
+    "ssd_scan": _ssd_kernel,
+}
+_TORCH_RUNS: dict[str, Callable] = {
+    "causal_conv1d": lambda x, w, b, row: torch_causal_conv1d(x, w, b, row.position_ids, activation="silu"),
+    "gated_delta_rule": lambda q, k, v, g, beta, row: torch_gated_delta_rule(q, k, v, g, beta, row, use_qk_l2norm=True),
+    "ssd_scan": lambda x, dt, A, B, C, row: torch_ssd_scan(x, dt, A, B, C, row, chunk_size=16, dt_softplus=True),
+}
+
+
+def _use_kernel(form: str, kernel: str, device: torch.device) -> bool:
+    """Whether a call runs ``form``'s CUDA kernel: ``kernel`` is "auto" (where it runs here), "torch"
+    (never) or the kernel's package name (required: ValueError saying why it cannot run)."""
+    package = KERNELS[form][0]
+    if kernel not in ("auto", "torch", package):
+        raise input_error("kernel", None, f"'auto', 'torch' or {package!r}", repr(kernel))
+    if kernel == "torch":
+        return False
+    why = kernel_refusal(form, device)
+    if why is not None and kernel == package:
+        raise input_error("kernel", None, "a kernel that runs here ('auto' and 'torch' do)", f"{package!r}: {why}")
+    return why is None
+
+
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    row: PackedRow,
+    *,
+    activation: str | Callable | None = None,
+    kernel: str = "auto",
+) -> Tensor:
+    """(C, T) channels by the tokens of a packed row -> (C, T): each sequence's depthwise causal conv
+    (``weight`` (C, K)), as if it ran alone: taps never reach into the previous sequence.
+
+    ``kernel``: "auto" runs causal-conv1d (seq_idx) where it is installed, on CUDA, and passed its
+    probe, with a ``silu`` or no activation; "torch" the torch form (:func:`torch_causal_conv1d`);
+    "causal-conv1d" requires the kernel.
+    """
+    if activation in (None, "silu", "swish") and _use_kernel("causal_conv1d", kernel, x.device):
+        out = _conv_kernel(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype), row, activation)
+        return out.to(x.dtype)
+    return torch_causal_conv1d(x, weight, bias, row.position_ids, activation=activation)
+
+
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    row: PackedRow,
+    *,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    kernel: str = "auto",
+) -> Tensor:
+    """The chunked gated delta rule of each sequence of a packed row, its state reset at every start.
+
+    q, k (T, H_k, D_k); v (T, H, D_v); g (T, H); beta (T, H) -> (T, H, D_v): see
+    :func:`torch_gated_delta_rule`. ``kernel``: "auto" runs flash-linear-attention's
+    ``chunk_gated_delta_rule(cu_seqlens=...)`` where it is installed, on CUDA, and passed its
+    probe (with its own chunking); "torch" the torch form; "flash-linear-attention" requires it.
+    """
+    if _use_kernel("gated_delta_rule", kernel, q.device):
+        return _gdn_kernel(q, k, v, g, beta, row, scale=scale, use_qk_l2norm=use_qk_l2norm).to(q.dtype)
+    options: dict[str, Any] = dict(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    return torch_gated_delta_rule(q, k, v, g, beta, row, **options)
+
+
+def ssd_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    row: PackedRow,
+    *,
+    chunk_size: int,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    kernel: str = "auto",
+) -> Tensor:
+    """Mamba2's chunked state-space scan of each sequence of a packed row, its state reset at every start.
+
+    x (T, H, P); dt (T, H); A (H,); B, C (T, G, N) -> (T, H, P) float32: see :func:`torch_ssd_scan`.
+    ``kernel``: "auto" runs mamba-ssm's ``mamba_chunk_scan_combined(seq_idx=...)`` where it is
+    installed, on CUDA, and passed its probe; "torch" the torch form; "mamba-ssm" requires it.
+    """
+    options: dict[str, Any] = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    if _use_kernel("ssd_scan", kernel, x.device):
+        return _ssd_kernel(x, dt, A, B, C, row, chunk_size, **options).float()
+    return torch_ssd_scan(x, dt, A, B, C, row, chunk_size=chunk_size, **options)
+
+
+# ---- packed forms registered for whole modules ---------------------------------------------------------
+
+REGISTERED: dict[type, Callable] = {}
+
+
+def register_packed_module(cls: type, packed_forward: Callable) -> None:
+    """Serve every module of class ``cls`` (subclasses included) with ``packed_forward`` in packed forwards.
+
+    ``packed_forward(module, row, *args, **kwargs)`` is called instead of ``module.forward(*args,
+    **kwargs)`` when the forward is packed, with ``row`` the :class:`PackedRow` of its sequences;
+    the layer's args are those of one packed row (batch 1). A forward that is not packed runs
+    ``module.forward`` as before. The layer must receive the model's kwargs (``cu_seq_lens_q``), as
+    transformers' layers do; one that does not is refused when it runs. A class registered here is
+    served even where nopad would refuse it: the registration is the caller's word that its form
+    keeps the sequences apart.
+    """
+    if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
+        raise input_error("cls", None, "a torch.nn.Module subclass", repr(cls))
+    if not callable(packed_forward):
+        raise input_error("packed_forward", None, "a callable (module, row, *args, **kwargs)", repr(packed_forward))
+    REGISTERED[cls] = packed_forward
+
+
+def registered_form(cls: type) -> Callable | None:
+    """The packed form registered for ``cls`` or its nearest registered base, or None."""
+    return next((REGISTERED[klass] for klass in cls.__mro__ if klass in REGISTERED), None)

@@ -1,0 +1,676 @@
+"""Routing one model's packed forwards: every layer that mixes positions keeps the sequences apart.
+
+transformers' layers that carry state along the sequence call module-level primitives
+(``causal_conv1d_fn``, ``chunk_gated_delta_rule``, ``mamba_chunk_scan_combined``, ...) whose torch
+fallbacks ignore packed boundaries. :func:`route` gives each such layer of ONE model its packed
+form: the layer's own methods, rebound to copies whose globals name nopad's adapters instead of
+those primitives (the layer's code runs unchanged; transformers' modules and every other model in
+the process are untouched). The adapters read the row's boundaries from the forward's kwargs
+(``cu_seq_lens_q``, as flash-attention reads them), so they reach every layer, and again when
+activation checkpointing recomputes one; a root pre-hook puts them there when the caller gave
+only restarting position ids, and turns the cache off for a packed forward.
+
+The guard (:func:`survey`) runs before the first packed forward: every module that mixes positions
+must be served (its primitives have packed forms, its attention runs through transformers'
+attention interface under a boundary-reading implementation, or a packed form was registered for
+its class with :func:`register_packed_module`); anything else is a ValueError naming the module's
+class and what to do, before anything runs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import math
+import re
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nopad._errors import input_error
+from nopad._layers import (
+    PackedRow,
+    causal_conv1d,
+    gated_delta_rule,
+    registered_form,
+    ssd_scan,
+    torch_causal_conv1d,
+)
+from nopad._layout import IndexPlan, known_host_lengths, remember_host_lengths
+from nopad.parallel._ulysses import SP_GROUP_KWARG, all_to_all, gather_seq
+
+# ---- the packed row of a forward -------------------------------------------------------------------
+
+_ROW_ATTRIBUTE = "_nopad_packed_row"
+# set while a routed model runs a packed forward: a layer that then finds no boundaries in its kwargs
+# would run the row as one sequence, so it refuses instead
+_PACKED_FORWARD: contextvars.ContextVar[str | None] = contextvars.ContextVar("nopad_packed_forward", default=None)
+
+
+def packed_row_of(cu_seqlens: Tensor) -> PackedRow:
+    """The :class:`PackedRow` of these boundaries, made once and kept on the tensor itself (by
+    identity: every layer of a forward, and a checkpointed layer's recomputation, get the same one).
+    One host sync the first time, unless nopad recorded the lengths when it made the tensor."""
+    row = getattr(cu_seqlens, _ROW_ATTRIBUTE, None)
+    if row is None:
+        row = PackedRow.from_cu_seqlens(cu_seqlens, known_host_lengths(cu_seqlens))
+        setattr(cu_seqlens, _ROW_ATTRIBUTE, row)
+    return row
+
+
+@dataclass
+class _Call:
+    """One primitive call inside a packed forward: the row, and the SP group when the row is sharded."""
+
+    row: PackedRow
+    group: Any = None
+
+    @property
+    def world(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else dist.get_rank(self.group)
+
+
+def _packed_call(kwargs: dict, owner: str, local_tokens: int, boundaries: Any = None) -> _Call | None:
+    """The packed row this call is part of (from ``boundaries`` or the kwargs), or None for a call
+    that is not packed (a padded forward, generation): that call runs the original primitive."""
+    cu = boundaries if boundaries is not None else kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens"))
+    if cu is None:
+        forward = _PACKED_FORWARD.get()
+        if forward is not None:
+            raise input_error(
+                owner,
+                None,
+                "the packed row's boundaries (cu_seq_lens_q) among its forward's kwargs, as transformers' "
+                "layers pass them on",
+                f"none inside the packed forward of {forward}: this layer would run the row as one sequence "
+                "(run the model padded, or register a packed form for it with register_packed_module)",
+            )
+        return None
+    group = kwargs.get(SP_GROUP_KWARG)
+    call = _Call(packed_row_of(cu), None if group is None or dist.get_world_size(group) == 1 else group)
+    if local_tokens * call.world != call.row.total:
+        raise input_error(
+            owner,
+            None,
+            f"{call.row.total} tokens (the packed row's boundaries end there)"
+            + (f" over {call.world} SP ranks" if call.world > 1 else ""),
+            f"{local_tokens} tokens{' on this rank' if call.world > 1 else ''}",
+        )
+    return call
+
+
+def _no_state(owner: str, **given: Any) -> None:
+    """A packed forward starts every sequence from zero and returns no state (no cache)."""
+    for name, value in given.items():
+        if value is not None and value is not False:
+            raise input_error(
+                f"{owner} {name}",
+                None,
+                "None in a packed forward (each sequence starts from a zero state; nopad does not serve "
+                "packed generation)",
+                "a state" if isinstance(value, Tensor) else repr(value),
+            )
+
+
+# ---- Ulysses sequence parallelism for the state-carrying layers -------------------------------------
+# Heads are independent, so the all-to-all that serves attention (sequence-sharded -> head-sharded)
+# serves the gated delta rule and the SSD scan; the conv needs only the K - 1 inputs before each
+# rank's first token, all-gathered from the ranks' tails.
+
+
+def _to_heads(x: Tensor, call: _Call) -> Tensor:
+    """(1, L, H, ...) this rank's tokens -> (1, L * W, H / W, ...) the whole row for this rank's heads."""
+    return all_to_all(x, call.group, scatter_dim=2, gather_dim=1)
+
+
+def _to_tokens(x: Tensor, call: _Call) -> Tensor:
+    return all_to_all(x, call.group, scatter_dim=1, gather_dim=2)
+
+
+def _heads_of_rank(x: Tensor, call: _Call) -> Tensor:
+    """The per-head parameter ``x`` (H, ...) for this rank's heads."""
+    return x.chunk(call.world)[call.rank]
+
+
+def _split_heads(heads: int, call: _Call, owner: str) -> None:
+    if heads % call.world:
+        raise input_error(f"{owner} heads", None, f"a multiple of the SP size {call.world}", f"{heads}")
+
+
+def _conv_history(x: Tensor, call: _Call, taps: int) -> Tensor:
+    """(C, K - 1): the inputs just before this rank's first token (zeros before the row)."""
+    C, L = x.shape
+    tail = min(taps - 1, L)
+    tails = gather_seq(x[:, L - tail :].contiguous(), call.group, dim=1)  # (C, tail * W), rank order
+    before = torch.cat([x.new_zeros((C, taps - 1)), tails[:, : tail * call.rank]], dim=1)
+    return before[:, before.shape[1] - (taps - 1) :]
+
+
+# ---- adapters: transformers' primitives with nopad's packed forms behind them -----------------------
+# Each takes the original primitive (called for a call that is not packed) and the owning class's
+# name (for messages), and returns a function with the primitive's signature.
+
+
+def _conv_adapter(original: Callable, owner: str) -> Callable:
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        B, C, L = hidden_states.shape
+        call = _packed_call(kwargs, owner, B * L)
+        if call is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        _no_state(
+            owner, initial_states=kwargs.get("initial_states"), return_final_states=kwargs.get("return_final_states")
+        )
+        x = hidden_states.transpose(0, 1).reshape(C, B * L)
+        if call.world == 1:
+            out = causal_conv1d(x, weight, bias, call.row, activation=activation)
+        else:
+            start = call.rank * B * L
+            positions = call.row.position_ids[start : start + B * L]
+            history = _conv_history(x, call, weight.shape[-1])
+            out = torch_causal_conv1d(x, weight, bias, positions, activation=activation, history=history)
+        return out.view(C, B, L).transpose(0, 1)
+
+    return causal_conv1d_fn
+
+
+def _gdn_adapter(original: Callable, owner: str) -> Callable:
+    def chunk_gated_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        cu_seqlens=None,
+        scale=None,
+        **kwargs,
+    ):
+        B, L = value.shape[:2]
+        call = _packed_call(kwargs, owner, B * L, cu_seqlens)
+        if call is None:
+            options = {} if scale is None else {"scale": scale}
+            return original(
+                query,
+                key,
+                value,
+                g=g,
+                beta=beta,
+                chunk_size=chunk_size,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                **options,
+                **kwargs,
+            )
+        _no_state(owner, initial_state=initial_state, output_final_state=output_final_state)
+        q, k, v, g, beta = (x.reshape(1, B * L, *x.shape[2:]) for x in (query, key, value, g, beta))
+        if call.world > 1:
+            heads = v.shape[2]
+            _split_heads(heads, call, owner)
+            if k.shape[2] % call.world:  # too few key heads to split: one copy per value head
+                q, k = (x.repeat_interleave(heads // x.shape[2], dim=2) for x in (q, k))
+            q, k, v, g, beta = (_to_heads(x, call) for x in (q, k, v, g, beta))
+        out = gated_delta_rule(
+            q[0],
+            k[0],
+            v[0],
+            g[0],
+            beta[0],
+            call.row,
+            chunk_size=chunk_size,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm_in_kernel,
+        ).unsqueeze(0)
+        if call.world > 1:
+            out = _to_tokens(out, call)
+        return out.view(B, L, *out.shape[2:]), None
+
+    return chunk_gated_delta_rule
+
+
+def _ssd_adapter(original: Callable, owner: str) -> Callable:
+    def mamba_chunk_scan_combined(
+        hidden_states,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=None,
+        z=None,
+        dt_bias=None,
+        initial_states=None,
+        dt_softplus=False,
+        dt_limit=(0.0, math.inf),
+        return_final_states=False,
+        **kwargs,
+    ):
+        batch, L = hidden_states.shape[:2]
+        call = _packed_call(kwargs, owner, batch * L, kwargs.get("cu_seqlens"))
+        options = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+        if call is None:
+            return original(
+                hidden_states,
+                dt,
+                A,
+                B,
+                C,
+                chunk_size,
+                initial_states=initial_states,
+                return_final_states=return_final_states,
+                **options,
+                **kwargs,
+            )
+        _no_state(owner, initial_states=initial_states, return_final_states=return_final_states)
+        x, dt, B, C = (t.reshape(1, batch * L, *t.shape[2:]) for t in (hidden_states, dt, B, C))
+        z = None if z is None else z.reshape(1, batch * L, *z.shape[2:])
+        if call.world > 1:
+            heads = x.shape[2]
+            _split_heads(heads, call, owner)
+            if B.shape[2] % call.world:  # too few groups to split: one copy per head
+                B, C = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (B, C))
+            x, dt, B, C = (_to_heads(t, call) for t in (x, dt, B, C))
+            z = None if z is None else _to_heads(z, call)
+            A, D, dt_bias = (None if p is None else _heads_of_rank(p, call) for p in (A, D, dt_bias))
+        options.update(D=D, z=None if z is None else z[0], dt_bias=dt_bias)
+        out = ssd_scan(x[0], dt[0], A, B[0], C[0], call.row, chunk_size=chunk_size, **options).unsqueeze(0)
+        if call.world > 1:
+            out = _to_tokens(out, call)
+        return out.view(batch, L, *out.shape[2:])
+
+    return mamba_chunk_scan_combined
+
+
+def _fused_mamba_adapter(original: Callable, owner: str) -> Callable:
+    # mamba-ssm's fused conv + scan + norm + projection: a packed forward takes the layer's unfused
+    # path instead (its conv and scan are served above); the fallback itself returns None the same way
+    def mamba_split_conv1d_scan_combined(zxbcdt, *args, **kwargs):
+        if _packed_call(kwargs, owner, zxbcdt.shape[0] * zxbcdt.shape[1], kwargs.get("cu_seqlens")) is not None:
+            return None
+        return original(zxbcdt, *args, **kwargs)
+
+    return mamba_split_conv1d_scan_combined
+
+
+# transformers' primitives (by the kernel name transformers registers them under) -> nopad's adapter
+ADAPTERS: dict[str, Callable[[Callable, str], Callable]] = {
+    "causal_conv1d_fn": _conv_adapter,
+    "chunk_gated_delta_rule": _gdn_adapter,
+    "mamba_chunk_scan_combined": _ssd_adapter,
+    "mamba_split_conv1d_scan_combined": _fused_mamba_adapter,
+}
+# primitives of one decoding step (they run only with a cache, which a packed forward never has)
+STEP_PRIMITIVES = {
+    "causal_conv1d_update",
+    "selective_state_update",
+    "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_kda",
+}
+# primitives that carry state along the sequence with no packed form here, and what they are
+UNSERVED_PRIMITIVES = {
+    "chunk_kda": "Kimi delta attention (chunk_kda, flash-linear-attention)",
+    "selective_scan_fn": "Mamba's selective scan (selective_scan_fn, mamba-ssm)",
+    "mamba_inner_fn": "Mamba's fused selective scan (mamba_inner_fn, mamba-ssm)",
+}
+
+
+def primitive_name(obj: Any) -> str | None:
+    """The kernel name transformers registered a primitive under (``use_kernel_func_from_hub_with_fallback``),
+    or None when ``obj`` is not one of its primitives."""
+    if not callable(obj) or not hasattr(obj, "__wrapped__"):
+        return None
+    try:
+        name = inspect.getclosurevars(obj).nonlocals.get("func_name")
+    except (TypeError, ValueError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+# ---- rebinding a layer's methods ------------------------------------------------------------------
+
+
+def _innermost(fn: Callable) -> Callable:
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _replaced(fn: types.FunctionType, old: Callable, new: Callable) -> types.FunctionType:
+    """A copy of the wrapper ``fn`` whose closure holds ``new`` where it held ``old``."""
+    closure = (
+        tuple(types.CellType(new) if cell.cell_contents is old else cell for cell in (fn.__closure__ or ())) or None
+    )
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    copy.__dict__.update(fn.__dict__)
+    copy.__wrapped__ = new  # type: ignore[attr-defined]
+    return copy
+
+
+def rebind(fn: Callable, globals_: dict[str, Any]) -> Callable:
+    """``fn`` (and the decorators around it) with its code reading ``globals_`` over its own globals."""
+    chain = [fn]
+    while hasattr(chain[-1], "__wrapped__"):
+        chain.append(chain[-1].__wrapped__)
+    inner = chain[-1]
+    new_globals = {**inner.__globals__, **globals_}
+    current = types.FunctionType(inner.__code__, new_globals, inner.__name__, inner.__defaults__, inner.__closure__)
+    current.__kwdefaults__, current.__qualname__ = inner.__kwdefaults__, inner.__qualname__
+    current.__dict__.update(inner.__dict__)
+    for wrapper, wrapped in zip(reversed(chain[:-1]), reversed(chain[1:])):
+        current = _replaced(wrapper, wrapped, current)
+    return current
+
+
+def _methods(cls: type) -> Iterator[tuple[str, Callable]]:
+    """The plain functions a module class defines or inherits below ``torch.nn.Module``."""
+    seen: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in (torch.nn.Module, object):
+            break
+        for name, value in vars(klass).items():
+            if name not in seen and inspect.isfunction(value):
+                seen.add(name)
+                yield name, value
+
+
+_SURVEYS: dict[type, ClassSurvey] = {}
+_REBOUND: dict[type, dict[str, Callable]] = {}
+
+
+def _class_survey(cls: type) -> ClassSurvey:
+    """What a module class's own methods reach for: the primitives (served or not) and the attention
+    interface. Once per class."""
+    if cls in _SURVEYS:
+        return _SURVEYS[cls]
+    survey = _SURVEYS[cls] = ClassSurvey(cls)
+    for name, method in _methods(cls):
+        inner = _innermost(method)
+        code_names = set(inner.__code__.co_names)
+        for const in inner.__code__.co_consts:  # names read by functions defined inside the method
+            if isinstance(const, types.CodeType):
+                code_names |= set(const.co_names)
+        for global_name in code_names:
+            value = inner.__globals__.get(global_name)
+            kernel = primitive_name(value)
+            if kernel in ADAPTERS:
+                survey.rebinds.setdefault(name, {})[global_name] = (kernel, value)
+            elif kernel in UNSERVED_PRIMITIVES:
+                survey.unserved.add(UNSERVED_PRIMITIVES[kernel])
+            if global_name == "ALL_ATTENTION_FUNCTIONS":
+                survey.attention_interface = True
+    return survey
+
+
+@dataclass
+class ClassSurvey:
+    cls: type
+    rebinds: dict[str, dict[str, tuple[str, Any]]] = field(default_factory=dict)  # method -> global -> primitive
+    unserved: set[str] = field(default_factory=set)
+    attention_interface: bool = False
+
+
+def _rebound_methods(cls: type) -> dict[str, Callable]:
+    """The class's methods that call served primitives, rebound to the adapters. Once per class."""
+    if cls in _REBOUND:
+        return _REBOUND[cls]
+    survey = _class_survey(cls)
+    methods = dict(_methods(cls))
+    rebound = {}
+    for name, targets in survey.rebinds.items():
+        adapters = {g: ADAPTERS[kernel](original, cls.__name__) for g, (kernel, original) in targets.items()}
+        rebound[name] = rebind(methods[name], adapters)
+    _REBOUND[cls] = rebound
+    return rebound
+
+
+# ---- registered packed forms ------------------------------------------------------------------------
+
+
+def _registered_forward(module: torch.nn.Module, form: Callable) -> Callable:
+    original = module.forward
+    owner = type(module).__name__
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        tokens = next(
+            (a.shape[0] * a.shape[1] for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and a.dim() >= 2), 0
+        )
+        call = _packed_call(kwargs, owner, tokens)
+        if call is None:
+            return original(*args, **kwargs)
+        return form(module, call.row, *args, **kwargs)
+
+    return forward
+
+
+# ---- the guard -------------------------------------------------------------------------------------
+
+# module classes that mix positions in ways nopad cannot keep apart, found by the architecture sweep
+# (tests/test_arch_sweep.py): a pattern on the class name -> what it does
+REFUSED_CLASSES: dict[str, str] = {}
+_ATTENTION_NAME = re.compile(r"attention|attn", re.IGNORECASE)
+
+
+def _refusal(module: torch.nn.Module, children_attend: bool) -> str | None:
+    """Why this module cannot be kept apart in a packed row, or None."""
+    cls = type(module)
+    survey = _class_survey(cls)
+    if survey.unserved:
+        kinds = ", ".join(sorted(survey.unserved))
+        return f"carries state along the sequence through {kinds}, which has no packed form in nopad"
+    for pattern, reason in REFUSED_CLASSES.items():
+        if re.search(pattern, cls.__name__):
+            return reason
+    if (
+        _ATTENTION_NAME.search(cls.__name__)
+        and not survey.attention_interface
+        and not survey.rebinds
+        and not children_attend
+        and not cls.__module__.startswith("torch.")
+    ):
+        return (
+            "computes its attention itself rather than through transformers' attention interface, so no "
+            "packed attention kernel reaches it (its mask or position biases would span the whole packed row)"
+        )
+    return None
+
+
+@dataclass
+class Survey:
+    """What :func:`route` would do to a model: the modules it serves and how, and those it refuses."""
+
+    rebound: list[tuple[str, str]]  # (module name, class name) whose primitives get packed forms
+    registered: list[tuple[str, str]]
+    attention: list[tuple[str, str]]  # modules whose attention runs through the interface
+    refused: list[tuple[str, str, str]]  # (module name, class name, why)
+
+    def error(self, model: torch.nn.Module) -> ValueError | None:
+        if not self.refused:
+            return None
+        seen: dict[str, tuple[str, str]] = {}
+        for name, cls, why in self.refused:
+            seen.setdefault(cls, (name or "the model", why))
+        listed = "; ".join(f"{cls} ({name}) {why}" for cls, (name, why) in seen.items())
+        return input_error(
+            "model",
+            None,
+            "a model whose every position-mixing layer nopad can keep apart in a packed row",
+            f"{type(model).__name__}, whose {listed}. Run it padded, switch its attention with "
+            "nopad.attention.use_packed_attention, or register a packed form for the class with "
+            "nopad.layers.register_packed_module",
+        )
+
+
+def survey(model: torch.nn.Module) -> Survey:
+    """Classify every module of ``model`` (no change is made; host work only)."""
+    result = Survey([], [], [], [])
+    attends: dict[int, bool] = {}
+    for name, module in reversed(list(model.named_modules())):  # children before parents
+        cls = type(module)
+        children_attend = any(attends.get(id(child), False) for child in module.children())
+        class_survey = _class_survey(cls)
+        attends[id(module)] = children_attend or class_survey.attention_interface or bool(class_survey.rebinds)
+        if registered_form(cls) is not None:
+            result.registered.append((name, cls.__name__))
+            attends[id(module)] = True
+            continue
+        why = _refusal(module, children_attend)
+        if why is not None:
+            result.refused.append((name, cls.__name__, why))
+        elif class_survey.rebinds:
+            result.rebound.append((name, cls.__name__))
+        elif class_survey.attention_interface:
+            result.attention.append((name, cls.__name__))
+    for lst in (result.rebound, result.registered, result.attention, result.refused):
+        lst.reverse()
+    return result
+
+
+# ---- the route -------------------------------------------------------------------------------------
+
+
+class Route:
+    """One model's packed routing: its layers' rebound methods and its root hooks. :meth:`remove` undoes it."""
+
+    def __init__(self, model: torch.nn.Module, found: Survey) -> None:
+        self.model = weakref.ref(model)
+        self.survey = found
+        self._patched: list[tuple[torch.nn.Module, str, Any]] = []
+        names = {name for name, _ in found.rebound}
+        registered = {name for name, _ in found.registered}
+        for name, module in model.named_modules():
+            form = registered_form(type(module)) if name in registered else None
+            if form is not None:
+                self._patch(module, "forward", _registered_forward(module, form))
+            elif name in names:
+                for method, fn in _rebound_methods(type(module)).items():
+                    self._patch(module, method, types.MethodType(fn, module))
+        self._hooks = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after, always_call=True),
+        ]
+        self._tokens: list[contextvars.Token] = []
+
+    def _patch(self, module: torch.nn.Module, name: str, value: Any) -> None:
+        self._patched.append((module, name, module.__dict__.get(name, _MISSING)))
+        setattr(module, name, value)
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        for module, name, own in reversed(self._patched):
+            if own is _MISSING:
+                module.__dict__.pop(name, None)
+            else:
+                setattr(module, name, own)
+        self._patched.clear()
+        model = self.model()
+        if model is not None and _ROUTES.get(model) is self:
+            del _ROUTES[model]
+
+    def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        boundaries = _row_boundaries(args, kwargs)
+        owner = type(module).__name__
+        self._tokens.append(_PACKED_FORWARD.set(None if boundaries is None else owner))
+        if boundaries is None:
+            return None
+        kwargs = _without_cache(kwargs, owner)
+        if "cu_seq_lens_q" not in kwargs:  # found from the position ids: every layer gets them as kwargs
+            cu, longest = boundaries
+            kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        return args, kwargs
+
+    def _after(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self._tokens:
+            _PACKED_FORWARD.reset(self._tokens.pop())
+
+
+_MISSING = object()
+_ROUTES: weakref.WeakKeyDictionary[torch.nn.Module, Route] = weakref.WeakKeyDictionary()
+
+
+def _without_cache(kwargs: dict, owner: str) -> dict:
+    """A packed forward builds no cache: ``use_cache`` left at None would make transformers start one."""
+    use_cache = kwargs.get("use_cache")
+    if use_cache:
+        raise input_error(
+            f"{owner} use_cache",
+            None,
+            "False or None in a packed forward (a cache across packed sequences would mix them)",
+            repr(use_cache),
+        )
+    return {**kwargs, "use_cache": False}
+
+
+def _row_boundaries(args: tuple, kwargs: dict) -> tuple[Tensor, int] | None:
+    """(cu_seqlens int32, longest) of a packed forward, or None for one that is not packed.
+
+    Packed: boundaries given (``cu_seq_lens_q``), or no attention mask and position ids that
+    restart inside a row (transformers' own packed convention; one host sync per new position-ids
+    tensor). A padded forward (attention mask), a plain batch and a cached forward are not packed.
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        return cu, int(kwargs.get("max_length_q") or 0)
+    if kwargs.get("attention_mask") is not None or kwargs.get("past_key_values") is not None:
+        return None
+    if kwargs.get("cache") is not None:
+        return None
+    positions = kwargs.get("position_ids")
+    if not isinstance(positions, Tensor) or positions.dim() not in (2, 3):
+        return None
+    text = positions[0] if positions.dim() == 3 else positions  # (B, T); mrope's row 0 is the text position
+    plan = _plan_of(text)
+    if plan.batch_size == text.shape[0]:  # one sequence per row: nothing to keep apart
+        return None
+    cu = plan.cu_seqlens
+    lengths = known_host_lengths(plan.offsets)
+    if lengths is not None:
+        remember_host_lengths(cu, lengths)
+    return cu, plan.max_seqlen
+
+
+def _plan_of(positions: Tensor) -> IndexPlan:
+    """The plan of these position ids, kept on the tensor (identity and version: the layers of one
+    forward, and the forwards that reuse the tensor, share one derivation)."""
+    cached = getattr(positions, "_nopad_position_plan", None)
+    if cached is not None and cached[0] == positions._version:
+        return cached[1]
+    plan = IndexPlan.from_position_ids(positions)
+    positions._nopad_position_plan = (positions._version, plan)  # type: ignore[attr-defined]
+    return plan
+
+
+def route(model: torch.nn.Module) -> Route:
+    """Give every state-carrying layer of ``model`` its packed form and hook its forward (idempotent).
+
+    Refuses (ValueError, before any change) a model with a position-mixing module nopad cannot keep
+    apart: see :func:`survey`. The attention implementation is the caller's to switch
+    (:func:`nopad._attention.use_packed_attention` does both).
+    """
+    existing = _ROUTES.get(model)
+    if existing is not None:
+        return existing
+    found = survey(model)
+    error = found.error(model)
+    if error is not None:
+        raise error
+    _ROUTES[model] = created = Route(model, found)
+    return created
+
+
+def route_of(model: torch.nn.Module) -> Route | None:
+    return _ROUTES.get(model)
