@@ -545,6 +545,21 @@ def _switch(model: torch.nn.Module, kernel: str) -> None:
         enable_ulysses(model)
 
 
+def _checkpointed(model: torch.nn.Module) -> bool:
+    """Whether some layer of ``model`` recomputes its forward in backward (activation checkpointing)."""
+    flag = (
+        "is_activation_checkpointing"
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    if getattr(model, flag, False):
+        return True
+    return any(
+        type(m).__name__ == "CheckpointWrapper" or getattr(m, "gradient_checkpointing", False) is True
+        for m in model.modules()
+    )
+
+
 @contextlib.contextmanager
 def packed_attention(model: torch.nn.Module, kernel: str | None = "auto") -> Iterator[torch.nn.Module]:
     """Within the block, ``model``'s packed forwards keep their sequences apart in every layer, as
@@ -557,6 +572,15 @@ def packed_attention(model: torch.nn.Module, kernel: str | None = "auto") -> Ite
     """
     current = current_implementation(model)
     routed = route_of(model) is not None
+    switching = kernel is not None and (kernel != "auto" or not reads_boundaries(current))
+    if (switching or not routed) and torch.is_grad_enabled() and _checkpointed(model):
+        raise input_error(
+            "model",
+            None,
+            "a model switched once with use_packed_attention(model) when its layers are checkpointed "
+            "(their backward recomputes them after this block would have switched the model back)",
+            f"{type(model).__name__} with activation checkpointing on, not switched",
+        )
     found = route(model)
     try:
         if kernel is None:
@@ -568,7 +592,7 @@ def packed_attention(model: torch.nn.Module, kernel: str | None = "auto") -> Ite
                     "(flash-attn's or nopad_varlen), or 'auto'",
                     repr(current),
                 )
-        elif kernel != "auto" or not reads_boundaries(current):
+        elif switching:
             if kernel not in _IMPLEMENTATION_OF:
                 raise input_error("kernel", None, f"'auto' or one of {list(KERNELS)}", repr(kernel))
             if kernel != "auto":

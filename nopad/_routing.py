@@ -468,6 +468,11 @@ def _refusal(module: torch.nn.Module, children_attend: bool) -> str | None:
     """Why this module cannot be kept apart in a packed row, or None."""
     cls = type(module)
     survey = _class_survey(cls)
+    if isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1:
+        return (
+            f"(kernel {module.kernel_size[0]}) convolves along the sequence outside a layer nopad serves: its taps "
+            "would reach into the previous sequence"
+        )
     if survey.unserved:
         kinds = ", ".join(sorted(survey.unserved))
         return f"carries state along the sequence through {kinds}, which has no packed form in nopad"
@@ -518,11 +523,21 @@ def survey(model: torch.nn.Module) -> Survey:
     """Classify every module of ``model`` (no change is made; host work only)."""
     result = Survey([], [], [], [])
     attends: dict[int, bool] = {}
+    served: set[int] = set()  # modules inside a served one: its packed form covers them
+    for module in model.modules():  # parents before children
+        if id(module) in served:
+            served.update(id(child) for child in module.children())
+            continue
+        cls = type(module)
+        if registered_form(cls) is not None or _class_survey(cls).rebinds:
+            served.update(id(child) for child in module.children())
     for name, module in reversed(list(model.named_modules())):  # children before parents
         cls = type(module)
         children_attend = any(attends.get(id(child), False) for child in module.children())
         class_survey = _class_survey(cls)
         attends[id(module)] = children_attend or class_survey.attention_interface or bool(class_survey.rebinds)
+        if id(module) in served:
+            continue
         if registered_form(cls) is not None:
             result.registered.append((name, cls.__name__))
             attends[id(module)] = True
@@ -534,8 +549,8 @@ def survey(model: torch.nn.Module) -> Survey:
             result.rebound.append((name, cls.__name__))
         elif class_survey.attention_interface:
             result.attention.append((name, cls.__name__))
-    for lst in (result.rebound, result.registered, result.attention, result.refused):
-        lst.reverse()
+    for found in (result.rebound, result.registered, result.attention, result.refused):
+        found.reverse()
     return result
 
 

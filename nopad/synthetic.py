@@ -49,6 +49,87 @@ def synthetic_batch(
     return TensorDict(fields, batch_size=[B]).to(device)
 
 
+def _hybrid(layers: int, kinds: tuple[str, str] = ("linear_attention", "full_attention")) -> list[str]:
+    """Layer kinds of a hybrid: every 4th layer attends, and the last one does when there are fewer
+    than 4, so a tiny model holds both kinds."""
+    state, attention = kinds
+    return [attention if i % 4 == 3 or (layers < 4 and i == layers - 1) else state for i in range(layers)]
+
+
+def _family_config(arch: str, hidden: int, layers: int, heads: int, kv_heads: int) -> dict:
+    """The config fields of each family at a tiny size (the ones its defaults would make huge)."""
+    head = hidden // heads
+    gdn = dict(
+        linear_num_value_heads=heads,
+        linear_num_key_heads=kv_heads,
+        linear_key_head_dim=head,
+        linear_value_head_dim=head,
+        linear_conv_kernel_dim=4,
+        layer_types=_hybrid(layers),
+        head_dim=head,
+    )
+    # Mamba2 mixers: expand 2 (inner width 2 * hidden over `heads` heads), 2 groups, 16 states, and
+    # 32-token chunks, so that short test sequences still cross chunks
+    mamba = dict(mamba_n_heads=heads, mamba_d_head=2 * hidden // heads, mamba_n_groups=2, mamba_d_state=16)
+    mamba.update(mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=32)
+    moe = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden
+    )
+    if arch == "qwen3_5":
+        return gdn
+    if arch == "qwen3_next":
+        return {**gdn, **moe, "decoder_sparse_step": 1}
+    if arch == "olmo_hybrid":
+        return {**gdn, "pad_token_id": 0, "eos_token_id": 1}  # its defaults index a 100k vocabulary
+    if arch == "bamba":
+        return {**mamba, "attn_layer_indices": [i for i, k in enumerate(_hybrid(layers)) if k == "full_attention"]}
+    if arch == "granitemoehybrid":
+        return {
+            **mamba,
+            "layer_types": _hybrid(layers),
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": hidden,
+        }
+    if arch == "nemotron_h":
+        kinds = ["linear_attention", "moe", "full_attention", "mlp"]
+        return dict(
+            layers_block_type=[kinds[i % 4] for i in range(max(layers, 4))],
+            mamba_num_heads=heads,
+            mamba_head_dim=2 * hidden // heads,
+            n_groups=2,
+            ssm_state_size=16,
+            conv_kernel=4,
+            chunk_size=32,
+            head_dim=head,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden,
+            moe_shared_expert_intermediate_size=hidden,
+        )
+    if arch == "falcon_h1":  # attention and a Mamba2 mixer side by side in every layer
+        return {**mamba, "mamba_d_ssm": 2 * hidden, "head_dim": head}
+    if arch == "lfm2":
+        return dict(layer_types=_hybrid(layers, ("conv", "full_attention")), block_multiple_of=16, conv_L_cache=3)
+    return {}
+
+
+# arch -> (config class, model class) in transformers; the families past llama and qwen2 carry
+# state along the sequence (gated delta nets, Mamba2 scans, short convs)
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM"),
+    "bamba": ("BambaConfig", "BambaForCausalLM"),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM"),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
+}
+
+
 def tiny_causal_lm(
     arch: str = "llama",
     *,
@@ -60,17 +141,18 @@ def tiny_causal_lm(
     kv_heads: int = 2,
     attn_implementation: str = "sdpa",
 ) -> torch.nn.Module:
-    """A random-weight HF causal LM (``llama`` or ``qwen2``), fp32, eval mode. Needs the hf extra.
+    """A random-weight HF causal LM of family ``arch`` (one of :data:`ARCHS`), fp32, eval mode. Needs the hf extra.
 
-    ``heads`` query heads and ``kv_heads`` key/value heads (grouped-query attention when fewer);
-    MLP width 2 * hidden; positions up to 32k.
+    ``heads`` query heads and ``kv_heads`` key/value heads (grouped-query attention when fewer;
+    the gated delta nets' value and key heads likewise); MLP width 2 * hidden; positions up to 32k.
+    Hybrids attend in every 4th layer (and in the last of fewer than 4); their Mamba2 mixers scan
+    32-token chunks. Nemotron-H takes at least 4 layers (Mamba2, MoE, attention, MLP).
     """
     import transformers
 
-    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
-    if arch not in classes:
-        raise input_error("arch", None, f"one of {sorted(classes)}", f"{arch!r}")
-    config_cls, model_cls = (getattr(transformers, name) for name in classes[arch])
+    if arch not in ARCHS:
+        raise input_error("arch", None, f"one of {sorted(ARCHS)}", f"{arch!r}")
+    config_cls, model_cls = (getattr(transformers, name) for name in ARCHS[arch])
     config = config_cls(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -80,6 +162,7 @@ def tiny_causal_lm(
         num_key_value_heads=kv_heads,
         max_position_embeddings=32768,
         tie_word_embeddings=False,
+        **_family_config(arch, hidden, layers, heads, kv_heads),
     )
     torch.manual_seed(seed)
     model = model_cls(config)
@@ -87,4 +170,4 @@ def tiny_causal_lm(
     return model.float().eval()
 
 
-__all__ = ["synthetic_batch", "tiny_causal_lm"]
+__all__ = ["ARCHS", "synthetic_batch", "tiny_causal_lm"]
