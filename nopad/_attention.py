@@ -36,13 +36,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from nopad._errors import check_int, free_to_read, input_error
-from nopad._layout import IndexPlan, block_causal_mask, known_host_lengths, to_host
-from nopad._routing import route, route_of
+from nopad._layout import (
+    IndexPlan,
+    block_causal_mask,
+    device_to_host,
+    host_to_device,
+    known_host_lengths,
+    remember_host_lengths,
+    to_host,
+)
+from nopad._routing import checkpointed, route, route_of
 from nopad.parallel._ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
 
 IMPLEMENTATION = "nopad_varlen"
@@ -417,14 +426,23 @@ def nopad_varlen_attention(
     them; one host sync per forward); else every row is one sequence.
     """
     B, H, T, D = query.shape
+    owner = type(module).__name__
     if key.shape[2] != T or key.shape[0] != B or H % key.shape[1]:
         raise input_error(
-            "key",
+            f"{owner} key",
             None,
-            f"(batch {B}, a divisor of {H} heads, {T} tokens, dim) for a training forward "
-            "without a KV cache (nopad_varlen does not serve generation)",
-            f"shape {tuple(key.shape)}",
+            f"keys for the queries' own {T} positions, (batch {B}, a divisor of {H} heads, {T}, dim): nopad_varlen "
+            "serves self-attention over a packed row (no KV cache, no compressed or cross-attention keys)",
+            f"shape {tuple(key.shape)} against queries {tuple(query.shape)}",
         )
+    for name, given in kwargs.items():  # a bias or a selection of keys that spans the row: not ours to drop
+        if isinstance(given, Tensor) and name not in _READ_KWARGS:
+            raise input_error(
+                f"{owner} {name}",
+                None,
+                "no per-score tensor beyond what nopad_varlen applies per sequence (sinks, windows, soft-capping)",
+                f"a {tuple(given.shape)} tensor it would have to ignore, spanning the packed row",
+            )
     if sliding_window is not None:  # a window of 0 masks every score: NaN attention, not an error
         sliding_window = check_int(sliding_window, "sliding_window", low=1)
     sinks = kwargs.get("s_aux")
@@ -454,12 +472,48 @@ def nopad_varlen_attention(
         cu_seqlens, max_seqlen = plan.cu_seqlens, plan.max_seqlen
     else:
         cu_seqlens, max_seqlen = _boundaries(B, T, query.device, kwargs)  # cu_seqlens must end at B * T
+        chunk = _attention_chunk(module)
+        if chunk is not None and max_seqlen > chunk:
+            cu_seqlens, max_seqlen = _from_chunks.get((cu_seqlens,), lambda: _split(cu_seqlens, chunk))
     out = run_kernel(
         kernel, q, k, v, cu_seqlens, max_seqlen, scale=scale, needs=needs, dropout=dropout, softcap=softcap, sinks=sinks
     )
     if attention_mask is not None:
         out = plan.unpack(out)  # (B, T, H, D), zeros at padding
     return out.reshape(B, T, H, D), None
+
+
+# kwargs nopad_varlen reads or that carry no scores; any other tensor is refused, never ignored
+_READ_KWARGS = frozenset(
+    {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "s_aux", "cache_position"}
+)
+_from_chunks = _PerForward()
+
+
+def _attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (Llama 4's local layers: a token attends to the
+    earlier tokens of its own ``attention_chunk_size``-token chunk), or None."""
+    config = getattr(module, "config", None)
+    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if not types or index is None or index >= len(types) or types[index] != "chunked_attention":
+        return None
+    return getattr(config, "attention_chunk_size", None)
+
+
+def _split(cu_seqlens: Tensor, chunk: int) -> tuple[Tensor, int]:
+    """Boundaries cut every ``chunk`` tokens from each sequence's start: chunked attention is varlen
+    attention over those pieces. One host read of the boundaries unless nopad knows their lengths."""
+    lengths = known_host_lengths(cu_seqlens)
+    if lengths is None:
+        lengths = np.diff(device_to_host(cu_seqlens.to(torch.int64)))
+    pieces = -(-lengths // chunk)
+    sizes = np.full(int(pieces.sum()), chunk, dtype=np.int64)
+    last = np.cumsum(pieces) - 1
+    sizes[last[pieces > 0]] = lengths[pieces > 0] - chunk * (pieces[pieces > 0] - 1)
+    cu = host_to_device(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), cu_seqlens.device)
+    cu = cu.to(torch.int32)
+    remember_host_lengths(cu, sizes)
+    return cu, int(sizes.max()) if len(sizes) else 0
 
 
 nopad_varlen_attention.reads_boundaries = True  # type: ignore[attr-defined]  # Ulysses passes the full row's
@@ -545,21 +599,6 @@ def _switch(model: torch.nn.Module, kernel: str) -> None:
         enable_ulysses(model)
 
 
-def _checkpointed(model: torch.nn.Module) -> bool:
-    """Whether some layer of ``model`` recomputes its forward in backward (activation checkpointing)."""
-    flag = (
-        "is_activation_checkpointing"
-        if hasattr(type(model), "is_activation_checkpointing")
-        else "is_gradient_checkpointing"
-    )
-    if getattr(model, flag, False):
-        return True
-    return any(
-        type(m).__name__ == "CheckpointWrapper" or getattr(m, "gradient_checkpointing", False) is True
-        for m in model.modules()
-    )
-
-
 @contextlib.contextmanager
 def packed_attention(model: torch.nn.Module, kernel: str | None = "auto") -> Iterator[torch.nn.Module]:
     """Within the block, ``model``'s packed forwards keep their sequences apart in every layer, as
@@ -573,7 +612,7 @@ def packed_attention(model: torch.nn.Module, kernel: str | None = "auto") -> Ite
     current = current_implementation(model)
     routed = route_of(model) is not None
     switching = kernel is not None and (kernel != "auto" or not reads_boundaries(current))
-    if (switching or not routed) and torch.is_grad_enabled() and _checkpointed(model):
+    if (switching or not routed) and torch.is_grad_enabled() and checkpointed(model):
         raise input_error(
             "model",
             None,

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nopad._errors import input_error
-from nopad._layout import device_to_host, host_to_device, prepare_position_ids, spread_over_tokens
+from nopad._layout import IndexPlan, device_to_host, host_to_device, prepare_position_ids, spread_over_tokens
 
 
 class PackedRow:
@@ -55,6 +55,7 @@ class PackedRow:
         self.total = int(self.lengths.sum())
         self.position_ids = prepare_position_ids(self.cu_seqlens, self.total)
         self._layouts: dict[int, ChunkLayout] = {}
+        self._padded: IndexPlan | None = None
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: Tensor, lengths: np.ndarray | None = None) -> PackedRow:
@@ -79,6 +80,30 @@ class PackedRow:
         """(1, T) int32 index of each token's sequence: the boundaries as causal-conv1d and mamba-ssm take them."""
         rows = torch.arange(len(self.lengths), device=self.device, dtype=torch.int64)
         return spread_over_tokens(rows, self.cu_seqlens, self.total).to(torch.int32).unsqueeze(0)
+
+    def to_padded(self, x: Tensor) -> Tensor:
+        """(T, *rest) -> (N, longest, *rest): one row per sequence, right-padded with zeros. One gather."""
+        return self._padded_plan().unpack(x)
+
+    def from_padded(self, y: Tensor) -> Tensor:
+        """(N, longest, *rest) -> (T, *rest): the inverse of :meth:`to_padded`."""
+        return self._padded_plan().pack(y)
+
+    def _padded_plan(self) -> IndexPlan:
+        if self._padded is None:
+            longest = int(self.lengths.max()) if len(self.lengths) else 0
+            shortest = int(self.lengths.min()) if len(self.lengths) else 0
+            lengths = self.cu_seqlens.diff()
+            self._padded = IndexPlan(
+                lengths,
+                self.cu_seqlens,
+                total=self.total,
+                width=longest,
+                starts=torch.zeros_like(lengths),
+                max_seqlen=longest,
+                min_seqlen=shortest,
+            )
+        return self._padded
 
     def layout(self, chunk: int) -> ChunkLayout:
         """The aligned chunk layout of this row for ``chunk``-token chunks (cached)."""

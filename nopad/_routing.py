@@ -48,9 +48,20 @@ from nopad.parallel._ulysses import SP_GROUP_KWARG, all_to_all, gather_seq
 # ---- the packed row of a forward -------------------------------------------------------------------
 
 _ROW_ATTRIBUTE = "_nopad_packed_row"
-# set while a routed model runs a packed forward: a layer that then finds no boundaries in its kwargs
-# would run the row as one sequence, so it refuses instead
-_PACKED_FORWARD: contextvars.ContextVar[str | None] = contextvars.ContextVar("nopad_packed_forward", default=None)
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """The packed forward a routed model is running: its root's class, boundaries and SP group, and
+    whether its layers are checkpointed (set by the root's pre-hook, cleared after its forward)."""
+
+    owner: str
+    cu_seqlens: Tensor
+    group: Any
+    checkpointed: bool
+
+
+_PACKED_FORWARD: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("nopad_packed_forward", default=None)
 
 
 def packed_row_of(cu_seqlens: Tensor) -> PackedRow:
@@ -81,22 +92,30 @@ class _Call:
 
 
 def _packed_call(kwargs: dict, owner: str, local_tokens: int, boundaries: Any = None) -> _Call | None:
-    """The packed row this call is part of (from ``boundaries`` or the kwargs), or None for a call
-    that is not packed (a padded forward, generation): that call runs the original primitive."""
+    """The packed row this call is part of, or None for a call that is not packed (a padded forward,
+    generation): that call runs the original primitive.
+
+    The boundaries come from ``boundaries`` or the call's kwargs (``cu_seq_lens_q``, as transformers'
+    layers hand the model's kwargs on), else from the packed forward the call runs in: a layer that
+    is not handed the kwargs still gets the row. Activation checkpointing recomputes such a layer
+    outside the forward, where that row is gone: with checkpointing on it is refused.
+    """
     cu = boundaries if boundaries is not None else kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens"))
+    group = kwargs.get(SP_GROUP_KWARG)
     if cu is None:
         forward = _PACKED_FORWARD.get()
-        if forward is not None:
+        if forward is None:
+            return None
+        if forward.checkpointed:
             raise input_error(
                 owner,
                 None,
-                "the packed row's boundaries (cu_seq_lens_q) among its forward's kwargs, as transformers' "
-                "layers pass them on",
-                f"none inside the packed forward of {forward}: this layer would run the row as one sequence "
-                "(run the model padded, or register a packed form for it with register_packed_module)",
+                "the packed row's boundaries (cu_seq_lens_q) among its kwargs when its layers are checkpointed "
+                "(a recomputation in backward sees only what the layer was given)",
+                f"none: {forward.owner} does not hand them to {owner} (turn activation checkpointing off, "
+                "or register a packed form for it with register_packed_module)",
             )
-        return None
-    group = kwargs.get(SP_GROUP_KWARG)
+        cu, group = forward.cu_seqlens, forward.group
     call = _Call(packed_row_of(cu), None if group is None or dist.get_world_size(group) == 1 else group)
     if local_tokens * call.world != call.row.total:
         raise input_error(
@@ -305,12 +324,102 @@ def _fused_mamba_adapter(original: Callable, owner: str) -> Callable:
     return mamba_split_conv1d_scan_combined
 
 
+def _by_sequence(x: Tensor, call: _Call, seq_dim: int) -> Tensor:
+    """(1, T, ...) with the tokens on ``seq_dim`` -> (N, longest, ...) one sequence per row, zeros after it."""
+    return call.row.to_padded(x[0].movedim(seq_dim - 1, 0)).movedim(1, seq_dim)
+
+
+def _by_token(y: Tensor, call: _Call, seq_dim: int) -> Tensor:
+    return call.row.from_padded(y.movedim(seq_dim, 1)).movedim(0, seq_dim - 1).unsqueeze(0)
+
+
+def _kda_adapter(original: Callable, owner: str) -> Callable:
+    # Kimi delta attention (a delta rule with a decay per key channel): transformers' reference runs
+    # one row per sequence, right-padded (a causal scan: what follows a sequence never reaches it)
+    def chunk_kda(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False, **kwargs):
+        B, L = value.shape[:2]
+        call = _packed_call(kwargs, owner, B * L, kwargs.pop("cu_seqlens", None))
+        options = dict(chunk_size=chunk_size, initial_state=initial_state, output_final_state=output_final_state)
+        if call is None:
+            return original(query, key, value, g=g, beta=beta, **options, **kwargs)
+        _no_state(owner, initial_state=initial_state, output_final_state=output_final_state)
+        if call.world > 1:
+            raise input_error(
+                owner, None, "no sequence parallelism (Kimi delta attention under Ulysses)", f"SP {call.world}"
+            )
+        kwargs = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+        }
+        rows = [_by_sequence(t.reshape(1, B * L, *t.shape[2:]), call, 1) for t in (query, key, value, g, beta)]
+        out, _ = original(*rows[:3], g=rows[3], beta=rows[4], **options, **kwargs)
+        return _by_token(out, call, 1).view(B, L, *out.shape[2:]), None
+
+    return chunk_kda
+
+
+def _selective_scan_adapter(original: Callable, owner: str) -> Callable:
+    # Mamba's selective scan, (batch, channels, tokens): one row per sequence, right-padded, as above
+    def selective_scan_fn(
+        hidden_states,
+        dt,
+        A,
+        B,
+        C,
+        D=None,
+        z=None,
+        delta_bias=None,
+        delta_softplus=False,
+        return_last_state=False,
+        **kwargs,
+    ):
+        batch, _, L = hidden_states.shape
+        call = _packed_call(kwargs, owner, batch * L)
+        options = dict(D=D, delta_bias=delta_bias, delta_softplus=delta_softplus)
+        if call is None:
+            return original(hidden_states, dt, A, B, C, z=z, return_last_state=return_last_state, **options, **kwargs)
+        _no_state(owner, return_last_state=return_last_state)
+        if call.world > 1:
+            raise input_error(
+                owner, None, "no sequence parallelism (Mamba's selective scan under Ulysses)", f"SP {call.world}"
+            )
+        flat = [
+            None if t is None else t.movedim(0, 1).reshape(1, t.shape[1], batch * L)
+            for t in (hidden_states, dt, B, C, z)
+        ]
+        rows = [None if t is None else _by_sequence(t, call, 2) for t in flat]
+        kwargs = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+        }
+        out = original(rows[0], rows[1], A, rows[2], rows[3], z=rows[4], return_last_state=False, **options, **kwargs)
+        packed = _by_token(out, call, 2)  # (1, channels, T)
+        return packed.reshape(packed.shape[1], batch, L).movedim(1, 0)
+
+    return selective_scan_fn
+
+
+def _fused_mamba1_adapter(original: Callable, owner: str) -> Callable:
+    # mamba-ssm's fused Mamba: a packed forward takes the layer's unfused path (conv and scan served above)
+    def mamba_inner_fn(xz, *args, **kwargs):
+        if _packed_call(kwargs, owner, xz.shape[0] * xz.shape[-1]) is not None:
+            return None
+        return original(xz, *args, **kwargs)
+
+    return mamba_inner_fn
+
+
 # transformers' primitives (by the kernel name transformers registers them under) -> nopad's adapter
 ADAPTERS: dict[str, Callable[[Callable, str], Callable]] = {
     "causal_conv1d_fn": _conv_adapter,
     "chunk_gated_delta_rule": _gdn_adapter,
     "mamba_chunk_scan_combined": _ssd_adapter,
     "mamba_split_conv1d_scan_combined": _fused_mamba_adapter,
+    "chunk_kda": _kda_adapter,
+    "selective_scan_fn": _selective_scan_adapter,
+    "mamba_inner_fn": _fused_mamba1_adapter,
 }
 # primitives of one decoding step (they run only with a cache, which a packed forward never has)
 STEP_PRIMITIVES = {
@@ -320,11 +429,7 @@ STEP_PRIMITIVES = {
     "fused_recurrent_kda",
 }
 # primitives that carry state along the sequence with no packed form here, and what they are
-UNSERVED_PRIMITIVES = {
-    "chunk_kda": "Kimi delta attention (chunk_kda, flash-linear-attention)",
-    "selective_scan_fn": "Mamba's selective scan (selective_scan_fn, mamba-ssm)",
-    "mamba_inner_fn": "Mamba's fused selective scan (mamba_inner_fn, mamba-ssm)",
-}
+UNSERVED_PRIMITIVES: dict[str, str] = {}
 
 
 def primitive_name(obj: Any) -> str | None:
@@ -376,11 +481,14 @@ def rebind(fn: Callable, globals_: dict[str, Any]) -> Callable:
 
 
 def _methods(cls: type) -> Iterator[tuple[str, Callable]]:
-    """The plain functions a module class defines or inherits below ``torch.nn.Module``."""
+    """The plain functions a module class defines or inherits below ``torch.nn.Module``, the library's
+    own base classes left out (``PreTrainedModel`` names the attention interface to configure it)."""
     seen: set[str] = set()
     for klass in cls.__mro__:
         if klass in (torch.nn.Module, object):
             break
+        if klass.__module__.startswith("transformers.") and not klass.__module__.startswith("transformers.models."):
+            continue
         for name, value in vars(klass).items():
             if name not in seen and inspect.isfunction(value):
                 seen.add(name)
@@ -460,7 +568,18 @@ def _registered_forward(module: torch.nn.Module, form: Callable) -> Callable:
 
 # module classes that mix positions in ways nopad cannot keep apart, found by the architecture sweep
 # (tests/test_arch_sweep.py): a pattern on the class name -> what it does
-REFUSED_CLASSES: dict[str, str] = {}
+REFUSED_CLASSES: dict[str, str] = {
+    r"Indexer$": "selects each query's keys by a top-k over the whole row (a sparse-attention indexer)",
+    r"Compressor$": "compresses keys across positions, blocks spanning the whole row (compressed attention)",
+    r"^RwkvSelfAttention$": "carries a state along the sequence (RWKV's time-mixing recurrence)",
+    r"LightningAttention$": "carries a state along the sequence (lightning attention: a linear-attention recurrence)",
+    r"^xLSTM(Block|Layer|Backend)$": "carries a state along the sequence (xLSTM's mLSTM cell)",
+    r"Rglru$": "carries a state along the sequence (RecurrentGemma's RG-LRU recurrence)",
+    r"^BltCrossAttention$": "attends from patches to bytes across the whole row (BLT's cross attention)",
+    r"^DogeAttention$": "adds a dynamic mask of its own to the attention scores over the whole row",
+}
+# submodules a text-only packed forward never runs (a multimodal model's towers): not surveyed
+_TOWER = re.compile(r"(^|\.)[\w]*(vision|visual|audio|image|speech|video)[\w]*(\.|$)", re.IGNORECASE)
 _ATTENTION_NAME = re.compile(r"attention|attn", re.IGNORECASE)
 
 
@@ -524,7 +643,9 @@ def survey(model: torch.nn.Module) -> Survey:
     result = Survey([], [], [], [])
     attends: dict[int, bool] = {}
     served: set[int] = set()  # modules inside a served one: its packed form covers them
-    for module in model.modules():  # parents before children
+    for name, module in model.named_modules():  # parents before children
+        if _TOWER.search(name):
+            served.add(id(module))
         if id(module) in served:
             served.update(id(child) for child in module.children())
             continue
@@ -551,7 +672,32 @@ def survey(model: torch.nn.Module) -> Survey:
             result.attention.append((name, cls.__name__))
     for found in (result.rebound, result.registered, result.attention, result.refused):
         found.reverse()
+    if result.attention and not _reads_positions(model):
+        result.refused.insert(
+            0,
+            (
+                "",
+                type(model).__name__,
+                "takes no position ids past its embeddings, so its positions would count on across the packed "
+                "row (each sequence must restart at 0)",
+            ),
+        )
     return result
+
+
+def _reads_positions(model: torch.nn.Module) -> bool:
+    """Whether the packed row's ``position_ids`` reach the model's layers: some module past the
+    embeddings (the model, its decoder, a layer) takes them. Where only a positional embedding takes
+    them, the model derives its positions from the row's length instead (BART-style decoders)."""
+    for name, module in model.named_modules():
+        if _TOWER.search(name) or "Embedding" in type(module).__name__:
+            continue
+        try:
+            if "position_ids" in inspect.signature(module.forward).parameters:
+                return True
+        except (TypeError, ValueError):
+            continue
+    return False
 
 
 # ---- the route -------------------------------------------------------------------------------------
@@ -599,7 +745,10 @@ class Route:
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         boundaries = _row_boundaries(args, kwargs)
         owner = type(module).__name__
-        self._tokens.append(_PACKED_FORWARD.set(None if boundaries is None else owner))
+        forward = None
+        if boundaries is not None:
+            forward = _Forward(owner, boundaries[0], kwargs.get(SP_GROUP_KWARG), checkpointed(module))
+        self._tokens.append(_PACKED_FORWARD.set(forward))
         if boundaries is None:
             return None
         kwargs = _without_cache(kwargs, owner)
@@ -611,6 +760,17 @@ class Route:
     def _after(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._tokens:
             _PACKED_FORWARD.reset(self._tokens.pop())
+
+
+def checkpointed(model: torch.nn.Module) -> bool:
+    """Whether some layer of ``model`` recomputes its forward in backward (activation checkpointing)."""
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else ""
+    if getattr(model, flag or "is_gradient_checkpointing", False):
+        return True
+    return any(
+        type(m).__name__ == "CheckpointWrapper" or getattr(m, "gradient_checkpointing", False) is True
+        for m in model.modules()
+    )
 
 
 _MISSING = object()

@@ -354,9 +354,9 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _reason(exc: BaseException) -> str:
+def _reason(exc: BaseException, limit: int | None = 200) -> str:
     text = " ".join(line.strip() for line in str(exc).strip().splitlines())
-    return f"{type(exc).__name__}: {text[:200]}"
+    return f"{type(exc).__name__}: {text[:limit]}"
 
 
 @contextlib.contextmanager
@@ -559,8 +559,8 @@ def run_one(model_type: str, **packed_kwargs) -> Result:
             return result("skipped", None, "alone: non-finite log-probs")
         try:
             packed = packed_logprobs_of(model, micro, **packed_kwargs)
-        except ValueError as exc:
-            return result("refused", None, _reason(exc))
+        except ValueError as exc:  # the whole message: what a refusal says is part of the result
+            return result("refused", None, _reason(exc, None))
         except Exception as exc:
             return result("error", None, _reason(exc))
     kinds = ", ".join(layer_kinds(model))

@@ -199,8 +199,10 @@ def test_features_no_kernel_honours_are_refused_not_ignored(monkeypatch):
         attention.nopad_varlen_attention(module, q, kv, kv, None, softcap=30.0)
     with pytest.raises(ValueError, match="'aten_flash', which cannot honour attention sinks"):
         attention.nopad_varlen_attention(module, q, kv, kv, None, s_aux=torch.zeros(4))
-    with pytest.raises(ValueError, match="key: expected .* without a KV cache"):
+    with pytest.raises(ValueError, match=r"Module key: expected keys for the queries' own 1 positions.* \(no KV cache"):
         attention.nopad_varlen_attention(module, q[:, :, :1], kv, kv, None)
+    with pytest.raises(ValueError, match=r"Module position_bias: expected no per-score tensor .* got a \(1, 4, 5, 5\)"):
+        attention.nopad_varlen_attention(module, q, kv, kv, None, position_bias=torch.zeros(1, 4, 5, 5))
     with pytest.raises(ValueError, match=r"attention_mask: expected None or a \(1, 5\) padding mask"):
         attention.nopad_varlen_attention(module, q, kv, kv, torch.ones(1, 1, 5, 5, dtype=torch.bool))
 

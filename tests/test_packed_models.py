@@ -210,13 +210,22 @@ def _tiny(config_name: str, model_name: str, **fields) -> torch.nn.Module:
 
 
 def test_a_state_layer_without_a_packed_form_is_refused_by_name_before_anything_runs():
-    mamba = _tiny("MambaConfig", "MambaForCausalLM", state_size=4, intermediate_size=64)
+    rwkv = _tiny("RwkvConfig", "RwkvForCausalLM", attention_hidden_size=32, intermediate_size=64)
     with pytest.raises(ValueError) as refusal:
-        use_packed_attention(mamba)
+        use_packed_attention(rwkv)
     message = str(refusal.value)
-    assert "MambaForCausalLM, whose MambaMixer (backbone.layers.0.mixer) carries state along the sequence" in message
-    assert "selective scan" in message and "register_packed_module" in message
-    assert route_of(mamba) is None and mamba.config._attn_implementation != "nopad_varlen"  # nothing changed
+    assert "RwkvForCausalLM, whose RwkvSelfAttention (rwkv.blocks.0.attention) carries a state along" in message
+    assert "time-mixing recurrence" in message and "register_packed_module" in message
+    assert route_of(rwkv) is None and not any("forward" in vars(m) for m in rwkv.modules())  # nothing changed
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba", "jamba", "kimi_linear", "bailing_hybrid"])
+def test_mamba_and_kimi_scans_run_one_row_per_sequence_inside_the_layer(model_type):
+    from tests.archs import tiny_model
+
+    model, micro = tiny_model(model_type), _micro()
+    with torch.no_grad():
+        _assert_close(packed_logprobs(model, micro, head="logits").values(), _alone(model, micro), model_type)
 
 
 def test_an_attention_that_bypasses_the_attention_interface_is_refused_by_name():
@@ -284,11 +293,19 @@ class ConvWithoutKwargs(torch.nn.Module):
         return causal_conv1d_fn(hidden.transpose(1, 2), self.weight, None).transpose(1, 2)
 
 
-def test_a_served_layer_that_is_not_handed_the_boundaries_refuses_to_run():
+def test_a_layer_not_handed_the_boundaries_gets_the_forwards_row_but_not_under_checkpointing():
     model, micro = ShiftLM(), _micro()
     model.shift = ConvWithoutKwargs(8)
     assert [cls for _, cls in survey(model).rebound] == ["ConvWithoutKwargs"]  # it calls a served primitive
-    with pytest.raises(ValueError, match=r"ConvWithoutKwargs: expected the packed row's boundaries \(cu_seq_lens_q\)"):
+    with torch.no_grad():
+        _assert_close(packed_logprobs(model, micro, head="logits").values(), _alone(model, micro), "from the forward")
+    model.shift.gradient_checkpointing = True  # recomputed in backward, where the forward's row is gone
+    use_packed_attention(model)
+    with pytest.raises(
+        ValueError,
+        match=r"ConvWithoutKwargs: expected the packed row's boundaries \(cu_seq_lens_q\) "
+        r"among its kwargs when its layers are checkpointed",
+    ):
         packed_logprobs(model, micro, head="logits")
 
 
