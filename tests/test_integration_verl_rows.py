@@ -218,3 +218,30 @@ def test_over_a_dp_group_the_count_and_partitions_are_verls():
     # rank 0 alone would cut 18 micro-batches, rank 1 needs 19: both cut 19, as verl does
     for ours, theirs in run_distributed(_rearrange_on_two_ranks, 2, [NOT_MONOTONE, [92] * 19], 92):
         assert ours == theirs and len(ours) == 19
+
+
+def _infer_batch_output(rank: int, lengths) -> TensorDict:
+    """What TrainingWorker.infer_batch returns on one DP rank: nested log-probs and entropy, and a
+    metrics dict that differs between ranks (mfu, memory)."""
+    offsets = torch.tensor([0, *np.cumsum(lengths)])
+    out = TensorDict({}, batch_size=[len(lengths)])
+    out["log_probs"] = torch.nested.nested_tensor_from_jagged(torch.randn(int(offsets[-1])), offsets)
+    out["entropy"] = torch.nested.nested_tensor_from_jagged(torch.rand(int(offsets[-1])), offsets)
+    out["metrics"] = NonTensorData({"mfu": 0.3 + rank / 10, "memory/allocated": [1.0 + rank]})
+    out["temperature"] = NonTensorData(1.0)
+    return out
+
+
+def test_the_dp_collect_of_infer_batch_outputs_keeps_verls_metrics(installed):
+    """Issue 27: verl's worker group joins its DP ranks' outputs with BatchData(output).concat();
+    the trainer then reads tu.get(output, "metrics")["mfu"]. verl keeps the first rank's dict."""
+    from verl.single_controller.base.decorator import _concat_data_proto_or_future
+
+    outputs = [_infer_batch_output(rank, lengths) for rank, lengths in enumerate([[3, 1], [2, 5], [4, 4]])]
+    joined = _concat_data_proto_or_future(outputs)
+    assert tu.get(joined, "metrics")["mfu"] == 0.3  # rank 0's, as verl gives it
+    assert tu.get(joined, "temperature") == 1.0
+    assert joined["log_probs"].offsets().tolist() == [0, 3, 4, 6, 11, 15, 19]
+    assert torch.equal(joined["entropy"].values(), torch.cat([o["entropy"].values() for o in outputs]))
+    installed.uninstall()
+    assert_same(_concat_data_proto_or_future(outputs), joined)

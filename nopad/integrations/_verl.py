@@ -54,7 +54,8 @@ import nopad._padding as _padding
 import nopad.integrations._verl_rows as _rows
 from nopad._batch import get_field
 from nopad._errors import check_flag, check_int, check_optional_int, input_error
-from nopad._layout import is_nested
+from nopad._layout import is_nested, known_host_lengths, nested_offsets, remember_host_lengths
+from nopad._torch_internals import cached_seqlens, jagged_values, wrap_jagged
 from nopad.engines.megatron import ThdPlan, postprocess_thd
 from nopad.integrations._verl_head import TORCH_FUNCTIONAL_MODULE, FusedLinearForPPO
 from nopad.parallel._cp import alignment_of
@@ -123,13 +124,31 @@ def left_right_2_no_padding(data: TensorDict) -> TensorDict:
     data.pop("input_ids")
     for key in ("max_seq_len", "max_response_len", "indices"):
         data[key] = NonTensorData(get_field(out, key))
-    data["input_ids"] = out["input_ids"]
+    # verl's input_ids (and the per-token fields nested with them) take unpad_input's int32 cu_seqlens
+    # as their offsets; its position_ids get their own int64 ones (as_nested_tensor)
+    cu_seqlens = _int32_offsets(nested_offsets(out["input_ids"]))
+    data["input_ids"] = _with_offsets(out["input_ids"], cu_seqlens)
     data["position_ids"] = out["position_ids"]
     data["loss_mask"] = data["response_mask"]
     for key in ("routed_experts", "teacher_logprobs", "teacher_ids"):
         if key in view.keys() and is_nested(out[key]) and not is_nested(data[key]):
-            data[key] = out[key]
+            data[key] = _with_offsets(out[key], cu_seqlens)
     return data
+
+
+def _int32_offsets(offsets: Tensor) -> Tensor:
+    """``offsets`` as int32 (one cast), its host lengths still known to nopad when they were."""
+    cu_seqlens = offsets.to(torch.int32)
+    lengths = known_host_lengths(offsets)
+    if lengths is not None:
+        remember_host_lengths(cu_seqlens, lengths)
+    return cu_seqlens
+
+
+def _with_offsets(x: Tensor, offsets: Tensor) -> Tensor:
+    """The jagged (B, j, *) ``x`` over other offsets of the same rows (its values shared)."""
+    low, high = cached_seqlens(x)
+    return wrap_jagged(jagged_values(x), offsets, 1, min_seqlen=low, max_seqlen=high)
 
 
 def embeds_padding_2_no_padding(data: TensorDict) -> TensorDict:
@@ -265,9 +284,69 @@ def postprocess_thd_engine(
     )
 
 
+# verl's row utilities: the nested fields on nopad, everything else by verl's own function
+def index_select_tensor_dict(batch: TensorDict | None, indices: Tensor | list[int]) -> TensorDict | None:
+    """verl's ``index_select_tensor_dict``: the rows ``indices`` of ``batch``, nested fields in one gather each."""
+    return _rows.index_select_tensor_dict(batch, indices, _original)
+
+
+def chunk_tensordict(td: TensorDict, chunks: int) -> list[TensorDict]:
+    """verl's ``chunk_tensordict``: equal consecutive parts, nested fields ((B, C, j) included) as views."""
+    return _rows.chunk_tensordict(td, chunks, _original)
+
+
+def concat_nested_tensors(tensors: list[Tensor]) -> Tensor:
+    """verl's ``concat_nested_tensors``: the rows of jagged nested tensors one after another, one cat."""
+    return _rows.concat_nested_tensors(tensors, _original)
+
+
 def concat_tensordict(data: list[TensorDict]) -> TensorDict:
-    """verl's ``concat_tensordict``: one cat per field (batches without nested fields: verl's own)."""
+    """verl's ``concat_tensordict``: one cat per nested field, everything else as verl joins it."""
     return _rows.concat_tensordict(data, _original)
+
+
+def pad_to_divisor(data: TensorDict, size_divisor: int) -> tuple[TensorDict, int]:
+    """verl's ``pad_to_divisor``: rows repeated from the start (nested fields too, which verl cannot slice)."""
+    return _rows.pad_to_divisor(data, size_divisor, _original)
+
+
+def unpad(data: TensorDict, pad_size: int) -> TensorDict:
+    """verl's ``unpad``: ``data[:-pad_size]`` (nested fields too, which verl cannot slice)."""
+    return _rows.unpad(data, pad_size, _original)
+
+
+def rearrange_micro_batches(
+    batch: TensorDict,
+    max_token_len: int,
+    dp_group: Any = None,
+    num_batches_divided_by: int | None = None,
+    same_micro_num_in_dp: bool = True,
+    min_num_micro_batch: int | None = None,
+    use_dynamic_bsz_balance: bool = True,
+    force_group_size: int = 1,
+) -> tuple[list[TensorDict], list[list[int]]]:
+    """verl's ``rearrange_micro_batches``: verl's partitions, the micro-batches' tensors in one gather per field."""
+    return _rows.rearrange_micro_batches(
+        batch,
+        max_token_len,
+        dp_group,
+        num_batches_divided_by,
+        same_micro_num_in_dp,
+        min_num_micro_batch,
+        use_dynamic_bsz_balance,
+        force_group_size,
+        original=_original,
+    )
+
+
+def karmarkar_karp(seqlen_list: list[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
+    """verl's ``karmarkar_karp``: the same partitions from arrays (what nopad does not take: verl's)."""
+    return _rows.karmarkar_karp(seqlen_list, k_partitions, equal_size, _original)
+
+
+def get_seqlen_balanced_partitions(seqlen_list: list[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
+    """verl's ``get_seqlen_balanced_partitions``: the same partitions from arrays, each sorted."""
+    return _rows.get_seqlen_balanced_partitions(seqlen_list, k_partitions, equal_size, _original)
 
 
 def postprocess_batch_func(output_lst: list[dict], indices: list[list[int]] | None, data: TensorDict) -> dict:
@@ -289,18 +368,18 @@ REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
         "postprocess_thd_engine": postprocess_thd_engine,
     },
     _rows.TENSORDICT_UTILS: {
-        "index_select_tensor_dict": _rows.index_select_tensor_dict,
-        "chunk_tensordict": _rows.chunk_tensordict,
-        "concat_nested_tensors": _rows.concat_nested_tensors,
+        "index_select_tensor_dict": index_select_tensor_dict,
+        "chunk_tensordict": chunk_tensordict,
+        "concat_nested_tensors": concat_nested_tensors,
         "concat_tensordict": concat_tensordict,
-        "pad_to_divisor": _rows.pad_to_divisor,
-        "unpad": _rows.unpad,
+        "pad_to_divisor": pad_to_divisor,
+        "unpad": unpad,
     },
     _rows.SEQLEN_BALANCING: {
-        "rearrange_micro_batches": _rows.rearrange_micro_batches,
+        "rearrange_micro_batches": rearrange_micro_batches,
         "restore_dynamic_batch": _rows.restore_dynamic_batch,
-        "get_seqlen_balanced_partitions": _rows.get_seqlen_balanced_partitions,
-        "karmarkar_karp": _rows.karmarkar_karp,
+        "get_seqlen_balanced_partitions": get_seqlen_balanced_partitions,
+        "karmarkar_karp": karmarkar_karp,
     },
     _rows.ENGINE_UTILS: {"postprocess_batch_func": postprocess_batch_func},
     TORCH_FUNCTIONAL_MODULE: {"FusedLinearForPPO": FusedLinearForPPO},

@@ -10,6 +10,7 @@ not a nested tensor) is left to verl's own function.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,19 +23,8 @@ from nopad._batch import get_field
 from nopad._errors import check_int, input_error
 from nopad._layout import is_nested, ragged_dim
 from nopad._partition import fits, karmarkar_karp_arrays, order_partitions
-from nopad._rows import (
-    NESTED,
-    RowPlan,
-    batch_lengths,
-    cat_plan,
-    chunk_plan,
-    kind_of,
-    pad_plan,
-    select_plan,
-    take,
-    unpad_plan,
-)
-from nopad._torch_internals import put_checked
+from nopad._rows import RowPlan, batch_lengths, cat_plan, row_index, take
+from nopad._torch_internals import is_jagged, put_checked
 from nopad.balance import Workload, balanced_partitions
 from nopad.balance import karmarkar_karp as _karmarkar_karp
 from nopad.rows import RowRestore
@@ -53,27 +43,116 @@ def _without_device(td: TensorDict) -> TensorDict:
     return td
 
 
-def index_select_tensor_dict(batch: TensorDict | None, indices: Tensor | list[int]) -> TensorDict | None:
-    """verl's ``index_select_tensor_dict``: the rows ``indices`` of ``batch`` (None stays None)."""
-    if batch is None:
+# ---- the split: nested fields to nopad, everything else to verl's own function ---------------------
+# verl's row utilities loop over rows only for jagged nested fields (an ``unbind`` and a rebuild from a
+# list per field). Everything else (dense tensors, NonTensorData, NonTensorStack, sub-TensorDicts, the
+# checks on the arguments) goes through tensordict's own operations, whose results depend on the
+# tensordict version (0.10 keeps the first part's NonTensorData in a cat, a row-index keeps a
+# NonTensorData's device). So each route hands verl's function the batch without its nested fields
+# (its results and its refusals are then verl's by construction), moves the nested fields with one
+# gather each, and puts them where verl's function would have put them.
+def _nested_keys(td: Any) -> list[str] | None:
+    """The top-level jagged nested fields of a TensorDict with a batch dim, in its key order; None when
+    there are none (or one is not jagged, or ``td`` is not such a TensorDict): verl's own function then."""
+    if not isinstance(td, TensorDict) or td.batch_dims != 1:
         return None
-    if (indices.dim() if isinstance(indices, Tensor) else np.ndim(indices)) != 1:
-        raise input_error("indices", None, "a 1-D tensor or list of row indices", f"shape {np.shape(indices)}")
-    return _without_device(take([batch], select_plan(batch, indices), reindex=False)[0])
+    keys = [str(key) for key, value in td.items() if isinstance(value, Tensor) and is_nested(value)]
+    if not keys or not all(is_jagged(td.get(key)) for key in keys):
+        return None
+    return keys
 
 
-def chunk_tensordict(td: TensorDict, chunks: int) -> tuple[TensorDict, ...]:
-    """verl's ``chunk_tensordict``: ``chunks`` equal consecutive parts (views), (B, C, j) fields included."""
-    return tuple(take([td], chunk_plan(td, chunks), reindex=False))
+def _verl_set_order(td: TensorDict, nested: list[str]) -> list[str]:
+    """The order verl adds nested fields back after the others: its set's iteration order (a set of
+    the same keys built in the same order iterates the same way in one process)."""
+    wanted = set(nested)
+    return list({str(key) for key in td.keys() if key in wanted})
 
 
-def concat_nested_tensors(tensors: list[Tensor]) -> Tensor:
+def _merge(order: list[str], rest: TensorDict, nested: TensorDict) -> TensorDict:
+    """A TensorDict shaped like ``rest`` (verl's result for the other fields) holding its entries and
+    the nested ones, keys in ``order``."""
+    out = TensorDict({}, batch_size=rest.batch_size, device=rest.device)
+    for key in order:
+        put_checked(out, key, nested.get(key) if key in nested.keys() else rest.get(key))
+    return out
+
+
+def _refuse_no_rows(rows: int, nested: list[str]) -> None:
+    """verl builds every nested result from a list of rows, which must not be empty."""
+    if rows == 0:
+        raise input_error(nested[0], None, "at least one row (verl cannot build a nested tensor of no rows)", "0 rows")
+
+
+def _verl_index(indices: Any) -> Tensor:
+    """The row index verl reads: a list through ``torch.tensor``, a tensor as it is."""
+    return torch.tensor(indices) if isinstance(indices, list) else indices
+
+
+def _nested_rows(td: TensorDict, nested: list[str], rows: Any) -> TensorDict:
+    """The nested fields of ``td`` at ``rows`` (host ints, negative from the end as Python lists read
+    them), one gather each. Integer rows only: verl reads a bool tensor's items as rows 0 and 1."""
+    if isinstance(rows, Tensor) and (rows.dtype == torch.bool or rows.dtype.is_floating_point):
+        raise input_error("indices", None, "integer row indices", f"a {rows.dtype} tensor")
+    picked = row_index(rows, len(td))
+    _refuse_no_rows(len(picked), nested)
+    return take([td.select(*nested)], RowPlan.of(picked, [len(picked)], len(td)), reindex=False)[0]
+
+
+def index_select_tensor_dict(batch: TensorDict | None, indices: Tensor | list[int], original: Original) -> Any:
+    """verl's ``index_select_tensor_dict``: the rows ``indices`` of ``batch`` (None stays None), the
+    nested fields in one gather each, the rest by verl's function."""
+    verls = original(TENSORDICT_UTILS, "index_select_tensor_dict")
+    nested = _nested_keys(batch)
+    if nested is None or batch is None:
+        return verls(batch, indices)
+    index = _verl_index(indices)
+    rest = verls(batch.exclude(*nested), index)
+    return _merge([str(k) for k in batch.keys()], rest, _nested_rows(batch, nested, index))
+
+
+def chunk_tensordict(td: TensorDict, chunks: int, original: Original) -> Any:
+    """verl's ``chunk_tensordict``: ``chunks`` equal consecutive parts; nested fields (mrope's (B, C, j)
+    included) as views of one buffer each."""
+    verls = original(TENSORDICT_UTILS, "chunk_tensordict")
+    nested = _nested_keys(td)
+    if nested is None:
+        return verls(td, chunks)
+    parts = verls(td.exclude(*nested), chunks)
+    size = len(td) // chunks
+    _refuse_no_rows(size, nested)
+    pieces = take([td.select(*nested)], RowPlan.of(None, [size] * chunks, len(td)), reindex=False)
+    order = _verl_set_order(td, nested)
+    for part, piece in zip(parts, pieces):
+        for key in order:
+            put_checked(part, key, piece.get(key))
+    return parts
+
+
+def concat_nested_tensors(tensors: list[Tensor], original: Original) -> Tensor:
     """verl's ``concat_nested_tensors``: the rows of jagged nested tensors one after another."""
+    if not isinstance(tensors, (list, tuple)) or not tensors or not all(is_nested(t) for t in tensors):
+        return original(TENSORDICT_UTILS, "concat_nested_tensors")(tensors)
     for i, tensor in enumerate(tensors):
-        if not is_nested(tensor):
-            raise input_error(f"tensors[{i}]", None, "a jagged nested tensor", type(tensor).__name__)
-    parts = [_one_field(t) for t in tensors]
-    return take(parts, cat_plan(parts))[0].get("x")
+        if not is_jagged(tensor) or not tensor.is_contiguous() or tensor.dim() < 2:
+            raise input_error(f"tensors[{i}]", None, "a contiguous jagged nested tensor (B, j, ...)", f"{tensor.shape}")
+    parts = _one_fields(list(tensors), "tensors")
+    _refuse_no_rows(sum(len(p) for p in parts), ["tensors"])
+    return take(parts, cat_plan(parts), reindex=False)[0].get("x")
+
+
+def _one_fields(tensors: list[Tensor], field: str) -> list[TensorDict]:
+    """Each tensor as the one field of a TensorDict, its rows in verl's dtype: verl rebuilds rows of
+    more than one dim with ``torch.cat`` (mixed dtypes promote) and rows of one with
+    ``as_nested_tensor`` (mixed dtypes refused)."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        if tensors[0].dim() == 2:
+            found = ", ".join(str(d) for d in sorted(dtypes, key=str))
+            raise input_error(field, None, "one dtype (verl cannot mix them in rows of one dim)", found)
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+        tensors = [t if t.dtype == dtype else t.to(dtype) for t in tensors]
+    return [_one_field(t) for t in tensors]
 
 
 def _one_field(x: Tensor) -> TensorDict:
@@ -82,34 +161,86 @@ def _one_field(x: Tensor) -> TensorDict:
     return td
 
 
-def concat_tensordict(data: list[TensorDict], original: Original) -> TensorDict:
-    """verl's ``concat_tensordict``: one cat per field; batches without nested fields go to verl's."""
-    if not data or not any(kind_of(v) == NESTED for v in data[0].values()):
-        return original(TENSORDICT_UTILS, "concat_tensordict")(data)
-    return take(data, cat_plan(data), reindex=False)[0]
+def concat_tensordict(data: list[TensorDict], original: Original) -> Any:
+    """verl's ``concat_tensordict``: one cat per nested field; everything else by verl's function
+    (tensordict's cat: 0.10 keeps the first part's NonTensorData and stacks NonTensorStacks)."""
+    verls = original(TENSORDICT_UTILS, "concat_tensordict")
+    nested = _nested_keys(data[0]) if isinstance(data, (list, tuple)) and data else None
+    if nested is None:
+        return verls(data)
+    for i, td in enumerate(data):
+        keys = _nested_keys(td)
+        if keys is None or set(keys) != set(nested):
+            got = sorted(keys or [])
+            raise input_error(f"data[{i}]", None, f"the nested fields of data[0] {sorted(nested)}", f"{got}")
+    rest = verls([td.exclude(*nested) for td in data])
+    _refuse_no_rows(len(rest), nested)
+    fields = {key: _one_fields([td.get(key) for td in data], f"data[*][{key!r}]") for key in nested}
+    for key, parts in fields.items():
+        ragged = {ragged_dim(p.get("x")) for p in parts}
+        if len(ragged) > 1:
+            raise input_error(f"data[*][{key!r}]", None, "one ragged dim in every part", f"{sorted(ragged)}")
+    joined = {key: take(parts, cat_plan(parts), reindex=False)[0].get("x") for key, parts in fields.items()}
+    for key in _verl_set_order(data[0], nested):
+        put_checked(rest, key, joined[key])
+    return rest
 
 
-def pad_to_divisor(data: TensorDict, size_divisor: int) -> tuple[TensorDict, int]:
-    """verl's ``pad_to_divisor``: rows repeated from the start to a multiple of ``size_divisor``."""
-    if isinstance(data, TensorDict) and data.batch_dims >= 1 and len(data) == 0:
+def pad_to_divisor(data: TensorDict, size_divisor: int, original: Original) -> Any:
+    """verl's ``pad_to_divisor``: rows repeated from the start to a multiple of ``size_divisor``.
+    verl's own cannot slice a TensorDict with nested fields (tensordict 0.10); this one repeats them
+    with one gather each."""
+    verls = original(TENSORDICT_UTILS, "pad_to_divisor")
+    nested = _nested_keys(data)
+    if nested is None:
+        return verls(data, size_divisor)
+    rest, pad = verls(data.exclude(*nested), size_divisor)
+    if pad == 0:
         return data, 0
-    plan, pad = pad_plan(data, size_divisor)
-    return (data, 0) if plan is None else (take([data], plan, reindex=False)[0], pad)
+    B = len(data)
+    rows = np.concatenate([np.arange(B), np.arange(pad) % B]).astype(np.int64)
+    return _merge([str(k) for k in data.keys()], rest, _nested_rows(data, nested, rows)), pad
 
 
-def unpad(data: TensorDict, pad_size: int) -> TensorDict:
-    """verl's ``unpad``: ``data`` without its last ``pad_size`` rows."""
-    plan = unpad_plan(data, pad_size)
-    return data if plan is None else take([data], plan, reindex=False)[0]
+def unpad(data: TensorDict, pad_size: int, original: Original) -> Any:
+    """verl's ``unpad``: ``data[:-pad_size]`` (``data`` itself for 0); nested fields as views."""
+    verls = original(TENSORDICT_UTILS, "unpad")
+    nested = _nested_keys(data)
+    if nested is None:
+        return verls(data, pad_size)
+    without = data.exclude(*nested)
+    rest = verls(without, pad_size)
+    if rest is without:
+        return data
+    rows = np.arange(len(data), dtype=np.int64)[:-pad_size]  # verl's slice, read the way Python reads it
+    _refuse_no_rows(len(rows), nested)
+    return _merge([str(k) for k in data.keys()], rest, _nested_rows(data, nested, rows))
 
 
-def karmarkar_karp(seqlen_list: list[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
+def _nopad_partitions(seqlen_list: Any, k_partitions: Any) -> bool:
+    """Whether nopad's array Karmarkar-Karp takes these: integers >= 0, at least k of them. verl's
+    own takes any numbers and more parts than items (some left empty): those go to verl's."""
+    if isinstance(seqlen_list, Tensor):
+        return not (seqlen_list.dtype.is_floating_point or seqlen_list.dtype.is_complex)
+    array = np.asarray(seqlen_list)
+    if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
+        return False
+    return bool((array >= 0).all()) and isinstance(k_partitions, int) and k_partitions <= array.size
+
+
+def karmarkar_karp(seqlen_list: list[int], k_partitions: int, equal_size: bool, original: Original) -> list[list[int]]:
     """verl's ``karmarkar_karp``: the same partitions, item for item, from arrays."""
+    if not _nopad_partitions(seqlen_list, k_partitions):
+        return original(SEQLEN_BALANCING, "karmarkar_karp")(seqlen_list, k_partitions, equal_size)
     return _karmarkar_karp(seqlen_list, k_partitions, equal_size)
 
 
-def get_seqlen_balanced_partitions(seqlen_list: list[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
+def get_seqlen_balanced_partitions(
+    seqlen_list: list[int], k_partitions: int, equal_size: bool, original: Original
+) -> list[list[int]]:
     """verl's ``get_seqlen_balanced_partitions``: the same partitions, each sorted."""
+    if not _nopad_partitions(seqlen_list, k_partitions):
+        return original(SEQLEN_BALANCING, "get_seqlen_balanced_partitions")(seqlen_list, k_partitions, equal_size)
     partitions = balanced_partitions(seqlen_list, k_partitions, equal_size)
     empty = [i for i, p in enumerate(partitions) if not p]
     if empty:
@@ -139,9 +270,12 @@ def rearrange_micro_batches(
     min_num_micro_batch: int | None = None,
     use_dynamic_bsz_balance: bool = True,
     force_group_size: int = 1,
+    *,
+    original: Original,
 ) -> tuple[list[TensorDict], list[list[int]]]:
     """verl's ``rearrange_micro_batches``: the same partitions (and, over a DP group, verl's own
-    collectives, so the count is verl's), the micro-batches as one gather per field."""
+    collectives, so the count is verl's), the micro-batches' tensors as one gather per field and
+    their other entries (metadata, sub-TensorDicts) as verl's ``index_select_tensor_dict`` makes them."""
     lengths = batch_lengths(batch)
     budget = check_int(max_token_len, "max_token_len", low=1)
     group = check_int(force_group_size, "force_group_size", low=1)
@@ -158,8 +292,15 @@ def rearrange_micro_batches(
     row_work = Workload()(lengths) if use_dynamic_bsz_balance else None
     rows = order_partitions(partitions, group, row_work)
     order = np.array([r for p in rows for r in p], dtype=np.int64)
-    micro = take([batch], RowPlan.of(order, [len(p) for p in rows], len(lengths)), reindex=False)
-    return [_without_device(m) for m in micro], rows
+    tensors = [str(key) for key, value in batch.items() if isinstance(value, Tensor)]
+    plan = RowPlan.of(order, [len(p) for p in rows], len(lengths))
+    micro = [_without_device(m) for m in take([batch.select(*tensors)], plan, reindex=False)]
+    others = batch.exclude(*tensors)
+    if list(others.keys()):
+        verls = original(TENSORDICT_UTILS, "index_select_tensor_dict")
+        keys = [str(key) for key in batch.keys()]
+        micro = [_merge(keys, verls(others, p), m) for m, p in zip(micro, rows)]
+    return micro, rows
 
 
 def _verl_count_partitions(
@@ -187,6 +328,9 @@ def _verl_count_partitions(
         fewest = -fewest
     if longest > budget:
         raise input_error("max_token_len", None, f">= {longest}, the longest group of rows (in tokens)", f"{budget}")
+    if count < 1:  # verl's partitioner fails on 0 parts; the rows would be lost
+        expected = "at least one micro-batch (a batch of 0 tokens needs min_num_micro_batch >= 1)"
+        raise input_error("batch", None, expected, f"{int(tokens.sum())} tokens in {groups} rows")
     while True:
         if count > fewest:
             raise input_error(
@@ -222,15 +366,18 @@ def postprocess_batch_func(
     for o in output_lst:
         for key, value in o.get("model_output", {}).items() if "model_output" in o else ():
             outputs.setdefault(key, []).append(value)
-    if not all(is_nested(v) and ragged_dim(v) == 1 for parts in outputs.values() for v in parts):
+    if not all(is_jagged(v) and ragged_dim(v) == 1 for parts in outputs.values() for v in parts):
         return original(ENGINE_UTILS, "postprocess_batch_func")(output_lst, indices, data)
     without = [{k: v for k, v in o.items() if k != "model_output"} for o in output_lst]
     result = original(ENGINE_UTILS, "postprocess_batch_func")(without, indices, data)
 
     use_dynamic_bsz = get_field(data, "use_dynamic_bsz", True)  # verl's default
+    if use_dynamic_bsz and outputs and indices is None:
+        raise input_error("indices", None, "the micro-batches' row lists (use_dynamic_bsz is on)", "None")
     joined = {}
     for key, parts in outputs.items():
         fields = [_one_field(p) for p in parts]
+        _refuse_no_rows(sum(len(f) for f in fields), [f"model_output[{key!r}]"])
         if use_dynamic_bsz:
             joined[key] = _restore(indices or [])(fields).get("x")
         else:
