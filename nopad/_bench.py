@@ -368,6 +368,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead: a causal LM's log-probs, padded vs packed with each attention kernel",
     )
+    from nopad.synthetic import ARCHS
+
+    parser.add_argument(
+        "--arch",
+        default="llama",
+        choices=sorted(ARCHS),
+        help="the model family of --model (default: %(default)s; qwen3_5, bamba, ...: layers that carry state)",
+    )
     parser.add_argument(
         "--head",
         action="store_true",
@@ -391,7 +399,7 @@ def run_model(args: argparse.Namespace) -> int:
         )
     # a table per shape as soon as it is measured: the large GPU shapes take a while each
     show = None if args.json else (lambda rows: print(f"\n{format_table(rows)}", flush=True))
-    rows = bench_model(args.device, repeats=repeats, on_shape=show)
+    rows = bench_model(args.device, repeats=repeats, on_shape=show, arch=args.arch)
     if args.json:
         print(json.dumps({"model": rows}, indent=2))
     if args.plot:

@@ -1,11 +1,16 @@
 """`nopad bench --model`: a causal LM's response log-probs, padded against packed with each attention kernel.
 
-For each shape it times, on one random-weight Llama:
+For each shape it times, on one random-weight model (a Llama, or ``--arch`` another family of
+:data:`nopad.synthetic.ARCHS`: Qwen3.5's gated delta nets, Bamba's Mamba2 mixers, ...):
 
 - ``padded sdpa``: the padded forward with an attention mask (what a trainer runs without nopad);
-- ``packed, HF sdpa``: nopad's packed row through transformers' own packed sdpa (a dense block
-  mask built from position ids), for the record;
-- ``packed, <kernel>``: nopad's packed row through ``nopad_varlen`` with each kernel available.
+- ``per sequence``: each sequence alone, one forward per row (what a trainer runs when its model
+  cannot be packed: verl's Qwen3.5 fallback loops over sequences like this), on the families that
+  carry state along the sequence;
+- ``packed, HF sdpa``: the packed row as transformers runs it itself (its sdpa's dense block mask;
+  its state-carrying layers leak, as the diff column shows), for the record;
+- ``packed, <kernel>``: nopad's packed row through ``nopad_varlen`` with each kernel available (and
+  the packed forms of the state-carrying layers).
 
 Packed timings include the conversions a trainer pays (``left_right_2_no_padding`` before,
 ``no_padding_2_padding`` after). Each contender reports forward and forward+backward ms (best of
@@ -16,6 +21,7 @@ the padded batch itself does not).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -27,6 +33,7 @@ from tensordict import TensorDict
 
 from nopad._attention import available_kernels
 from nopad._padding import left_right_2_no_padding, no_padding_2_padding
+from nopad._routing import survey as route_survey
 from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs, prepare_model_outputs
 from nopad.synthetic import synthetic_batch, tiny_causal_lm
 
@@ -43,10 +50,11 @@ class ModelShape:
     heads: int = 16
     kv_heads: int = 4
     vocab: int = 32_000
+    arch: str = "llama"
 
     @property
     def label(self) -> str:
-        return f"B={self.batch} P={self.prompt} R={self.response} h={self.hidden}"
+        return f"{self.arch} B={self.batch} P={self.prompt} R={self.response} h={self.hidden}"
 
 
 # the four shapes of issue 11's table (an H200: 141 GB)
@@ -61,6 +69,18 @@ CPU_SHAPES = (
     ModelShape(4, 16, 32, hidden=64, layers=2, heads=4, kv_heads=2, vocab=1000),
     ModelShape(16, 32, 64, hidden=64, layers=2, heads=4, kv_heads=2, vocab=1000),
 )
+# the families that carry state along the sequence: 32 long-tailed rows, sequences up to 256 tokens
+# (several 64-token delta-rule chunks, 32-token Mamba2 chunks), every layer kind of the hybrid
+STATE_CPU_SHAPES = (ModelShape(32, 64, 192, hidden=64, layers=4, heads=4, kv_heads=2, vocab=1000),)
+
+
+def shapes_for(arch: str, device: str) -> tuple[ModelShape, ...]:
+    """The default shapes of ``arch`` on ``device``."""
+    if torch.device(device).type == "cuda":
+        base = GPU_SHAPES
+    else:
+        base = CPU_SHAPES if arch in ("llama", "qwen2") else STATE_CPU_SHAPES
+    return tuple(dataclasses.replace(shape, arch=arch) for shape in base)
 
 
 def _sync(device: torch.device) -> None:
@@ -81,7 +101,12 @@ def _peak_gib(device: torch.device) -> float | None:
 
 def _build(shape: ModelShape, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     model = tiny_causal_lm(
-        vocab=shape.vocab, hidden=shape.hidden, layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads
+        shape.arch,
+        vocab=shape.vocab,
+        hidden=shape.hidden,
+        layers=shape.layers,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
     )
     return model.to(device=device, dtype=dtype)
 
@@ -104,10 +129,27 @@ def _contenders(model: torch.nn.Module, data: TensorDict, kernels: list[str]) ->
         return run
 
     runs = {"padded sdpa": lambda: padded_logprobs(model, data)}
+    if any(module for module in route_survey(model).rebound):
+        runs["per sequence"] = lambda: _per_sequence(model, data)
     if int(data["attention_mask"].sum()) <= HF_PACKED_SDPA_MAX_TOKENS:
         runs["packed, HF sdpa"] = packed(None)
     runs.update({f"packed, {kernel}": packed(kernel) for kernel in kernels})
     return runs
+
+
+def _per_sequence(model: torch.nn.Module, data: TensorDict) -> torch.Tensor:
+    """(B, R) response log-probs, each sequence run alone (no padding, no packing: B forwards)."""
+    rows = []
+    R = data["response_mask"].shape[1]
+    for b in range(data.batch_size[0]):
+        mask = data["attention_mask"][b].bool()
+        ids = data["input_ids"][b][mask][None]
+        logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=ids.device)[None], use_cache=False)
+        n_resp = int(data["response_mask"][b].sum())
+        scaled = logits.logits[0, -n_resp - 1 : -1].float().log_softmax(-1)
+        lp = scaled.gather(-1, ids[0, -n_resp:, None])[:, 0]
+        rows.append(torch.nn.functional.pad(lp, (0, R - n_resp)))
+    return torch.stack(rows)
 
 
 def _measure(
@@ -185,11 +227,12 @@ def bench_model(
     shapes: tuple[ModelShape, ...] | None = None,
     repeats: int = 3,
     on_shape: Callable[[list[dict]], None] | None = None,
+    arch: str = "llama",
 ) -> list[dict]:
-    """:func:`bench_model_shape` over ``shapes`` (default: the GPU table's four on CUDA, two small ones
-    on CPU); ``on_shape`` sees each shape's rows as soon as they are measured."""
+    """:func:`bench_model_shape` over ``shapes`` (default :func:`shapes_for` ``arch``: the GPU table's
+    four on CUDA, small ones on CPU); ``on_shape`` sees each shape's rows as soon as they are measured."""
     if shapes is None:
-        shapes = GPU_SHAPES if torch.device(device).type == "cuda" else CPU_SHAPES
+        shapes = shapes_for(arch, device)
     rows: list[dict] = []
     for shape in shapes:
         measured = bench_model_shape(shape, device, repeats)

@@ -139,6 +139,18 @@ def test_bench_model_json_times_padded_against_every_packed_kernel_and_agrees_wi
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_model_of_a_state_family_times_per_sequence_and_shows_transformers_own_packed_row_wrong():
+    from nopad._bench_model import ModelShape, bench_model
+
+    shape = ModelShape(4, 8, 40, hidden=32, layers=4, heads=4, kv_heads=2, vocab=200, arch="bamba")
+    rows = {r["contender"]: r for r in bench_model(shapes=(shape,), repeats=1)}
+    assert list(rows) == ["padded sdpa", "per sequence", "packed, HF sdpa", "packed, sdpa"]
+    assert rows["packed, sdpa"]["max_abs_logprob_diff"] <= 1e-5  # nopad's packed forms: exact
+    assert rows["per sequence"]["max_abs_logprob_diff"] <= 1e-5
+    assert rows["packed, HF sdpa"]["max_abs_logprob_diff"] > 1e-3  # its Mamba2 scans run the row as one sequence
+    assert rows["padded sdpa"]["shape"].startswith("bamba B=4")
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
 def test_cli_help(argv):
     with pytest.raises(SystemExit) as exit_:
