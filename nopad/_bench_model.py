@@ -76,6 +76,7 @@ STATE_CPU_SHAPES = (ModelShape(32, 64, 192, hidden=64, layers=4, heads=4, kv_hea
 
 def shapes_for(arch: str, device: str) -> tuple[ModelShape, ...]:
     """The default shapes of ``arch`` on ``device``."""
+    base: tuple[ModelShape, ...]
     if torch.device(device).type == "cuda":
         base = GPU_SHAPES
     else:
