@@ -31,6 +31,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import inspect
+import re
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from nopad._layout import (
     remember_host_lengths,
     to_host,
 )
-from nopad._routing import checkpointed, route, route_of
+from nopad._routing import ROUTED_CONFIGS, checkpointed, route, route_of
 from nopad.parallel._ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
 
 IMPLEMENTATION = "nopad_varlen"
@@ -472,6 +473,8 @@ def nopad_varlen_attention(
         cu_seqlens, max_seqlen = plan.cu_seqlens, plan.max_seqlen
     else:
         cu_seqlens, max_seqlen = _boundaries(B, T, query.device, kwargs)  # cu_seqlens must end at B * T
+        if cu_seqlens.shape[0] - 1 > B:  # a packed row: its state-carrying layers must have been routed too
+            _refuse_unrouted(module)
         chunk = _attention_chunk(module)
         if chunk is not None and max_seqlen > chunk:
             cu_seqlens, max_seqlen = _from_chunks.get((cu_seqlens,), lambda: _split(cu_seqlens, chunk))
@@ -481,6 +484,37 @@ def nopad_varlen_attention(
     if attention_mask is not None:
         out = plan.unpack(out)  # (B, T, H, D), zeros at padding
     return out.reshape(B, T, H, D), None
+
+
+# config values that name layers carrying state along the sequence (transformers' layer_types and the like)
+_STATE_LAYER_TYPES = re.compile(r"linear|mamba|conv|recurrent|rwkv|delta|ssm|^m$", re.IGNORECASE)
+
+
+def _refuse_unrouted(module: torch.nn.Module) -> None:
+    """A packed forward reached nopad_varlen outside a routed model (loaded with the implementation
+    but never given to :func:`use_packed_attention`): if its config has layers that carry state
+    along the sequence, they ran the row as one sequence already. Checked once per config."""
+    config = getattr(module, "config", None)
+    if config is None or id(config) in ROUTED_CONFIGS or id(config) in _CHECKED_CONFIGS:
+        return
+    kinds = [
+        kind
+        for name in ("layer_types", "layers_block_type")
+        for kind in (getattr(config, name, None) or [])
+        if isinstance(kind, str) and _STATE_LAYER_TYPES.search(kind)
+    ]
+    if kinds:
+        raise input_error(
+            f"{getattr(config, 'model_type', type(config).__name__)} model",
+            None,
+            "a model given to nopad.attention.use_packed_attention(model) before its first packed forward",
+            f"one loaded with nopad_varlen alone: its {sorted(set(kinds))} layers carry state along the sequence "
+            "and have just run the packed row as one sequence",
+        )
+    _CHECKED_CONFIGS.add(id(config))
+
+
+_CHECKED_CONFIGS: set[int] = set()
 
 
 # kwargs nopad_varlen reads or that carry no scores; any other tensor is refused, never ignored

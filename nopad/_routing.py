@@ -719,6 +719,8 @@ class Route:
             elif name in names:
                 for method, fn in _rebound_methods(type(module)).items():
                     self._patch(module, method, types.MethodType(fn, module))
+        self._configs = {id(m.config) for m in model.modules() if getattr(m, "config", None) is not None}
+        ROUTED_CONFIGS.update(self._configs)
         self._hooks = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, always_call=True),
@@ -730,6 +732,7 @@ class Route:
         setattr(module, name, value)
 
     def remove(self) -> None:
+        ROUTED_CONFIGS.difference_update(self._configs)
         for hook in self._hooks:
             hook.remove()
         for module, name, own in reversed(self._patched):
@@ -774,6 +777,9 @@ def checkpointed(model: torch.nn.Module) -> bool:
 
 
 _MISSING = object()
+# the configs of routed models: their attention layers are reached by routed forwards (and by the
+# recomputations of checkpointed layers, which run outside any forward)
+ROUTED_CONFIGS: set[int] = set()
 _ROUTES: weakref.WeakKeyDictionary[torch.nn.Module, Route] = weakref.WeakKeyDictionary()
 
 
