@@ -339,3 +339,27 @@ def test_a_model_loaded_with_nopad_varlen_but_never_routed_is_refused_at_its_fir
     use_packed_attention(model)
     with torch.no_grad():
         _assert_close(_from_logits(model(**inputs).logits, micro), _alone(model, micro), "once routed")
+
+
+@pytest.mark.parametrize(
+    ("arch", "where"),
+    [
+        ("qwen3_5", "model.layers.0.linear_attn (Qwen3_5GatedDeltaNet)"),
+        ("bamba", "model.layers.0.mamba (BambaMixer)"),
+        ("lfm2", "model.layers.0.conv (Lfm2ShortConv)"),
+    ],
+)
+def test_the_leak_probe_names_the_first_module_that_lets_one_sequence_see_another(arch, where):
+    model = _model(arch)
+    report = check_isolation(model)  # as transformers runs it
+    assert report.leaked and report.leaking_module == where, str(report)
+    assert str(report).endswith(f"first in {where}")
+    use_packed_attention(model)
+    assert check_isolation(model).leaking_module is None
+
+
+def test_the_leak_probe_names_the_attention_when_use_cache_is_left_on():
+    from tests.models import tiny_llama
+
+    report = check_isolation(tiny_llama(), use_cache=None)
+    assert report.leaked and report.leaking_module == "model.layers.0.self_attn (LlamaAttention)"

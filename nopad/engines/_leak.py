@@ -25,7 +25,9 @@ class IsolationReport:
 
     leaked: some sequence other than ``changed_sequence`` moved by more than ``atol``.
     moved_sequences: those sequences, in order. max_change: the largest logit change among them
-    (0.0 when nothing moved at all).
+    (0.0 when nothing moved at all). leaking_module: where it leaked, ``"name (Class)"``: the first
+    module, innermost, whose output moved on the other sequences' tokens while its inputs there did
+    not (None when nothing leaked, or no module's tensors tell).
     """
 
     leaked: bool
@@ -33,6 +35,7 @@ class IsolationReport:
     moved_sequences: list[int]
     max_change: float
     atol: float
+    leaking_module: str | None = None
 
     def __bool__(self) -> bool:
         """Truthy when it leaked: ``if check_isolation(model): ...``."""
@@ -44,9 +47,10 @@ class IsolationReport:
                 f"isolated: changing sequence {self.changed_sequence} moved no other logit by > {self.atol:g} "
                 f"(max change {self.max_change:.3g})"
             )
+        where = f", first in {self.leaking_module}" if self.leaking_module else ""
         return (
             f"LEAK: changing sequence {self.changed_sequence} moved the logits of sequences "
-            f"{self.moved_sequences} by up to {self.max_change:.3g}"
+            f"{self.moved_sequences} by up to {self.max_change:.3g}{where}"
         )
 
 
@@ -112,8 +116,11 @@ def check_isolation(
     in_changed[0, : plan.total] = plan.row_ids.to(ids.device) == changed_sequence
     changed_ids = torch.where(in_changed, (ids + 1 + ids % 7) % vocab, ids)
 
-    before = model(**inputs).logits[0, : plan.total].float()
-    after = model(**{**inputs, "input_ids": changed_ids}).logits[0, : plan.total].float()
+    kept = (plan.row_ids != changed_sequence).nonzero().flatten().to(ids.device)  # the other sequences' tokens
+    with _Recorder(model, ids.shape[1], kept) as first:
+        before = model(**inputs).logits[0, : plan.total].float()
+    with _Recorder(model, ids.shape[1], kept) as second:
+        after = model(**{**inputs, "input_ids": changed_ids}).logits[0, : plan.total].float()
     change = (after - before).abs().amax(-1)
     per_row = torch.zeros(plan.batch_size, device=change.device).scatter_reduce(
         0, plan.row_ids.to(change.device), change, reduce="amax"
@@ -126,4 +133,67 @@ def check_isolation(
         moved_sequences=moved,
         max_change=float(per_row.max()),
         atol=atol,
+        leaking_module=first.first_leak(second, atol) if moved else None,
     )
+
+
+class _Recorder:
+    """Forward hooks on every module of ``model``: in call order, each call's inputs and outputs on the
+    tokens ``kept`` (tensors with the row's ``length`` tokens on dim 1, batch 1)."""
+
+    def __init__(self, model: torch.nn.Module, length: int, kept: Tensor) -> None:
+        self.model, self.length, self.kept = model, length, kept
+        self.calls: list[tuple[str, str, list[Tensor], list[Tensor]]] = []
+        self._open: dict[int, int] = {}
+        self._handles: list[Any] = []
+
+    def _tokens(self, values: Any) -> list[Tensor]:
+        found = values if isinstance(values, (tuple, list)) else [values]
+        if hasattr(values, "values") and not isinstance(values, Tensor):  # a model output / dict
+            found = list(values.values())
+        return [
+            t.detach()[0].index_select(0, self.kept).float()
+            for t in found
+            if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[0] == 1 and t.shape[1] == self.length
+        ]
+
+    def __enter__(self) -> _Recorder:
+        for name, module in self.model.named_modules():
+
+            def before(module, args, kwargs, name=name):
+                self._open[id(module)] = len(self.calls)
+                inputs = self._tokens(list(args) + list(kwargs.values()))
+                self.calls.append((name, type(module).__name__, inputs, []))
+
+            def after(module, args, kwargs, output):
+                index = self._open.pop(id(module), None)
+                if index is not None:
+                    self.calls[index][3].extend(self._tokens(output))
+
+            self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(after, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def first_leak(self, other: _Recorder, atol: float) -> str | None:
+        """The first module (innermost) whose inputs on the kept tokens agree between the two runs and
+        whose outputs there do not."""
+
+        def same(a: list[Tensor], b: list[Tensor]) -> bool:
+            return len(a) == len(b) and all(x.shape == y.shape and (x - y).abs().max() <= atol for x, y in zip(a, b))
+
+        leaks = [
+            (name, cls)
+            for (name, cls, ins, outs), (_, _, ins2, outs2) in zip(self.calls, other.calls)
+            if outs and same(ins, ins2) and not same(outs, outs2)
+        ]
+        if not leaks:
+            return None
+        name, cls = leaks[0]
+        for inner, inner_cls in leaks[1:]:  # the innermost: a leaking module inside the first one
+            if inner.startswith(f"{name}.") if name else True:
+                name, cls = inner, inner_cls
+        return f"{name or 'the model'} ({cls})"
