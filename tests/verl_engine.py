@@ -1,0 +1,287 @@
+"""verl's own training path on CPU ranks, for tests/test_integration_verl_ranks.py: its FSDP engine
+(``FSDPEngineWithLMHead``, FSDP2 over gloo) inside its ``TrainingWorker``, its worker group's DP
+dispatch and collect (``_split_args_kwargs_data_proto``, ``_concat_data_proto_or_future``) and its
+trainer's steps around them, on a tiny random-weight Qwen2 built from a config (no download).
+
+verl 0.9.1 has no CPU platform: :func:`use_cpu` registers one (devices are "cpu", collectives gloo)
+and points the engine registry at the engine verl registers for CUDA. Nothing else of verl is
+changed. Each rank runs the same steps twice, verl alone and then under ``install()``, each time
+with a fresh worker built from the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import types
+from collections import Counter
+from functools import partial
+from typing import Any
+
+import torch
+
+VOCAB = 128
+# measurements, not results: wall-clock based (mfu) or read from the host (memory)
+MEASURED = ("mfu", "perf/cpu_memory_used_gb")
+
+
+def save_tiny_model(path: str) -> None:
+    """A 2-layer Qwen2 with random weights (seed 0), saved where verl's HFModelConfig loads it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+
+
+def use_cpu() -> None:
+    """verl's platform singleton as a CPU: device "cpu", memory readings 0, gloo; the FSDP engine
+    verl registers for CUDA chosen for it (its code is device-generic given the platform)."""
+    from verl.plugin.platform import platform_manager
+    from verl.plugin.platform.platform_cuda import PlatformCUDA
+
+    module = types.SimpleNamespace(
+        current_device=lambda: "cpu",
+        device_count=lambda: 1,
+        set_device=lambda *a: None,
+        synchronize=lambda *a: None,
+        manual_seed=torch.manual_seed,
+        manual_seed_all=torch.manual_seed,
+        empty_cache=lambda: None,
+        max_memory_allocated=lambda *a: 0,
+        max_memory_reserved=lambda *a: 0,
+        memory_allocated=lambda *a: 0,
+        memory_reserved=lambda *a: 0,
+        mem_get_info=lambda *a: (0, 0),
+        reset_peak_memory_stats=lambda *a: None,
+        is_available=lambda: True,
+        get_rng_state=torch.get_rng_state,
+        set_rng_state=torch.set_rng_state,
+        get_device_name=lambda *a: "CPU",
+    )
+
+    class PlatformCPU(PlatformCUDA):
+        device_name = property(lambda self: "cpu")
+        device_module = property(lambda self: module)
+
+        def is_available(self) -> bool:
+            return True
+
+        def current_device(self) -> Any:
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: Any) -> None:
+            pass
+
+        def synchronize(self, device_index: Any = None) -> None:
+            pass
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def empty_cache(self) -> None:
+            pass
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+    platform_manager.set_platform(PlatformCPU())
+    os.environ["VERL_ENGINE_DEVICE"], os.environ["VERL_ENGINE_VENDOR"] = "cuda", "nvidia"
+
+
+def padded_batch(rows: int, seed: int = 0):
+    """A rollout batch as verl's trainer holds it before its first conversion: left-padded prompts,
+    right-padded responses, prompts / responses, rewards' advantages; lengths vary by row."""
+    from tests.batches import make_batch
+
+    g = torch.Generator().manual_seed(seed)
+    P, R = 6, 5
+    prompt_lens = torch.randint(1, P + 1, (rows,), generator=g).tolist()
+    resp_lens = torch.randint(1, R + 1, (rows,), generator=g).tolist()
+    td = make_batch(prompt_lens, resp_lens, P, R, extras=False, seed=seed)
+    td["input_ids"] = td["input_ids"] % VOCAB
+    td["prompts"], td["responses"] = td["input_ids"][:, :P], td["input_ids"][:, P:]
+    td["advantages"] = torch.randn(rows, R, generator=g)
+    return td
+
+
+def _worker(model_dir: str, world: int, dynamic: bool, rows_per_rank: int):
+    """verl's TrainingWorker on its FSDP engine (FSDP2, fp32), with verl's ppo_loss as the actor's."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import (
+        FSDPActorConfig,
+        FSDPEngineConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+        TrainingWorkerConfig,
+    )
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+
+    budget = 24  # tokens per micro-batch: 2 to 4 micro-batches of a rank's rows (rows of 2 to 11 tokens)
+    model = HFModelConfig(
+        path=model_dir, load_tokenizer=False, use_remove_padding=True, override_config={"attn_implementation": "sdpa"}
+    )
+    fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    engine = FSDPEngineConfig(
+        strategy="fsdp2",
+        fsdp_size=world,
+        use_dynamic_bsz=dynamic,
+        max_token_len_per_gpu=budget,
+        infer_max_token_len_per_gpu=budget,
+        micro_batch_size_per_gpu=2,
+        infer_micro_batch_size_per_gpu=2,
+        model_dtype="fp32",
+        mixed_precision=fp32,
+        use_torch_compile=False,
+    )
+    worker = TrainingWorker(
+        TrainingWorkerConfig(
+            model_type="language_model",
+            model_config=model,
+            engine_config=engine,
+            optimizer_config=FSDPOptimizerConfig(lr=1e-2),
+            checkpoint_config=CheckpointConfig(),
+        )
+    )
+    worker.reset()
+    actor = FSDPActorConfig(
+        strategy="fsdp2",
+        rollout_n=1,
+        ppo_mini_batch_size=rows_per_rank * world,
+        ppo_micro_batch_size_per_gpu=2,
+        use_dynamic_bsz=dynamic,
+        ppo_max_token_len_per_gpu=budget,
+        clip_ratio=0.2,
+        loss_agg_mode="token-mean",
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_type="low_var_kl",
+        kl_loss_coef=0.05,
+    )
+    worker.set_loss_fn(partial(ppo_loss, config=actor))
+    return worker
+
+
+def _over_the_wire(td):
+    """What Ray does to a TensorDict between the driver and a worker: a pickle round trip (verl's
+    dispatch consolidates, and so locks, each rank's part)."""
+    return pickle.loads(pickle.dumps(td))
+
+
+def _driver_collect(output, world: int):
+    """The driver's collect of every rank's output, as verl's worker group makes it."""
+    from verl.single_controller.base.decorator import _concat_data_proto_or_future
+
+    outputs: list[Any] = [None] * world
+    torch.distributed.all_gather_object(outputs, _over_the_wire(output))
+    return _concat_data_proto_or_future(outputs)
+
+
+def trainer_step(rank: int, world: int, model_dir: str, dynamic: bool, rows_per_rank: int) -> dict:
+    """One step of verl's PPO trainer with this rank as one of ``world`` DP workers: the old log-probs
+    pass (``_compute_old_log_prob``: convert, dispatch, ``infer_batch``, collect, read the metrics'
+    mfu, back to padded), then one actor update (``_update_actor``: dispatch, ``train_mini_batch``
+    with verl's ppo_loss, one optimizer step). Every rank plays the driver for itself (the same
+    deterministic split and collect), so each holds what verl's single controller would."""
+    import verl.utils.tensordict_utils as tu
+    import verl.workers.utils.padding as vpad
+    from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
+
+    worker = _worker(model_dir, world, dynamic, rows_per_rank)
+    rows = rows_per_rank * world
+
+    # _compute_old_log_prob
+    batch = vpad.left_right_2_no_padding(padded_batch(rows))
+    tokens = batch["attention_mask"].sum(-1).tolist()
+    tu.assign_non_tensor(batch, calculate_entropy=True, compute_loss=False, global_token_num=tokens, temperature=1.0)
+    (parts,), _ = _split_args_kwargs_data_proto(world, batch)
+    infer_output = worker.infer_batch(_over_the_wire(parts[rank]))
+    collected = _driver_collect(infer_output, world)
+    old_log_prob_mfu = tu.get(collected, "metrics")["mfu"]  # ray_trainer.py's own read (issue 27's TypeError)
+    old_log_probs = vpad.no_padding_2_padding(tu.get(collected, "log_probs"), batch).float()
+    entropys = vpad.no_padding_2_padding(tu.get(collected, "entropy"), batch).float()
+
+    # _update_actor
+    update = padded_batch(rows)
+    update["old_log_probs"] = old_log_probs
+    update["ref_log_prob"] = old_log_probs - 0.05 * torch.randn(
+        old_log_probs.shape, generator=torch.Generator().manual_seed(1)
+    )
+    update = vpad.left_right_2_no_padding(update)
+    tu.assign_non_tensor(
+        update,
+        calculate_entropy=True,
+        global_batch_size=rows,
+        mini_batch_size=rows,
+        epochs=1,
+        seed=1,
+        dataloader_kwargs={"shuffle": True},
+        compute_loss=True,
+        temperature=1.0,
+        global_token_num=update["attention_mask"].sum(-1).tolist(),
+    )
+    (parts,), _ = _split_args_kwargs_data_proto(world, update)
+    train_output = worker.train_mini_batch(_over_the_wire(parts[rank]))
+    weights = {
+        key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
+        for key, value in worker.engine.module.state_dict().items()
+    }
+    return {
+        "infer_output": infer_output,
+        "collected": collected,
+        "old_log_prob_mfu": old_log_prob_mfu,
+        "old_log_probs": old_log_probs,
+        "entropys": entropys,
+        "train_metrics": tu.get(train_output, "metrics"),
+        "weights": weights if rank == 0 else None,
+    }
+
+
+def _count_routes(counts: Counter):
+    """A profile hook counting calls of nopad's verl routes (the functions in its integration modules)."""
+    wanted = ("nopad/integrations/_verl.py", "nopad/integrations/_verl_rows.py")
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.endswith(wanted):
+            counts[frame.f_code.co_name] += 1
+
+    return hook
+
+
+def alone_then_installed(rank: int, world: int, model_dir: str, rows_per_rank: int) -> dict:
+    """On one rank: the trainer step with and without use_dynamic_bsz, verl alone, then the same under
+    ``install()`` (with the calls of nopad's routes counted)."""
+    use_cpu()
+    torch.manual_seed(0)
+    results: dict[str, Any] = {}
+    for dynamic in (False, True):
+        results["alone", dynamic] = trainer_step(rank, world, model_dir, dynamic, rows_per_rank)
+    from nopad.integrations import verl as nopad_verl
+
+    with nopad_verl.install():
+        for dynamic in (False, True):
+            counts: Counter = Counter()
+            sys.setprofile(_count_routes(counts))
+            try:
+                results["installed", dynamic] = trainer_step(rank, world, model_dir, dynamic, rows_per_rank)
+            finally:
+                sys.setprofile(None)
+            results["routes_called", dynamic] = dict(counts)
+    return results
