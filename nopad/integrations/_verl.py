@@ -51,6 +51,7 @@ from tensordict import NonTensorData, TensorDict
 from torch import Tensor
 
 import nopad._padding as _padding
+import nopad.integrations._verl_models as _models
 import nopad.integrations._verl_rows as _rows
 from nopad._batch import get_field
 from nopad._errors import check_flag, check_int, check_optional_int, input_error
@@ -354,6 +355,23 @@ def postprocess_batch_func(output_lst: list[dict], indices: list[list[int]] | No
     return _rows.postprocess_batch_func(output_lst, indices, data, _original)
 
 
+def _packed_causal_conv1d_fallback(
+    self: Any, mixed_qkv: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Any = None
+) -> Tensor:
+    """verl's Qwen3.5 conv fallback (one conv per sequence) as one packed conv: :mod:`._verl_models`."""
+    return _models.packed_causal_conv1d_fallback(self, mixed_qkv, cu_seqlens, cu_seqlens_cpu)
+
+
+def _packed_chunk_gated_delta_rule(
+    self: Any, query, key, value, g, beta, cu_seqlens, cu_seqlens_cpu, cp_context=None
+) -> tuple[Tensor, Any]:
+    """verl's Qwen3.5 delta-rule fallback (one call per sequence) as one packed call: :mod:`._verl_models`."""
+    original = _original(_models.QWEN3_5_MODULE, "_packed_chunk_gated_delta_rule")
+    return _models.packed_chunk_gated_delta_rule(
+        self, query, key, value, g, beta, cu_seqlens, cu_seqlens_cpu, cp_context, original
+    )
+
+
 REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
     PADDING_MODULE: {
         "left_right_2_no_padding": left_right_2_no_padding,
@@ -383,6 +401,10 @@ REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
     },
     _rows.ENGINE_UTILS: {"postprocess_batch_func": postprocess_batch_func},
     TORCH_FUNCTIONAL_MODULE: {"FusedLinearForPPO": FusedLinearForPPO},
+    _models.QWEN3_5_MODULE: {
+        "_packed_causal_conv1d_fallback": _packed_causal_conv1d_fallback,
+        "_packed_chunk_gated_delta_rule": _packed_chunk_gated_delta_rule,
+    },
 }
 
 
