@@ -2,6 +2,6 @@
 
 import sys
 
-from nopad._cli import main
+from nopad._apps.cli import main
 
 sys.exit(main())

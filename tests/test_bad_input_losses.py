@@ -889,7 +889,7 @@ def test_packed_logprobs_reads_the_micro_batch_temperature_as_prepare_model_inpu
             r"data: expected a micro batch: a TensorDict or a dict of fields, got list",
         ),
         (
-            lambda: __import__("nopad._bench")._bench.bench_conversions(batch_sizes=(2,), repeats=0),
+            lambda: __import__("nopad._apps.bench")._apps.bench.bench_conversions(batch_sizes=(2,), repeats=0),
             r"repeats: expected an int >= 1, got 0",
         ),
     ],

@@ -29,7 +29,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nopad._cli import main
+from nopad._apps.cli import main
 from nopad.packing import (
     ByteTokenizer,
     PreTokenized,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nopad._cli import main
+from nopad._apps.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -106,7 +106,7 @@ def test_bench_contenders_compute_what_nopad_computes():
     """A ratio against a floor or a loop means something only if both make the same output."""
     import torch
 
-    from nopad._bench import bare_gather, bare_nested, reference_left_right, reference_no_padding
+    from nopad._apps.bench import bare_gather, bare_nested, reference_left_right, reference_no_padding
     from nopad._padding import left_right_2_no_padding, no_padding_2_padding
     from nopad.synthetic import synthetic_batch
 
@@ -140,7 +140,7 @@ def test_bench_model_json_times_padded_against_every_packed_kernel_and_agrees_wi
 
 
 def test_bench_model_of_a_state_family_times_per_sequence_and_shows_transformers_own_packed_row_wrong():
-    from nopad._bench_model import ModelShape, bench_model
+    from nopad._apps.bench_model import ModelShape, bench_model
 
     shape = ModelShape(4, 8, 40, hidden=32, layers=4, heads=4, kv_heads=2, vocab=200, arch="bamba")
     rows = {r["contender"]: r for r in bench_model(shapes=(shape,), repeats=1)}
@@ -159,7 +159,7 @@ def test_cli_help(argv):
 
 
 def test_bench_model_reports_an_out_of_memory_run_as_missing_not_infinite(monkeypatch):
-    import nopad._bench_model as bm
+    import nopad._apps.bench_model as bm
 
     measure = bm._measure
     calls = {"n": 0}
@@ -193,7 +193,7 @@ def test_bench_batches_times_nopad_against_a_contender_that_gives_the_same_rows(
 def test_the_per_row_loop_of_the_batches_bench_cuts_what_nopad_cuts():
     import torch
 
-    from nopad._bench_rows import loop_join_restore, loop_micro_batches, loop_partitions, nested_rows_batch
+    from nopad._apps.bench_rows import loop_join_restore, loop_micro_batches, loop_partitions, nested_rows_batch
     from nopad.balance import balanced_partitions
     from nopad.rows import micro_batches
 

@@ -46,19 +46,19 @@ CORE = {
 APPS = {
     "nopad",
     "nopad.__main__",
-    "nopad._cli",
-    "nopad._bench",
-    "nopad._bench_model",
-    "nopad._bench_rows",
-    "nopad._bench_head",
-    "nopad._demo",
+    "nopad._apps.cli",
+    "nopad._apps.bench",
+    "nopad._apps.bench_model",
+    "nopad._apps.bench_rows",
+    "nopad._apps.bench_head",
+    "nopad._apps.demo",
 }
 
 
 def layer_of(module: str) -> str:
     if module in CORE:
         return "core"
-    if module in APPS:
+    if module in APPS or module.startswith("nopad._apps"):
         return "apps"
     if module == "nopad._routing":  # the attention back end's other half: which layers a packed forward serves
         return "attention"

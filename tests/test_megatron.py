@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nopad._bench import bench_thd, reference_preprocess_thd
+from nopad._apps.bench import bench_thd, reference_preprocess_thd
 from nopad._layout import IndexPlan, prepare_offsets
 from nopad.diagnostics import OpCounter
 from nopad.engines.megatron import ParallelDims, ThdPlan, from_parallel_state, postprocess_thd, preprocess_thd

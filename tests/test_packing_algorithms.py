@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nopad._bench import format_table
+from nopad._apps.bench import format_table
+from nopad._apps.bench_packing import files_bench, packing_bench, rows_bench, synthetic_conversations
 from nopad.packing import ALGORITHMS, pack_lengths, packing_metrics
 from nopad.packing._algorithms import (
     best_fit_decreasing,
@@ -18,7 +19,6 @@ from nopad.packing._algorithms import (
     first_fit_shuffle,
     modified_first_fit_decreasing,
 )
-from nopad.packing._bench import files_bench, packing_bench, rows_bench, synthetic_conversations
 
 
 def _check_valid(bins, lengths, capacity):

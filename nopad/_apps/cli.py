@@ -17,10 +17,10 @@ import sys
 from collections.abc import Sequence
 
 SUBCOMMANDS = {
-    "demo": ("nopad._demo", "run a tiny causal LM on a synthetic RL batch, padded vs packed"),
-    "bench": ("nopad._bench", "benchmark the conversions against a per-row loop and a bare gather"),
-    "pack": ("nopad.packing._cli_pack", "pack a JSONL of conversations into a Parquet file of rows"),
-    "inspect": ("nopad.packing._cli_inspect", "validate and summarise a packed Parquet file"),
+    "demo": ("nopad._apps.demo", "run a tiny causal LM on a synthetic RL batch, padded vs packed"),
+    "bench": ("nopad._apps.bench", "benchmark the conversions against a per-row loop and a bare gather"),
+    "pack": ("nopad._apps.pack", "pack a JSONL of conversations into a Parquet file of rows"),
+    "inspect": ("nopad._apps.inspect_file", "validate and summarise a packed Parquet file"),
 }
 # Integer options that may be 0 (every other integer option is a count, size or length: >= 1).
 INT_MINIMUM = {"seed": 0, "pad_token_id": 0}

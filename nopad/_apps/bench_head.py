@@ -126,9 +126,10 @@ def measure(
 def _child(config: dict[str, Any], timeout: float | None) -> dict[str, Any]:
     """:func:`measure` in a fresh interpreter (this checkout first on its path)."""
     code = (
-        "import json, sys; from nopad._bench_head import measure; print(json.dumps(measure(**json.loads(sys.argv[1]))))"
+        "import json, sys; from nopad._apps.bench_head import measure; "
+        "print(json.dumps(measure(**json.loads(sys.argv[1]))))"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nopad/_apps/ -> the checkout
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     try:
         done = subprocess.run(

@@ -381,7 +381,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead: the output head's peak memory and forward+backward time, logits vs chunked (and verl's)",
     )
-    from nopad._bench_head import add_arguments as add_head_arguments
+    from nopad._apps.bench_head import add_arguments as add_head_arguments
 
     add_head_arguments(parser)
     parser.add_argument("--plot", metavar="FILE.png", help="write time against batch size to this PNG")
@@ -389,7 +389,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_model(args: argparse.Namespace) -> int:
-    from nopad._bench_model import bench_model, plot_model
+    from nopad._apps.bench_model import bench_model, plot_model
 
     repeats = min(args.repeats, 5)
     if not args.json:
@@ -411,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         return run_model(args)
     if args.head:
-        from nopad._bench_head import run as run_head
+        from nopad._apps.bench_head import run as run_head
 
         return run_head(args, format_table)
     if args.all:
@@ -431,12 +431,12 @@ def run(args: argparse.Namespace) -> int:
             for B, ref, ours, ratio in bench_thd(tuple(args.batch_sizes), device=args.device, repeats=args.repeats)
         ]
     if args.batches:
-        from nopad._bench_rows import BUDGET, bench_rows
+        from nopad._apps.bench_rows import BUDGET, bench_rows
 
         title = f"rows of nested batches (3 nested fields, lengths in [64, 4096), micro-batches of {BUDGET:,} tokens)"
         results[title] = bench_rows(tuple(args.batch_rows), repeats=args.repeats, device=args.device)
     if args.packing:
-        from nopad.packing._bench import CONVERSATION_MEDIAN, files_bench, packing_bench, rows_bench
+        from nopad._apps.bench_packing import CONVERSATION_MEDIAN, files_bench, packing_bench, rows_bench
 
         results["packing (100,000 lengths, capacity 8192)"] = packing_bench()
         title = f"packing rows built (20,000 conversations, median {CONVERSATION_MEDIAN} tokens, pack length 8192)"
