@@ -20,8 +20,9 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 import nopad._losses as L
 from nopad._batch import get_field
+from nopad._logprobs import token_log_probs
 from nopad.diagnostics import OpCounter
-from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs, token_log_probs
+from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs
 from nopad.engines._leak import check_isolation, probe_batch
 from nopad.engines._megatron import postprocess_thd, preprocess_thd
 from tests.models import VOCAB, make_padded_batch
@@ -781,7 +782,7 @@ def test_device_values_are_not_read_and_a_bad_one_turns_the_result_nan():
         token_log_probs(logits, labels, torch.ones(4, device="meta"), with_entropy=True)
     assert counter.syncs == 0
     # the same guard on real values: a NaN temperature row gives NaN for that row only, never a number
-    from nopad.engines._fsdp import _log_probs
+    from nopad._logprobs import logits_log_probs as _log_probs
 
     temps = torch.where(torch.tensor([True, False, True, True]), torch.ones(4), NAN)
     lp, ent = _log_probs(torch.randn(4, 7), torch.tensor([1, 2, 3, 4]), temps, True)

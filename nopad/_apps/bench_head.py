@@ -52,11 +52,11 @@ def _inputs(tokens: int, hidden: int, vocab: int, device: str, dtype: torch.dtyp
 def _step(contender: str, x: dict[str, Any], temperature: float, chunk_size: int | None) -> None:
     hidden, weight, labels = x["hidden"], x["weight"], x["labels"]
     if contender == "logits":
-        from nopad.engines._fsdp import token_log_probs
+        from nopad._logprobs import token_log_probs
 
         lp, ent = token_log_probs(hidden @ weight.T, labels, temperature, with_entropy=True)
     elif contender == "chunked":
-        from nopad.engines._fsdp import head_log_probs
+        from nopad._logprobs import head_log_probs
 
         lp, ent = head_log_probs(hidden, weight, labels, temperature, True, chunk_size)
     elif contender == "verl":
@@ -64,7 +64,7 @@ def _step(contender: str, x: dict[str, Any], temperature: float, chunk_size: int
 
         lp, ent = FusedLinearForPPO()(hidden, weight, labels, temperature)
     elif contender in FUSED:
-        from nopad.engines._fsdp import head_log_probs
+        from nopad._logprobs import head_log_probs
 
         kernel = "tiles" if contender == "chunked_lp" else "cut_cross_entropy"
         lp, ent = head_log_probs(hidden, weight, labels, temperature, False, chunk_size, kernel=kernel)
@@ -149,7 +149,7 @@ def verl_importable() -> bool:
 
 def fused_runnable(device: str) -> bool:
     """Whether cut_cross_entropy's fused kernel loads and runs on ``device`` (CUDA only)."""
-    from nopad.engines._head import kernel_installed
+    from nopad._logprobs import kernel_installed
 
     return torch.device(device).type == "cuda" and kernel_installed("cut_cross_entropy")
 

@@ -27,10 +27,11 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._attention import KERNELS, packed_attention, reads_boundaries
-from nopad._batch import check_choice, check_real, check_real_dtype, get_field
+from nopad._batch import check_choice, check_real_dtype, get_field
 from nopad._errors import check_flag, check_int, input_error
 from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
-from nopad.engines._head import HEAD_KERNELS, default_tile, head_forward, run_head
+from nopad._logprobs import check_temperature, default_tile, logits_log_probs, temperature_tensor
+from nopad.engines._head import head_forward
 from nopad.parallel._ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
 PAD_TOKEN_ID = 0
@@ -101,38 +102,9 @@ def _token_temperature(temperature, plan: IndexPlan, device) -> Tensor | float:
     if temperature is None:
         temperature = 1.0
     if not isinstance(temperature, Tensor):
-        return _check_temperature(temperature)
-    per_row = _temperature_tensor(temperature, plan.batch_size, "temperature")
+        return check_temperature(temperature)
+    per_row = temperature_tensor(temperature, plan.batch_size, "temperature")
     return per_row.to(device=device, dtype=torch.float32)[plan.row_ids.to(device)]
-
-
-def _check_temperature(value: Any, field: str = "temperature") -> float:
-    """A Python (or numpy) temperature: a finite number > 0, not a bool or a string. No sync."""
-    return check_real(value, field, low=0, low_open=True)
-
-
-def _temperature_tensor(temperature: Tensor, rows: int, field: str) -> Tensor:
-    """(rows,) per-row temperatures from a 0-d or (rows,) tensor of real numbers, checked.
-
-    On the CPU every value is checked at once (a read of CPU memory, no device sync): a row that is
-    not a finite value > 0 is a ValueError naming it. A device tensor is not read (that would be a
-    host sync): such a row becomes NaN, so every log-prob and entropy of that sequence is NaN
-    instead of a plausible number (an inf temperature would give a uniform distribution, a
-    negative one the reversed one).
-    """
-    check_real_dtype(temperature, field)
-    if temperature.dim() == 0:
-        temperature = temperature.reshape(1).expand(rows)
-    if temperature.shape != (rows,) or temperature.is_nested:
-        shape = "nested" if temperature.is_nested else f"shape {tuple(temperature.shape)}"
-        raise input_error(field, None, f"a float, a 0-d tensor or a ({rows},) per-sample tensor", shape)
-    valid = torch.isfinite(temperature) & (temperature > 0)
-    if temperature.device.type != "cpu":
-        return torch.where(valid, temperature, float("nan"))
-    if not bool(valid.all()):
-        row = int((~valid).nonzero()[0])
-        raise input_error(field, row, "a finite number > 0", f"{temperature[row].item()!r}")
-    return temperature
 
 
 def _pad_last(x: Tensor, pad: int, value: Tensor | float) -> Tensor:
@@ -162,7 +134,7 @@ def prepare_model_inputs(
     (an mrope model given 1-row ids sees no boundaries at all: :func:`check_isolation` shows it).
     ``temperature``: a float or a (B,) tensor; when None, the micro-batch's ``temperature`` entry,
     else 1.0. A float and a CPU tensor must be finite and > 0 (ValueError naming the row); a
-    device tensor is not read, a bad row gives NaN log-probs instead (see :func:`_temperature_tensor`).
+    device tensor is not read, a bad row gives NaN log-probs instead (see :func:`temperature_tensor`).
     ``attn_implementation`` (the model's ``config._attn_implementation``): when it reads packed
     boundaries (flash-attn's, ``nopad_varlen``), or under Ulysses, the kwargs also carry
     ``cu_seq_lens_q/k`` (int32, ending at T_pad) and ``max_length_q/k`` (ints; a sync only if the
@@ -259,162 +231,6 @@ def _sp_size_rank(group, sp_size: int | None, sp_rank: int | None) -> tuple[int,
 # ---- log-probs and entropy ------------------------------------------------------------------
 
 
-class _TokenLogProbs(torch.autograd.Function):
-    """log softmax(logits / t)[label] and the entropy of softmax(logits / t), per token.
-
-    Forward and (log-prob only) backward allocate ONE (L, V) float32 buffer each; the backward of
-    the entropy needs a second. The input logits are saved, not copied.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, labels, inv_temp, with_entropy):
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        inv_temp = inv_temp.to(dtype)
-        buf = logits.to(dtype) * inv_temp  # the one (L, V) buffer: scaled logits
-        row_max = buf.amax(-1, keepdim=True)
-        buf.sub_(row_max).exp_()
-        sum_exp = buf.sum(-1, keepdim=True)
-        lse = (row_max + sum_exp.log()).squeeze(-1)
-        log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(dtype) * inv_temp.squeeze(-1) - lse
-        entropy = None
-        if with_entropy:
-            # sum_v p_v * s_v in place (p is recomputed in backward): a row-wise reduction whose result
-            # does not depend on how many rows there are, unlike a batched matmul.
-            expected = buf.div_(sum_exp).mul_(logits).sum(-1) * inv_temp.squeeze(-1)
-            entropy = lse - expected
-        ctx.save_for_backward(logits, labels, inv_temp, lse, entropy if with_entropy else lse)
-        ctx.with_entropy = with_entropy
-        return log_probs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
-        logits, labels, inv_temp, lse, entropy = ctx.saved_tensors
-        g_lp = grad_log_probs if grad_log_probs is not None else torch.zeros_like(lse)
-        buf = logits.to(inv_temp.dtype) * inv_temp
-        if ctx.with_entropy and grad_entropy is not None:
-            # d entropy / d s_v = -p_v (log p_v + H); log p = s - lse.
-            buf.sub_(lse.unsqueeze(-1))
-            probs = buf.exp()
-            buf.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(g_lp.unsqueeze(-1)).mul_(probs)
-        else:
-            buf.sub_(lse.unsqueeze(-1)).exp_().mul_(g_lp.unsqueeze(-1))
-        buf.neg_().scatter_add_(-1, labels.unsqueeze(-1), g_lp.unsqueeze(-1)).mul_(inv_temp)
-        return buf.to(logits.dtype), None, None, None
-
-
-def _check_rows_and_labels(x: Tensor, field: str, shape: str, labels: Tensor) -> None:
-    """``x`` a floating (tokens, *) 2-D tensor and ``labels`` (tokens,) integer token ids."""
-    check_real_dtype(x, field, floating=True)
-    check_real_dtype(labels, "labels")
-    if labels.dtype.is_floating_point:
-        raise input_error("labels", None, "token ids (an integer tensor)", f"dtype {labels.dtype}")
-    if x.dim() != 2 or labels.shape != x.shape[:1]:
-        raise input_error(field, None, f"{shape} matching labels {tuple(labels.shape)}", f"{tuple(x.shape)}")
-
-
-def token_log_probs(
-    logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0, with_entropy: bool = False
-) -> tuple[Tensor, Tensor | None]:
-    """(L, V) logits, (L,) labels, float or (L,) temperature -> (L,) log-probs and optional (L,) entropy.
-
-    Float32 results. One extra (L, V) buffer in the forward (see :class:`_TokenLogProbs`).
-    Floating logits, integer labels (their range is not read: gather refuses one outside the
-    vocab), a temperature as :func:`prepare_model_inputs` takes it (per token here).
-    """
-    _check_rows_and_labels(logits, "logits", "(tokens, vocab)", labels)
-    with_entropy = check_flag(with_entropy, "with_entropy")
-    if isinstance(temperature, Tensor):
-        temperature = _temperature_tensor(temperature, logits.shape[0], "temperature")
-    else:
-        temperature = _check_temperature(temperature)
-    return _log_probs(logits, labels, temperature, with_entropy)
-
-
-def _log_probs(
-    logits: Tensor, labels: Tensor, temperature: Tensor | float, with_entropy: bool
-) -> tuple[Tensor, Tensor | None]:
-    """:func:`token_log_probs` of arguments already checked (by :func:`prepare_model_inputs`)."""
-    dtype = torch.promote_types(logits.dtype, torch.float32)  # fp64 logits keep fp64 temperatures
-    if isinstance(temperature, Tensor):
-        inv_temp = temperature.to(device=logits.device, dtype=dtype).reciprocal().unsqueeze(-1)
-    else:
-        inv_temp = torch.full((1, 1), 1.0 / float(temperature), device=logits.device, dtype=dtype)
-        inv_temp = inv_temp.expand(logits.shape[0], 1)
-    return _TokenLogProbs.apply(logits, labels, inv_temp, with_entropy)
-
-
-def head_log_probs(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    temperature: Tensor | float = 1.0,
-    with_entropy: bool = False,
-    chunk_size: int | None = None,
-    *,
-    bias: Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    kernel: str = "auto",
-) -> tuple[Tensor, Tensor | None]:
-    """(T, H) hidden states, (V, H) output weight, (T,) labels -> (T,) log-probs and optional (T,) entropy.
-
-    Equal to :func:`token_log_probs` of the logits ``softcap * tanh(logit_scale * (hidden @ weight.T
-    + bias) / softcap)`` (``logit_scale * (hidden @ weight.T + bias)`` without ``softcap``), without
-    ever holding them: the head works in tiles of ``chunk_size`` tokens by a slice of the
-    vocabulary, keeps an online log-sum-exp per token, and its backward recomputes each tile and
-    writes the gradients of ``hidden``, ``weight`` and ``bias`` directly. Memory: a few tiles,
-    whatever T and V. Float32 results (float64 for float64 inputs); no host sync.
-    ``temperature``: a float or a per-token (T,) tensor, as :func:`token_log_probs` takes it.
-    ``chunk_size``: tokens per tile (default by device: 1,024 tokens by 16,384 vocabulary entries on
-    a CPU, 2,048 tokens by the whole vocabulary on CUDA; see docs/results.md). A tied embedding is
-    just the weight passed here: its gradient accumulates into the same parameter. The work is a
-    loop over tiles: its op count grows with T / chunk_size (the head's one exception to a fixed
-    number of ops per call), never with the number of sequences.
-
-    ``kernel``: "auto" runs cut_cross_entropy's fused kernel (Apple's Cut Cross-Entropy, where it is
-    installed, on CUDA: the label's logit and the log-sum-exp on chip) for a call it serves, log-probs
-    without entropy and a temperature it can fold in, and the tiles above for every other call;
-    "tiles" or "cut_cross_entropy" forces one (a forced kernel that cannot serve the call raises
-    ValueError saying why). Nothing extra needs installing: the tiles are the reference and the fallback.
-    """
-    _check_rows_and_labels(hidden, "hidden", "(tokens, hidden)", labels)
-    check_real_dtype(weight, "weight", floating=True)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.dtype != hidden.dtype:
-        raise input_error(
-            "weight",
-            None,
-            f"(vocab, {hidden.shape[1]}) of dtype {hidden.dtype} like hidden",
-            f"{tuple(weight.shape)} of dtype {weight.dtype}",
-        )
-    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
-        raise input_error(
-            "bias", None, f"({weight.shape[0]},) of dtype {weight.dtype}", f"{tuple(bias.shape)} of dtype {bias.dtype}"
-        )
-    with_entropy = check_flag(with_entropy, "with_entropy")
-    logit_scale = check_real(logit_scale, "logit_scale", low=0, low_open=True)
-    if softcap is not None:
-        softcap = check_real(softcap, "softcap", low=0, low_open=True)
-    if isinstance(temperature, Tensor):
-        temperature = _temperature_tensor(temperature, hidden.shape[0], "temperature")
-    else:
-        temperature = _check_temperature(temperature)
-    tile = None
-    if chunk_size is not None:
-        tile = (check_int(chunk_size, "chunk_size", low=1), default_tile(hidden.device)[1])
-    return run_head(
-        hidden,
-        weight,
-        bias,
-        labels,
-        temperature,
-        with_entropy,
-        scale=logit_scale,
-        softcap=softcap,
-        tile=tile,
-        kernel=check_choice(kernel, "kernel", ("auto", *HEAD_KERNELS)),
-    )
-
-
 @contextmanager
 def chunked_head(
     model: torch.nn.Module,
@@ -496,7 +312,7 @@ def prepare_model_outputs(
             raise input_error(
                 "logits", None, f"(1, {local}, vocab) for this rank's packed row", f"{tuple(logits.shape)}"
             )
-        log_probs, entropy = _log_probs(logits[0], args.labels, args.temperature, calculate_entropy)
+        log_probs, entropy = logits_log_probs(logits[0], args.labels, args.temperature, calculate_entropy)
     if args.sp_size > 1:
         log_probs = gather_seq(log_probs, args.sp_group, dim=0)
         entropy = gather_seq(entropy, args.sp_group, dim=0) if entropy is not None else None
@@ -623,9 +439,9 @@ def padded_logprobs(
     if temperature is None:
         temperature = get_field(padded, "temperature", 1.0)
     if isinstance(temperature, Tensor):
-        temperature = _temperature_tensor(temperature.cpu(), batch, "temperature").to(temperature.device)
+        temperature = temperature_tensor(temperature.cpu(), batch, "temperature").to(temperature.device)
     else:
-        temperature = _check_temperature(temperature)
+        temperature = check_temperature(temperature)
     if rows_per_forward is not None and rows_per_forward < batch:
         temperatures = temperature if isinstance(temperature, Tensor) else None
         return torch.cat(

@@ -4,13 +4,12 @@ One packed row per micro-batch: :func:`prepare_model_inputs` turns a nested micr
 model's keyword arguments (no attention mask, ``use_cache=False``, boundaries for varlen kernels),
 :func:`prepare_model_outputs` turns the model's output back into nested log-probs and entropy, and
 :func:`packed_logprobs` does both around one forward. The output head runs chunked
-(:func:`head_log_probs`, :func:`chunked_head`): log-probs and entropy straight from the hidden
-states, never the (T, V) logits. :func:`padded_logprobs` is the padded reference.
+(:func:`chunked_head`, over :func:`nopad.logprobs.head_log_probs`): log-probs and entropy straight
+from the hidden states, never the (T, V) logits. :func:`padded_logprobs` is the padded reference.
 """
 
 from nopad.engines._fsdp import (
     chunked_head,
-    head_log_probs,
     packed_logprobs,
     padded_logprobs,
     prepare_model_inputs,
@@ -19,7 +18,6 @@ from nopad.engines._fsdp import (
 
 __all__ = [
     "chunked_head",
-    "head_log_probs",
     "packed_logprobs",
     "padded_logprobs",
     "prepare_model_inputs",

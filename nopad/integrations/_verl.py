@@ -13,7 +13,7 @@
     verl.workers.engine.utils    postprocess_batch_func (the join of the micro-batches' outputs)
     verl.utils.experimental.torch_functional
                                  FusedLinearForPPO (``use_fused_kernels``' torch path: nopad's
-                                 chunked head, nopad.engines._fsdp.head_log_probs)
+                                 chunked head, nopad._logprobs.head_log_probs)
 
 Each replacement has verl's signature and verl's observable behaviour (in-place updates of the
 TensorDict, ``NonTensorData`` metadata, output dtypes, shapes and values, PackedSeqParams fields,

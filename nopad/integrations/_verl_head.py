@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from nopad._errors import input_error
-from nopad.engines._fsdp import head_log_probs
+from nopad._logprobs import head_log_probs
 
 TORCH_FUNCTIONAL_MODULE = "verl.utils.experimental.torch_functional"
 

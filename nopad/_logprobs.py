@@ -1,0 +1,603 @@
+"""Log-probs and entropy of the next token: from logits (:func:`token_log_probs`) or straight from the
+hidden states and the output layer's weight (:func:`head_log_probs`, the chunked head), and the
+choice of the fused kernel that serves a call (Cut Cross-Entropy, probed once) or the tiles.
+
+The chunked head never holds the (T, V) logits.
+
+Shapes: hidden (T, H), weight (V, H), bias (V,) or None, labels (T,), k (T, 1) per-token factors.
+
+The logits of one token are ``x = hidden @ weight.T + bias`` (V,), and what the softmax sees is
+
+    z = k * x                          without soft-capping, k = scale / temperature
+    z = k * tanh(x * pre)              with soft-capping at c: pre = scale / c, k = c / temperature
+
+Both are computed tile by tile, (rows, cols) tokens by vocabulary entries, into buffers allocated
+once: memory is bounded by the tile whatever T and V. The forward keeps an online log-sum-exp per
+token (the running max, the sum of exp and, for the entropy, the sum of exp times the shifted
+logit), so one pass over the vocabulary gives both; it saves only (T,) statistics. The backward
+recomputes each tile's logits from the saved hidden states and writes the gradients of hidden,
+weight and bias directly (``addmm_`` into preallocated outputs). With p = softmax(z),
+log p = z - lse and H = lse - sum(p z):
+
+    d log p[label] / dz = onehot - p
+    d H / dz            = -p (log p + H)
+
+so a tile's gradient for per-token output gradients g_lp and g_H is
+``p * (a * log p + c)`` with per-token a = -g_H k, c = -(g_lp + g_H H) k (times the
+soft-capping derivative), and the label's one-hot part is added once per token outside the tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nopad._batch import check_choice, check_real, check_real_dtype
+from nopad._errors import check_flag, check_int, input_error
+
+# Tile sizes (tokens x vocabulary entries) by device type. CPU: measured on this project's 2-core
+# CPU (docs/results.md, "The output head"): 1,024 x 16,384 (a 64 MiB float32 tile) was the fastest
+# with 2 threads; smaller tiles run many more short parallel regions, which lose whole time slices
+# to spin-waiting when the machine is shared, and larger ones lost a little matmul efficiency.
+# CUDA: whole-vocabulary rows, few kernel launches (not measured: no GPU was lent then).
+DEFAULT_TILE = {"cpu": (1024, 16384), "cuda": (2048, 1 << 30)}
+
+
+def default_tile(device: torch.device) -> tuple[int, int]:
+    """(rows, cols) of a head tile on ``device``'s type (the CUDA choice for other accelerators)."""
+    return DEFAULT_TILE.get(device.type, DEFAULT_TILE["cuda"])
+
+
+def _ranges(total: int, size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + size, total)) for start in range(0, total, size)]
+
+
+class ChunkedHead(torch.autograd.Function):
+    """(log-probs (T,), entropy (T,) or None) of softmax(z) over the vocabulary, z as the module says.
+
+    ``apply(hidden, weight, bias, labels, k, pre, with_entropy, rows, cols)``: ``k`` (T, 1) > 0,
+    ``pre`` a float with soft-capping (else None), (rows, cols) the tile.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, k, pre, with_entropy, rows, cols):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        T, V = hidden.shape[0], weight.shape[0]
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        rows, cols = min(rows, max(T, 1)), min(cols, V)
+        tiles = _Tiles(hidden, weight, bias, rows, cols, acc, extra=1 if with_entropy else 0)
+        # per token: running max of z, sum of exp(z - max), sum of exp(z - max) * (z - max)
+        stats = torch.empty(3, T, dtype=acc, device=hidden.device)
+        for r0, r1 in _ranges(T, rows):
+            kr = k[r0:r1]
+            run_max, run_sum, run_dot = stats[0, r0:r1], stats[1, r0:r1], stats[2, r0:r1]
+            for first, (v0, v1) in enumerate(_ranges(V, cols)):
+                x = tiles.logits(r0, r1, v0, v1)
+                if pre is not None:
+                    x.mul_(pre).tanh_()
+                tile_max = x.amax(-1).mul_(kr.view(-1))  # k > 0: the max of z is k times the max of x
+                new_max = tile_max if first == 0 else torch.maximum(run_max, tile_max)
+                shifted = torch.addcmul(new_max.neg().unsqueeze(-1), x, kr, out=x)  # z - max
+                exp = torch.exp(shifted, out=tiles.extra(0)) if with_entropy else shifted.exp_()
+                tile_sum = exp.sum(-1)
+                tile_dot = shifted.mul_(exp).sum(-1) if with_entropy else None
+                if first == 0:
+                    run_max.copy_(new_max), run_sum.copy_(tile_sum)
+                    if tile_dot is not None:
+                        run_dot.copy_(tile_dot)
+                    continue
+                # rescale what was summed against the old max: exp(z - new) = exp(z - old) * exp(old - new)
+                shift = run_max - new_max
+                alpha = shift.exp()
+                if tile_dot is not None:
+                    run_dot.add_(shift * run_sum).mul_(alpha).add_(tile_dot)
+                run_sum.mul_(alpha).add_(tile_sum)
+                run_max.copy_(new_max)
+        log_sum = stats[1].log()
+        lse = stats[0] + log_sum
+        log_probs = _label_z(hidden, weight, bias, labels, k, pre, acc) - lse
+        entropy = log_sum - stats[2] / stats[1] if with_entropy else None
+        ctx.save_for_backward(hidden, weight, bias, labels, k, lse, entropy)
+        ctx.pre, ctx.tile = pre, (rows, cols)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):  # type: ignore[override]
+        hidden, weight, bias, labels, k, lse, entropy = ctx.saved_tensors
+        pre, (rows, cols) = ctx.pre, ctx.tile
+        need = ctx.needs_input_grad[:3]
+        T, V = hidden.shape[0], weight.shape[0]
+        acc = lse.dtype
+        with_h = entropy is not None and grad_entropy is not None
+        if (grad_log_probs is None and not with_h) or not any(need):
+            return (None,) * 9
+        g_lp = grad_log_probs.to(acc) if grad_log_probs is not None else torch.zeros_like(lse)
+        dzdx = k.view(-1) * (1.0 if pre is None else pre)  # dz/dx, less soft-capping's (1 - t^2)
+        # a tile's gradient w.r.t. x is p * (a * log p + c) [* (1 - t^2)], per token a and c:
+        c_coef = (g_lp + grad_entropy.to(acc) * entropy if with_h else g_lp).mul(dzdx).neg_().unsqueeze(-1)
+        a_coef = grad_entropy.to(acc).mul(dzdx).neg_().unsqueeze(-1) if with_h else None
+        grads = _Grads(hidden, weight, bias, need, acc)
+        tiles = _Tiles(hidden, weight, bias, rows, cols, acc, extra=int(with_h) + int(pre is not None))
+        neg_lse = lse.neg().unsqueeze(-1)
+        one = torch.ones((), dtype=acc, device=hidden.device)
+        for r0, r1 in _ranges(T, rows):
+            kr, nl, cr = k[r0:r1], neg_lse[r0:r1], c_coef[r0:r1]
+            ar = a_coef[r0:r1] if a_coef is not None else None
+            for v0, v1 in _ranges(V, cols):
+                x = tiles.logits(r0, r1, v0, v1)
+                if pre is not None:
+                    x.mul_(pre).tanh_()  # t, kept for d tanh at the end: log p goes to its own buffer
+                log_p = torch.addcmul(nl, x, kr, out=x if pre is None else tiles.extra(0))
+                if ar is not None:
+                    p = torch.exp(log_p, out=tiles.extra(int(pre is not None)))
+                    grad = torch.addcmul(cr, log_p, ar, out=log_p).mul_(p)
+                else:
+                    grad = log_p.exp_().mul_(cr)
+                if pre is not None:
+                    grad.mul_(torch.addcmul(one, x, x, value=-1, out=x))  # d tanh = 1 - t^2
+                grads.add_tile(grad, r0, r1, v0, v1)
+        # the label's one-hot part, once per token: d log p[label] / dx[label] = dz/dx [* (1 - t^2)]
+        onehot = g_lp * dzdx
+        if pre is not None:
+            t_label = (_label_x(hidden, weight, bias, labels, acc) * pre).tanh_()
+            onehot = onehot * (1 - t_label * t_label)
+        grads.add_rows(onehot, labels)
+        return (*grads.result(), None, None, None, None, None, None)
+
+
+class _Tiles:
+    """The tile buffers of one pass, allocated once: ``logits`` and ``extra`` (rows x cols) scratch."""
+
+    def __init__(self, hidden, weight, bias, rows: int, cols: int, acc: torch.dtype, extra: int):
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        size = rows * cols
+        self._logits = hidden.new_empty(size, dtype=acc)
+        self._extra = [hidden.new_empty(size, dtype=acc) for _ in range(extra)]
+        # low-precision inputs: the matmul writes (and rounds) in their dtype, as the model's lm_head does
+        self._low = hidden.new_empty(size) if hidden.dtype != acc else None
+        self.shape = (0, 0)
+
+    def logits(self, r0: int, r1: int, v0: int, v1: int) -> Tensor:
+        """(r1 - r0, v1 - v0) linear logits ``hidden @ weight.T + bias`` of the tile, in the accumulation dtype."""
+        self.shape = (r1 - r0, v1 - v0)
+        out = _view(self._logits, self.shape)
+        target = out if self._low is None else _view(self._low, self.shape)
+        h, w = self.hidden[r0:r1], self.weight[v0:v1]
+        if self.bias is None:
+            torch.mm(h, w.t(), out=target)
+        else:
+            torch.addmm(self.bias[v0:v1], h, w.t(), out=target)
+        return out if self._low is None else out.copy_(target)
+
+    def extra(self, i: int) -> Tensor:
+        return _view(self._extra[i], self.shape)
+
+
+def _view(flat: Tensor, shape: tuple[int, int]) -> Tensor:
+    """A contiguous view of the front of a flat buffer (a short last tile stays contiguous)."""
+    return flat[: shape[0] * shape[1]].view(shape)
+
+
+class _Grads:
+    """The gradients of hidden, weight and bias, written tile by tile (in the accumulation dtype when
+    the inputs are of lower precision, rounded once at the end)."""
+
+    def __init__(self, hidden, weight, bias, need: tuple[bool, ...], acc: torch.dtype):
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.low = hidden.dtype != acc
+        self.acc = acc
+        zeros = functools.partial(torch.zeros, dtype=acc, device=hidden.device)
+        self.h = zeros(hidden.shape) if need[0] else None
+        self.w = zeros(weight.shape) if need[1] else None
+        self.b = zeros(weight.shape[:1]) if need[2] and bias is not None else None
+
+    def add_tile(self, grad: Tensor, r0: int, r1: int, v0: int, v1: int) -> None:
+        """grad_hidden[r] += grad @ w, grad_weight[v] += grad.T @ h, grad_bias[v] += grad summed over tokens."""
+        h, w = self.hidden[r0:r1], self.weight[v0:v1]
+        if self.low:
+            g = grad.to(self.hidden.dtype)
+            if self.h is not None:
+                self.h[r0:r1].add_(g @ w)
+            if self.w is not None:
+                self.w[v0:v1].add_(g.t() @ h)
+        else:
+            if self.h is not None:
+                self.h[r0:r1].addmm_(grad, w)
+            if self.w is not None:
+                self.w[v0:v1].addmm_(grad.t(), h)
+        if self.b is not None:
+            self.b[v0:v1].add_(grad.sum(0))
+
+    def add_rows(self, coef: Tensor, labels: Tensor) -> None:
+        """The one-hot part: ``coef`` (T,) at each token's label."""
+        coef = coef.unsqueeze(-1)
+        if self.h is not None:
+            self.h.add_(coef * self.weight.index_select(0, labels).to(self.acc))
+        if self.w is not None:
+            self.w.index_add_(0, labels, coef * self.hidden.to(self.acc))
+        if self.b is not None:
+            self.b.index_add_(0, labels, coef.view(-1))
+
+    def result(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return cast(self.h, self.hidden), cast(self.w, self.weight), cast(self.b, self.bias)
+
+
+def _label_x(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, acc: torch.dtype) -> Tensor:
+    """(T,) linear logits at the labels: a row-wise dot with the labels' weight rows in ``acc``,
+    rounded to the input dtype as the tile matmul rounds."""
+    rows = weight.index_select(0, labels)
+    x = torch.bmm(hidden.to(acc).unsqueeze(1), rows.to(acc).unsqueeze(2)).view(-1)
+    if bias is not None:
+        x = x + bias.index_select(0, labels).to(acc)
+    return x.to(hidden.dtype).to(acc)
+
+
+def _label_z(hidden, weight, bias, labels, k, pre, acc) -> Tensor:
+    """(T,) z at the labels."""
+    x = _label_x(hidden, weight, bias, labels, acc)
+    return (x if pre is None else (x * pre).tanh_()) * k.view(-1)
+
+
+def head_factors(
+    temperature: Tensor | float, rows: int, spec_scale: float, softcap: float | None, like: Tensor
+) -> Tensor:
+    """(rows, 1) per-token k = scale / t, or softcap / t with soft-capping, in the accumulation dtype."""
+    acc = torch.promote_types(like.dtype, torch.float32)
+    numerator = softcap if softcap is not None else spec_scale
+    if isinstance(temperature, Tensor):
+        return (numerator / temperature[:rows].to(device=like.device, dtype=acc)).unsqueeze(-1)
+    return torch.full((1, 1), numerator / float(temperature), dtype=acc, device=like.device).expand(rows, 1)
+
+
+# ---- the fused kernel, where it serves a call ------------------------------------------------------------
+
+# ---- the kernels: a fused one where it is installed and serves the call, the tiles everywhere ----
+# In the order "auto" tries them. cut_cross_entropy (Apple's Cut Cross-Entropy, Triton, CUDA) computes
+# the label's logit and the log-sum-exp on chip and never writes logits; it gives log-probs only, so a
+# call that asks for entropy, or whose temperature it cannot fold into its inputs, takes the tiles.
+HEAD_KERNELS = ("cut_cross_entropy", "tiles")
+
+
+def _load_cut_cross_entropy() -> Any:
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy
+
+
+_LOADERS = {"cut_cross_entropy": _load_cut_cross_entropy}
+
+
+@functools.cache
+def _kernel_function(kernel: str) -> Any:
+    """The installed kernel's entry point, or None when it is missing or cannot load here."""
+    try:
+        return _LOADERS[kernel]()
+    except Exception:  # noqa: BLE001 - not installed, or installed without what it needs (Triton, CUDA)
+        return None
+
+
+def kernel_installed(kernel: str) -> bool:
+    return kernel == "tiles" or _kernel_function(kernel) is not None
+
+
+@dataclass(frozen=True)
+class HeadNeeds:
+    """What a call asks of a head kernel."""
+
+    entropy: bool
+    softcap: bool
+    bias: bool
+    per_token_temperature: bool
+    temperature_is_one: bool
+
+
+def _on_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _head_refusal(kernel: str, device: torch.device, needs: HeadNeeds) -> str | None:
+    """Why ``kernel`` cannot serve this call, or None."""
+    if kernel == "tiles":
+        return None
+    if not kernel_installed(kernel):
+        return f"{kernel} is not installed (or cannot load here)"
+    if not _on_cuda(device):
+        return f"{kernel} runs on CUDA only"
+    if needs.entropy:
+        return f"{kernel} gives log-probs only, not the entropy"
+    if needs.softcap and not needs.temperature_is_one:
+        return f"{kernel} caps the logits before a temperature could divide them"
+    if needs.bias and "bias" not in inspect.signature(_kernel_function(kernel)).parameters:
+        return f"this {kernel} takes no bias (its PyPI release 25.1.1 has none)"
+    if needs.bias and needs.per_token_temperature:
+        return f"{kernel} takes one bias: a per-token temperature cannot scale it"
+    return _probe_failure(kernel, str(device))
+
+
+@functools.cache
+def _probe_failure(kernel: str, device: str) -> str | None:
+    """Why the installed ``kernel`` failed its probe on ``device``, or None. Once per process and
+    device, a small forward and backward must run and equal the tiles (its results are read back:
+    host syncs, once). An install that does not run here (a Triton it does not know) or computes
+    something else is never used."""
+    results = []
+    failure: str | None = None
+    try:
+        # The first call may come inside no_grad or inference_mode (old log-probs): the probe needs autograd.
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
+            g = torch.Generator().manual_seed(0)
+            # Small integers: every logit is exact in any matmul precision, so the two must agree closely.
+            hidden, weight = (torch.randint(-2, 3, shape, generator=g).float() for shape in ((16, 64), (128, 64)))
+            labels, k = torch.randint(0, 128, (16,), generator=g), torch.full((16, 1), 0.25)
+            for fused in (True, False):
+                h, w = (x.to(device).requires_grad_() for x in (hidden, weight))
+                args = (h, w, None, labels.to(device), k.to(device))
+                lp = _fused_log_probs(*args, None) if fused else ChunkedHead.apply(*args, None, False, 16, 128)[0]
+                (lp * torch.arange(1.0, 17.0, device=device)).sum().backward()
+                grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in (h, w)]  # none: differs
+                results.append([x.detach().cpu() for x in (lp, *grads)])
+    except Exception as error:  # noqa: BLE001 - whatever the install raises, the tiles serve instead
+        failure = f"{kernel} failed its probe here ({type(error).__name__}: {error})"
+    else:
+        close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(*results))
+        failure = None if close else f"{kernel} failed its probe here (its results differ from the tiles')"
+    if failure is not None:
+        warnings.warn(f"nopad: {failure}; the head runs the tiles", RuntimeWarning, stacklevel=2)
+    return failure
+
+
+def select_head_kernel(requested: str, device: torch.device, needs: HeadNeeds) -> str:
+    """The kernel that runs a call: the first of :data:`HEAD_KERNELS` that serves it ("auto"), or the
+    one requested, which must serve it (else a ValueError saying why)."""
+    if requested == "auto":
+        return next(k for k in HEAD_KERNELS if _head_refusal(k, device, needs) is None)
+    if requested not in HEAD_KERNELS:
+        raise input_error("kernel", None, f"'auto' or one of {list(HEAD_KERNELS)}", repr(requested))
+    why = _head_refusal(requested, device, needs)
+    if why is not None:
+        raise input_error("kernel", None, f"a head kernel that serves this call ({why})", repr(requested))
+    return requested
+
+
+def _fused_log_probs(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, k: Tensor, softcap: float | None
+) -> Tensor:
+    """(T,) float32 log-probs from cut_cross_entropy, exact: ``filter_eps=None`` turns off its
+    gradient filtering (which skips blocks of small gradient), in its 25.1.1 release and since.
+
+    z = k x (k = scale / t per token) is the logits of the rows ``k * hidden`` and the bias ``k * bias``
+    (one k when there is a bias); with soft-capping (t = 1), k = scale and the kernel caps.
+    """
+    factors = k.to(hidden.dtype)
+    extra = {} if bias is None else {"bias": bias * factors[0, 0]}
+    loss = _kernel_function("cut_cross_entropy")(
+        hidden * factors, weight, labels, softcap=softcap, reduction="none", filter_eps=None, impl="cce", **extra
+    )
+    return -loss.float()
+
+
+def run_head(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    temperature: Tensor | float,
+    with_entropy: bool,
+    *,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    tile: tuple[int, int] | None = None,
+    kernel: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """(T,) log-probs and entropy of checked arguments (the temperature per token or a float)."""
+    per_token = isinstance(temperature, Tensor)
+    needs = HeadNeeds(
+        entropy=with_entropy,
+        softcap=softcap is not None,
+        bias=bias is not None,
+        per_token_temperature=per_token,
+        temperature_is_one=not per_token and float(temperature) == 1.0,
+    )
+    chosen = select_head_kernel(kernel, hidden.device, needs)
+    if chosen == "cut_cross_entropy" and hidden.shape[0]:  # no tokens: nothing to launch (the tiles give empty results)
+        k = head_factors(temperature, hidden.shape[0], scale, None, hidden)
+        return _fused_log_probs(hidden, weight, bias, labels, k, softcap), None
+    rows, cols = tile or default_tile(hidden.device)
+    k = head_factors(temperature, hidden.shape[0], scale, softcap, hidden)
+    pre = None if softcap is None else scale / softcap
+    return ChunkedHead.apply(hidden, weight, bias, labels, k, pre, with_entropy, rows, cols)
+
+
+# ---- from logits, and the checked public entries ------------------------------------------------------
+
+
+def check_temperature(value: Any, field: str = "temperature") -> float:
+    """A Python (or numpy) temperature: a finite number > 0, not a bool or a string. No sync."""
+    return check_real(value, field, low=0, low_open=True)
+
+
+def temperature_tensor(temperature: Tensor, rows: int, field: str) -> Tensor:
+    """(rows,) per-row temperatures from a 0-d or (rows,) tensor of real numbers, checked.
+
+    On the CPU every value is checked at once (a read of CPU memory, no device sync): a row that is
+    not a finite value > 0 is a ValueError naming it. A device tensor is not read (that would be a
+    host sync): such a row becomes NaN, so every log-prob and entropy of that sequence is NaN
+    instead of a plausible number (an inf temperature would give a uniform distribution, a
+    negative one the reversed one).
+    """
+    check_real_dtype(temperature, field)
+    if temperature.dim() == 0:
+        temperature = temperature.reshape(1).expand(rows)
+    if temperature.shape != (rows,) or temperature.is_nested:
+        shape = "nested" if temperature.is_nested else f"shape {tuple(temperature.shape)}"
+        raise input_error(field, None, f"a float, a 0-d tensor or a ({rows},) per-sample tensor", shape)
+    valid = torch.isfinite(temperature) & (temperature > 0)
+    if temperature.device.type != "cpu":
+        return torch.where(valid, temperature, float("nan"))
+    if not bool(valid.all()):
+        row = int((~valid).nonzero()[0])
+        raise input_error(field, row, "a finite number > 0", f"{temperature[row].item()!r}")
+    return temperature
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """log softmax(logits / t)[label] and the entropy of softmax(logits / t), per token.
+
+    Forward and (log-prob only) backward allocate ONE (L, V) float32 buffer each; the backward of
+    the entropy needs a second. The input logits are saved, not copied.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, inv_temp, with_entropy):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        inv_temp = inv_temp.to(dtype)
+        buf = logits.to(dtype) * inv_temp  # the one (L, V) buffer: scaled logits
+        row_max = buf.amax(-1, keepdim=True)
+        buf.sub_(row_max).exp_()
+        sum_exp = buf.sum(-1, keepdim=True)
+        lse = (row_max + sum_exp.log()).squeeze(-1)
+        log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(dtype) * inv_temp.squeeze(-1) - lse
+        entropy = None
+        if with_entropy:
+            # sum_v p_v * s_v in place (p is recomputed in backward): a row-wise reduction whose result
+            # does not depend on how many rows there are, unlike a batched matmul.
+            expected = buf.div_(sum_exp).mul_(logits).sum(-1) * inv_temp.squeeze(-1)
+            entropy = lse - expected
+        ctx.save_for_backward(logits, labels, inv_temp, lse, entropy if with_entropy else lse)
+        ctx.with_entropy = with_entropy
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, labels, inv_temp, lse, entropy = ctx.saved_tensors
+        g_lp = grad_log_probs if grad_log_probs is not None else torch.zeros_like(lse)
+        buf = logits.to(inv_temp.dtype) * inv_temp
+        if ctx.with_entropy and grad_entropy is not None:
+            # d entropy / d s_v = -p_v (log p_v + H); log p = s - lse.
+            buf.sub_(lse.unsqueeze(-1))
+            probs = buf.exp()
+            buf.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(g_lp.unsqueeze(-1)).mul_(probs)
+        else:
+            buf.sub_(lse.unsqueeze(-1)).exp_().mul_(g_lp.unsqueeze(-1))
+        buf.neg_().scatter_add_(-1, labels.unsqueeze(-1), g_lp.unsqueeze(-1)).mul_(inv_temp)
+        return buf.to(logits.dtype), None, None, None
+
+
+def _check_rows_and_labels(x: Tensor, field: str, shape: str, labels: Tensor) -> None:
+    """``x`` a floating (tokens, *) 2-D tensor and ``labels`` (tokens,) integer token ids."""
+    check_real_dtype(x, field, floating=True)
+    check_real_dtype(labels, "labels")
+    if labels.dtype.is_floating_point:
+        raise input_error("labels", None, "token ids (an integer tensor)", f"dtype {labels.dtype}")
+    if x.dim() != 2 or labels.shape != x.shape[:1]:
+        raise input_error(field, None, f"{shape} matching labels {tuple(labels.shape)}", f"{tuple(x.shape)}")
+
+
+def token_log_probs(
+    logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """(L, V) logits, (L,) labels, float or (L,) temperature -> (L,) log-probs and optional (L,) entropy.
+
+    Float32 results. One extra (L, V) buffer in the forward (see :class:`_TokenLogProbs`).
+    Floating logits, integer labels (their range is not read: gather refuses one outside the
+    vocab), a temperature as :func:`prepare_model_inputs` takes it (per token here).
+    """
+    _check_rows_and_labels(logits, "logits", "(tokens, vocab)", labels)
+    with_entropy = check_flag(with_entropy, "with_entropy")
+    if isinstance(temperature, Tensor):
+        temperature = temperature_tensor(temperature, logits.shape[0], "temperature")
+    else:
+        temperature = check_temperature(temperature)
+    return logits_log_probs(logits, labels, temperature, with_entropy)
+
+
+def logits_log_probs(
+    logits: Tensor, labels: Tensor, temperature: Tensor | float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`token_log_probs` of arguments already checked (by :func:`prepare_model_inputs`)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # fp64 logits keep fp64 temperatures
+    if isinstance(temperature, Tensor):
+        inv_temp = temperature.to(device=logits.device, dtype=dtype).reciprocal().unsqueeze(-1)
+    else:
+        inv_temp = torch.full((1, 1), 1.0 / float(temperature), device=logits.device, dtype=dtype)
+        inv_temp = inv_temp.expand(logits.shape[0], 1)
+    return _TokenLogProbs.apply(logits, labels, inv_temp, with_entropy)
+
+
+def head_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: Tensor | float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+    *,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    kernel: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """(T, H) hidden states, (V, H) output weight, (T,) labels -> (T,) log-probs and optional (T,) entropy.
+
+    Equal to :func:`token_log_probs` of the logits ``softcap * tanh(logit_scale * (hidden @ weight.T
+    + bias) / softcap)`` (``logit_scale * (hidden @ weight.T + bias)`` without ``softcap``), without
+    ever holding them: the head works in tiles of ``chunk_size`` tokens by a slice of the
+    vocabulary, keeps an online log-sum-exp per token, and its backward recomputes each tile and
+    writes the gradients of ``hidden``, ``weight`` and ``bias`` directly. Memory: a few tiles,
+    whatever T and V. Float32 results (float64 for float64 inputs); no host sync.
+    ``temperature``: a float or a per-token (T,) tensor, as :func:`token_log_probs` takes it.
+    ``chunk_size``: tokens per tile (default by device: 1,024 tokens by 16,384 vocabulary entries on
+    a CPU, 2,048 tokens by the whole vocabulary on CUDA; see docs/results.md). A tied embedding is
+    just the weight passed here: its gradient accumulates into the same parameter. The work is a
+    loop over tiles: its op count grows with T / chunk_size (the head's one exception to a fixed
+    number of ops per call), never with the number of sequences.
+
+    ``kernel``: "auto" runs cut_cross_entropy's fused kernel (Apple's Cut Cross-Entropy, where it is
+    installed, on CUDA: the label's logit and the log-sum-exp on chip) for a call it serves, log-probs
+    without entropy and a temperature it can fold in, and the tiles above for every other call;
+    "tiles" or "cut_cross_entropy" forces one (a forced kernel that cannot serve the call raises
+    ValueError saying why). Nothing extra needs installing: the tiles are the reference and the fallback.
+    """
+    _check_rows_and_labels(hidden, "hidden", "(tokens, hidden)", labels)
+    check_real_dtype(weight, "weight", floating=True)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.dtype != hidden.dtype:
+        raise input_error(
+            "weight",
+            None,
+            f"(vocab, {hidden.shape[1]}) of dtype {hidden.dtype} like hidden",
+            f"{tuple(weight.shape)} of dtype {weight.dtype}",
+        )
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
+        raise input_error(
+            "bias", None, f"({weight.shape[0]},) of dtype {weight.dtype}", f"{tuple(bias.shape)} of dtype {bias.dtype}"
+        )
+    with_entropy = check_flag(with_entropy, "with_entropy")
+    logit_scale = check_real(logit_scale, "logit_scale", low=0, low_open=True)
+    if softcap is not None:
+        softcap = check_real(softcap, "softcap", low=0, low_open=True)
+    if isinstance(temperature, Tensor):
+        temperature = temperature_tensor(temperature, hidden.shape[0], "temperature")
+    else:
+        temperature = check_temperature(temperature)
+    tile = None
+    if chunk_size is not None:
+        tile = (check_int(chunk_size, "chunk_size", low=1), default_tile(hidden.device)[1])
+    return run_head(
+        hidden,
+        weight,
+        bias,
+        labels,
+        temperature,
+        with_entropy,
+        scale=logit_scale,
+        softcap=softcap,
+        tile=tile,
+        kernel=check_choice(kernel, "kernel", ("auto", *HEAD_KERNELS)),
+    )
