@@ -131,12 +131,14 @@ def split_until(partitions: list[list[int]], count: int, tokens: np.ndarray) -> 
     return parts
 
 
-def max_over_group(values: list[int], group: Any) -> list[int]:
-    """Elementwise max of a few ints over a process group: ONE all_reduce (on the GPU for NCCL)."""
+def reduce_over_group(values: list[int], group: Any, op: str = "max") -> list[int]:
+    """Elementwise ``op`` ("max" or "min") of a few ints over a process group: ONE all_reduce (on the
+    GPU for NCCL). THE collective of the micro-batch count."""
     backend = torch.distributed.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     tensor = torch.tensor(values, dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+    reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.MIN
+    torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
     return tensor.tolist()
 
 

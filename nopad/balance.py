@@ -19,9 +19,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from nopad._batch import check_choice
 from nopad._errors import check_flag, check_int, input_error
 from nopad._layout import device_to_host, round_up
-from nopad._partition import first_fit, fits, karmarkar_karp_arrays, max_over_group, order_partitions, split_until
+from nopad._partition import first_fit, fits, karmarkar_karp_arrays, order_partitions, reduce_over_group, split_until
 
 __all__ = ["Workload", "balanced_partitions", "karmarkar_karp", "micro_batch_partitions", "rank_order"]
 
@@ -150,6 +151,7 @@ def micro_batch_partitions(
     balance: bool = True,
     force_group_size: int = 1,
     workload: Workload | None = None,
+    protocol: str = "nopad",
 ) -> list[list[int]]:
     """Rows into token-budget micro-batches as verl's ``rearrange_micro_batches`` cuts them: the
     fewest balanced Karmarkar-Karp partitions of the rows' workloads whose tokens all fit in
@@ -158,17 +160,21 @@ def micro_batch_partitions(
     heaviest micro-batches in the middle (verl's ``use_dynamic_bsz_balance``). Each partition lists
     its rows in ascending order.
 
-    ``dp_group``: a torch.distributed group over which the count is made equal, in ONE all_reduce
-    (verl needs three): each rank finds the smallest count that fits its own rows, and the largest of
-    those is the count everywhere. In the rare case where Karmarkar-Karp's partition at that count
-    does not fit a rank's rows although a smaller count did, that rank splits its fitting partition
-    instead (verl would try further counts). Host work otherwise; a device tensor of lengths is read.
+    ``dp_group``: a torch.distributed group over which the count is made equal. ``protocol="nopad"``
+    does it in ONE all_reduce: each rank finds the smallest count that fits its own rows, and the
+    largest of those is the count everywhere (in the rare case where Karmarkar-Karp's partition at that
+    count does not fit a rank's rows although a smaller count did, that rank splits its fitting
+    partition instead). ``protocol="verl"`` takes verl's own steps and collectives (a MAX of the lower
+    bound, then a MIN of "it fits" per count tried), so ranks running verl's function and this one
+    agree; on one process both give verl's partitions. Host work otherwise; a device tensor of
+    lengths is read.
     """
     lengths = _host_ints(lengths, "lengths")
     budget = check_int(max_token_len, "max_token_len", low=1)
     group = check_int(force_group_size, "force_group_size", low=1)
     step = 1 if num_batches_divided_by is None else check_int(num_batches_divided_by, "num_batches_divided_by", low=1)
-    least = 1 if min_num_micro_batch is None else check_int(min_num_micro_batch, "min_num_micro_batch", low=1)
+    least = None if min_num_micro_batch is None else check_int(min_num_micro_batch, "min_num_micro_batch", low=1)
+    protocol = check_choice(protocol, "protocol", ("nopad", "verl"))
     if dp_group is not None and not isinstance(dp_group, torch.distributed.ProcessGroup):
         raise input_error("dp_group", None, "a torch.distributed ProcessGroup, or None", type(dp_group).__name__)
     if len(lengths) == 0 or len(lengths) % group:
@@ -177,23 +183,65 @@ def micro_batch_partitions(
         )
     tokens = lengths.reshape(-1, group).sum(1)
     work = (workload or Workload())(lengths).reshape(-1, group).sum(1)
+    count_of = _verl_count if protocol == "verl" else _one_reduce_count
+    partitions = count_of(work, tokens, budget, step, least, group, dp_group)
+    row_work = (workload or Workload())(lengths) if balance else None
+    return order_partitions(partitions, group, row_work)
+
+
+def _refuse_longest(longest: int, budget: int, group: int) -> None:
+    if longest > budget:
+        what = "row" if group == 1 else f"group of {group} rows"
+        raise input_error("max_token_len", None, f">= {longest}, the longest {what} (in tokens)", f"{budget}")
+
+
+def _one_reduce_count(work, tokens, budget, step, least, group, dp_group) -> list[list[int]]:
+    """nopad's count: every rank's smallest fitting count, their max in one all_reduce."""
     groups = len(tokens)
+    least = 1 if least is None else least
     start = round_up(max(min(groups, -(-int(tokens.sum()) // budget)), least, 1), step)
     fit_count, fitting = first_fit(work, tokens, budget, start, step)
     count, longest, fewest_groups = fit_count, int(tokens.max()), groups
     if dp_group is not None:
-        count, longest, fewest_groups = max_over_group([fit_count, longest, -groups], dp_group)
+        count, longest, fewest_groups = reduce_over_group([fit_count, longest, -groups], dp_group)
         fewest_groups = -fewest_groups
-    if longest > budget:
-        what = "row" if group == 1 else f"group of {group} rows"
-        raise input_error("max_token_len", None, f">= {longest}, the longest {what} (in tokens)", f"{budget}")
+    _refuse_longest(longest, budget, group)
     if count > fewest_groups:
         raise _too_many_micro_batches(count, fewest_groups, budget, least, step)
     partitions = karmarkar_karp_arrays(work, count, False) if count != fit_count else fitting
     if not fits(partitions, tokens, budget):
         partitions = split_until(fitting, count, tokens)
-    row_work = (workload or Workload())(lengths) if balance else None
-    return order_partitions(partitions, group, row_work)
+    return partitions
+
+
+def _verl_count(work, tokens, budget, step, least, group, dp_group) -> list[list[int]]:
+    """verl's count, step for step: the lower bound, made equal over the group (MAX), rounded up to the
+    step, raised until every rank's Karmarkar-Karp partition fits (a MIN all_reduce per try)."""
+    groups = len(tokens)
+    count = min(groups, -(-int(tokens.sum()) // budget))
+    if least is not None:
+        count = max(least, count)
+    longest, fewest = int(tokens.max()), groups
+    if dp_group is not None:
+        count = reduce_over_group([count], dp_group)[0]
+    count = round_up(count, step)
+    if dp_group is not None:
+        longest, fewest = reduce_over_group([longest, -groups], dp_group)
+        fewest = -fewest
+    _refuse_longest(longest, budget, group)
+    if count < 1:  # verl's partitioner fails on 0 parts; the rows would be lost
+        expected = "at least one micro-batch (a batch of 0 tokens needs min_num_micro_batch >= 1)"
+        raise input_error("lengths", None, expected, f"{int(tokens.sum())} tokens in {groups} rows")
+    while True:
+        if count > fewest:
+            raise _too_many_micro_batches(count, fewest, budget, least or 1, step)
+        partitions = karmarkar_karp_arrays(work, count, False)
+        within = fits(partitions, tokens, budget)
+        if dp_group is not None:
+            within = bool(reduce_over_group([int(within)], dp_group, "min")[0])
+        if within:
+            return [sorted(p) for p in partitions]
+        count += step
 
 
 def _too_many_micro_batches(count: int, most: int, budget: int, least: int, step: int) -> ValueError:

@@ -20,12 +20,11 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import get_field
-from nopad._errors import check_int, input_error
+from nopad._errors import input_error
 from nopad._layout import is_nested, ragged_dim
-from nopad._partition import fits, karmarkar_karp_arrays, order_partitions
 from nopad._rows import RowPlan, batch_lengths, cat_plan, row_index, take
 from nopad._torch_internals import is_jagged, put_checked
-from nopad.balance import Workload, balanced_partitions
+from nopad.balance import balanced_partitions, micro_batch_partitions
 from nopad.balance import karmarkar_karp as _karmarkar_karp
 from nopad.rows import RowRestore
 
@@ -277,84 +276,49 @@ def rearrange_micro_batches(
     collectives, so the count is verl's), the micro-batches' tensors as one gather per field and
     their other entries (metadata, sub-TensorDicts) as verl's ``index_select_tensor_dict`` makes them."""
     lengths = batch_lengths(batch)
-    budget = check_int(max_token_len, "max_token_len", low=1)
-    group = check_int(force_group_size, "force_group_size", low=1)
-    if int(lengths.max(initial=0)) > budget:
-        raise input_error("max_token_len", None, f">= {int(lengths.max())}, the longest row (in tokens)", f"{budget}")
-    if len(lengths) % group:
-        raise input_error("batch", None, f"a multiple of force_group_size={group} rows", f"{len(lengths)} rows")
-    tokens = lengths.reshape(-1, group).sum(1)
-    work = Workload()(lengths).reshape(-1, group).sum(1)
     sync = torch.distributed.is_initialized() and same_micro_num_in_dp and dp_group is not None
-    partitions = _verl_count_partitions(
-        work, tokens, budget, num_batches_divided_by, min_num_micro_batch, dp_group if sync else None
+    rows = micro_batch_partitions(
+        lengths,
+        max_token_len,
+        dp_group=dp_group if sync else None,
+        num_batches_divided_by=num_batches_divided_by,
+        min_num_micro_batch=min_num_micro_batch,
+        balance=use_dynamic_bsz_balance,
+        force_group_size=force_group_size,
+        protocol="verl",
     )
-    row_work = Workload()(lengths) if use_dynamic_bsz_balance else None
-    rows = order_partitions(partitions, group, row_work)
     order = np.array([r for p in rows for r in p], dtype=np.int64)
     tensors = [str(key) for key, value in batch.items() if isinstance(value, Tensor)]
     plan = RowPlan.of(order, [len(p) for p in rows], len(lengths))
     micro = [_without_device(m) for m in take([batch.select(*tensors)], plan, reindex=False)]
     others = batch.exclude(*tensors)
     if list(others.keys()):
-        verls = original(TENSORDICT_UTILS, "index_select_tensor_dict")
         keys = [str(key) for key in batch.keys()]
-        micro = [_merge(keys, verls(others, p), m) for m, p in zip(micro, rows)]
+        if all(type(others.get(key)).__name__ == "NonTensorData" for key in others.keys()):
+            shared: dict[tuple[str, int], Any] = {}
+            micro = [_with_metadata(keys, m, others, shared) for m in micro]
+        else:  # per-row metadata (a NonTensorStack) or a sub-TensorDict: verl's own selection of them
+            verls = original(TENSORDICT_UTILS, "index_select_tensor_dict")
+            micro = [_merge(keys, verls(others, p), m) for m, p in zip(micro, rows)]
     return micro, rows
 
 
-def _verl_count_partitions(
-    work: np.ndarray,
-    tokens: np.ndarray,
-    budget: int,
-    divided_by: int | None,
-    least: int | None,
-    dp_group: Any,
-) -> list[list[int]]:
-    """verl's count of micro-batches, step for step: the lower bound, made equal over the group, raised
-    until every rank's Karmarkar-Karp partition fits (a MIN all_reduce per try, as verl)."""
-    groups = len(tokens)
-    count = min(groups, -(-int(tokens.sum()) // budget))
-    if least is not None:
-        count = max(least, count)
-    longest, fewest = int(tokens.max()), groups
-    if dp_group is not None:
-        count = _all_reduce([count], "max", dp_group)[0]
-    step = divided_by or 1
-    if divided_by is not None:
-        count = -(-count // divided_by) * divided_by
-    if dp_group is not None:
-        longest, fewest = _all_reduce([longest, -groups], "max", dp_group)
-        fewest = -fewest
-    if longest > budget:
-        raise input_error("max_token_len", None, f">= {longest}, the longest group of rows (in tokens)", f"{budget}")
-    if count < 1:  # verl's partitioner fails on 0 parts; the rows would be lost
-        expected = "at least one micro-batch (a batch of 0 tokens needs min_num_micro_batch >= 1)"
-        raise input_error("batch", None, expected, f"{int(tokens.sum())} tokens in {groups} rows")
-    while True:
-        if count > fewest:
-            raise input_error(
-                "max_token_len",
-                None,
-                f"a budget met by at most {fewest} micro-batches",
-                f"{budget}, which needs {count}",
-            )
-        partitions = karmarkar_karp_arrays(work, count, False)
-        within = fits(partitions, tokens, budget)
-        if dp_group is not None:
-            within = bool(_all_reduce([int(within)], "min", dp_group)[0])
-        if within:
-            return [sorted(p) for p in partitions]
-        count += step
-
-
-def _all_reduce(values: list[int], op: str, group: Any) -> list[int]:
-    backend = torch.distributed.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    tensor = torch.tensor(values, dtype=torch.int64, device=device)
-    reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.MIN
-    torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
-    return tensor.tolist()
+def _with_metadata(keys: list[str], part: TensorDict, metadata: TensorDict, shared: dict) -> TensorDict:
+    """``part`` with the batch's one-value metadata (NonTensorData), keys in verl's order: what verl's
+    row selection of that metadata gives every micro-batch (the same value at the part's batch size).
+    One NonTensorData per key and part size, shared by the parts of that size (building one costs
+    more than the gathers of a part; tensordict replaces, never mutates, an entry that is set)."""
+    size = part.batch_size
+    out = TensorDict({}, batch_size=size, device=part.device)
+    for key in keys:
+        if key in metadata.keys():
+            value = shared.get((key, size[0]))
+            if value is None:
+                value = shared[key, size[0]] = metadata.get(key)[: size[0]]
+            put_checked(out, key, value)
+        else:
+            put_checked(out, key, part.get(key))
+    return out
 
 
 def postprocess_batch_func(
