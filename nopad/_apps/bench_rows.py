@@ -202,6 +202,8 @@ def _bench_batch(B: int, other: dict, repeats: int, reference_repeats: int, devi
     rows.append(_row("join + restore of outputs", B, ours_ms, theirs_ms, other, same_back, back))
     both_ours, both_theirs = split["nopad_ms"] + ours_ms, split[f"{other['name']}_ms"] + theirs_ms
     rows.append(_row("split + restore", B, both_ours, both_theirs, other, same and same_back, None))
+    if other["name"] == "verl":
+        rows.append(engine_path_row(td, B, repeats, device, other))
 
     k = len(micro)
 
@@ -229,4 +231,44 @@ def _row(name: str, B: int, ours_ms: float, theirs_ms: float, other: dict, same:
         f"{other['name']}/nopad": theirs_ms / ours_ms,
         "identical": bool(same),
         "max/mean workload": None,  # filled for the partitions: nopad's vs the contender's
+        "bare_ms": None,  # filled for the engine path: the bare gathers of the same tokens
+        "nopad/bare": None,
     }
+
+
+def engine_path_row(td: TensorDict, B: int, repeats: int, device: str, other: dict) -> dict:
+    """verl's engine path under ``install()`` (``prepare_micro_batches`` + ``postprocess_batch_func``,
+    as its FSDP engine calls them with ``use_dynamic_bsz``) against the bare gathers of the same
+    tokens: one ``index_select`` per field into the micro-batches' order and one of the output back
+    (the memory floor of any split and restore), measured in the same run."""
+    import verl.workers.engine.utils as engine
+
+    from nopad.integrations.verl import install
+
+    data = td.copy()
+    data.set_non_tensor("max_token_len_per_gpu", BUDGET)
+    data.set_non_tensor("use_dynamic_bsz", True)
+    patch = install(check_version=False)
+    try:
+        split_ms, (micro, parts) = _best(lambda: engine.prepare_micro_batches(data), repeats, device)
+        outputs = [{"model_output": {"log_probs": m["input_ids"].float()}} for m in micro]
+        back_ms, joined = _best(lambda: engine.postprocess_batch_func(outputs, parts, data), repeats, device)
+    finally:
+        patch.uninstall()
+    order = np.array([r for p in parts for r in p], dtype=np.int64)
+    plan = IndexPlan.from_nested(td["input_ids"])
+    tokens = plan.token_index(plan.offsets[:-1])  # identity on the batch's own layout: the rows' tokens
+    starts = plan.offsets[torch.from_numpy(order)]
+    lengths = plan.lengths[torch.from_numpy(order)]
+    moved = IndexPlan.from_lengths(lengths).token_index(starts)  # each micro-batch's tokens, in order
+    back = torch.empty_like(moved).index_copy_(0, moved, tokens)
+    fields = [td[key].values() for key in ("input_ids", "position_ids", "loss_mask")]
+    out = td["input_ids"].values().float()
+    bare_ms, _ = _best(lambda: ([f.index_select(0, moved) for f in fields], out.index_select(0, back)), repeats, device)
+    same = torch.equal(joined["model_output"]["log_probs"].values(), out)
+    engine_ms = split_ms + back_ms
+    row = _row(
+        f"split + restore, verl's engine path ({len(parts)} parts)", B, engine_ms, float("nan"), other, same, None
+    )
+    row.update({"verl_ms": None, "verl/nopad": None, "bare_ms": bare_ms, "nopad/bare": engine_ms / bare_ms})
+    return row
