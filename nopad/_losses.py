@@ -41,7 +41,16 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._batch import check_choice, check_real, check_real_dtype, get_field
-from nopad._errors import check_flag, check_int, check_mask, check_optional_int, input_error, mask_error, mask_flag
+from nopad._errors import (
+    check_flag,
+    check_int,
+    check_mask,
+    check_optional_int,
+    free_to_read,
+    input_error,
+    mask_error,
+    mask_flag,
+)
 from nopad._layout import IndexPlan, jagged_values, nested_offsets, ragged_dim, to_host, wrap_jagged
 from nopad._layout import is_nested as _is_nested
 from nopad._padding import no_padding_2_padding
@@ -566,33 +575,79 @@ def value_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict
     return vf_loss, metrics
 
 
+# The two conventions of an SFT mask, named in every message that refuses one given in the other.
+PER_TOKEN_WORDS = "per-token mask (1 where the token is learned; shifted by one inside)"
+LOSS_MASK_WORDS = f"data['loss_mask'], a {PER_TOKEN_WORDS}"
+LABEL_ALIGNED_WORDS = (
+    "label-aligned mask (as packed files store it: 1 where the NEXT token is learned, so 0 at each "
+    "sequence's last token; used as it is)"
+)
+TOKEN_MASK_WORDS = f"data['token_mask'], a {LABEL_ALIGNED_WORDS}"
+# packed_to_nested marks the label-aligned token_mask it returns with this attribute
+# (nopad/packing/_collate.py: LABEL_ALIGNED_ATTR); such a mask given as loss_mask is refused.
+LABEL_ALIGNED_ATTR = "_nopad_label_aligned"
+
+
 def sft_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, dp_group=None):
     """Negative log-likelihood, token-mean over the global batch (verl's SFT loss).
 
-    Two layouts, as in verl. Nested: ``data["loss_mask"]`` nested (B, j) marks the tokens to learn
-    and ``model_output["log_probs"]`` nested (B, j) holds at position t the log-prob of token t + 1;
-    the mask is shifted by one WITHIN each sequence (a sequence's first token has no prediction,
-    and its last position predicts nothing). Padded: ``data["response_mask"]`` (B, R) and log-probs
-    nested over whole sequences (sliced like :func:`ppo_loss`) or (B, R).
-    ``batch_num_tokens`` should count the tokens that have a prediction. Returns ``(loss, {})``.
-    In the nested layout the log-probs must have the loss mask's sequence boundaries (checked as
-    :func:`ppo_loss` checks them against ``input_ids``).
+    ``model_output["log_probs"]`` nested (B, j) holds at position t the log-prob of token t + 1 of
+    the same sequence (what the engines return). Which tokens count comes from ONE of two masks,
+    each under its own name, so the two conventions cannot be mixed up:
+
+    - ``data["loss_mask"]`` nested (B, j), per token (verl's): 1 where token t is learned. It is
+      shifted by one WITHIN each sequence (a sequence's first token has no prediction, its last
+      position predicts nothing).
+    - ``data["token_mask"]`` nested (B, j), label-aligned (a packed file's, through
+      :func:`nopad.packing.packed_to_nested`; ``OutputArgs.label_mask``'s convention): 1 where the
+      label of position t, token t + 1, is learned. Used as it is, never shifted again. Its slot at
+      each sequence's last token belongs to no label and must be 0: a 1 there is a per-token mask
+      given under this name, refused (on the CPU a ValueError naming the sequence and both
+      conventions; on a device not read, the loss turns NaN).
+
+    Both given is refused (which one was meant cannot be told). Padded layout (neither is nested):
+    ``data["response_mask"]`` (B, R) and log-probs nested over whole sequences (sliced like
+    :func:`ppo_loss`) or (B, R). ``batch_num_tokens`` should count the tokens that have a
+    prediction. Returns ``(loss, {})``. The log-probs must have the mask's sequence boundaries
+    (checked as :func:`ppo_loss` checks them against ``input_ids``).
     """
     cfg = LossConfig.from_any(config)
     _check_inputs(model_output, data)
     figures = _figures(data, cfg, "token-mean")
     figures["global_batch_size"] = None  # token-mean: the sequence count plays no part
     log_probs = _output(model_output, "log_probs")
-    loss_mask = data.get("loss_mask", None)
-    if _is_nested(log_probs) and _is_nested(loss_mask):
+    loss_mask, token_mask = data.get("loss_mask", None), data.get("token_mask", None)
+    if _is_nested(loss_mask) and token_mask is not None:
+        raise input_error("data", None, f"one mask: {LOSS_MASK_WORDS} or {TOKEN_MASK_WORDS}", "both")
+    if getattr(loss_mask, LABEL_ALIGNED_ATTR, False):
+        raise input_error(
+            "data['loss_mask']",
+            None,
+            f"a {PER_TOKEN_WORDS}",
+            f"the label-aligned token_mask of packed_to_nested, which would be shifted twice: give it as "
+            f"{TOKEN_MASK_WORDS}",
+        )
+    if token_mask is not None and not _is_nested(token_mask) and _is_nested(log_probs):
+        raise input_error(
+            "data['token_mask']",
+            None,
+            f"a nested (B, j) mask like the log-probs: {TOKEN_MASK_WORDS} (packed_to_nested(batch) returns it)",
+            f"a dense tensor of shape {tuple(getattr(token_mask, 'shape', ()))}",
+        )
+    if _is_nested(log_probs) and (_is_nested(loss_mask) or _is_nested(token_mask)):
+        label_aligned = _is_nested(token_mask)
+        mask_field = "data['token_mask']" if label_aligned else "data['loss_mask']"
+        given = token_mask if label_aligned else loss_mask
         field = "model_output['log_probs']"
         check_real_dtype(log_probs, field, floating=True)
-        same = _same_boundaries(log_probs, field, loss_mask, "data['loss_mask']")
-        only_01 = check_mask(jagged_values(loss_mask), "data['loss_mask']")
-        mask = _shifted(loss_mask)
+        same = _same_boundaries(log_probs, field, given, mask_field)
+        only_01 = check_mask(jagged_values(given), mask_field)
+        mask = _label_aligned(given) if label_aligned else _shifted(given)
+        if label_aligned:
+            only_01 = _and_flags(only_01, _token_mask_flag(given, mask))
         if log_probs.values().shape[0] != mask.shape[0]:
             raise input_error(
-                field, None, f"{mask.shape[0]} tokens like data['loss_mask']", f"{log_probs.values().shape[0]}"
+                field, None, f"{mask.shape[0]} tokens like {mask_field}", f"{log_probs.values().shape[0]}"
             )
         values = _poison_unless(same, log_probs.values())
         loss = _aggregate(-values.unsqueeze(0), mask.unsqueeze(0), "token-mean", **figures)
@@ -600,6 +655,35 @@ def sft_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
     response_mask, only_01 = _response_mask(data)
     log_prob = _response_slice(model_output, "log_probs", data, response_mask)
     return _poison_unless(only_01, _aggregate(-log_prob, response_mask, "token-mean", **figures)), {}
+
+
+def _label_aligned(token_mask: Tensor) -> Tensor:
+    """A label-aligned nested mask as the flat bool mask of positions whose label counts: as it is."""
+    return token_mask.values().bool()
+
+
+def _token_mask_flag(token_mask: Tensor, mask: Tensor) -> Tensor | None:
+    """The label-aligned mask is 0 at every sequence's last token: checked now on the CPU (ValueError
+    naming the sequence and both conventions), returned as a 0-d device flag otherwise."""
+    at_last = mask & IndexPlan.from_nested(token_mask).last_token_mask.to(mask.device)
+    if not free_to_read(mask):
+        return at_last.any().logical_not_()
+    if bool(at_last.any()):  # host memory: a read, no device sync
+        first = at_last.nonzero()[0]
+        row = int(torch.searchsorted(nested_offsets(token_mask).to(mask.device), first, right=True)[0]) - 1
+        raise input_error(
+            "data['token_mask']",
+            row,
+            f"a {LABEL_ALIGNED_WORDS}",
+            f"1 at its last token: a per-token mask? Give that as {LOSS_MASK_WORDS}",
+        )
+    return None
+
+
+def _and_flags(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return a & b.to(a.device)
 
 
 def shifted_loss_mask(loss_mask: Tensor) -> Tensor:

@@ -27,6 +27,10 @@ from nopad._layout import (
 )
 from nopad.packing._rows import ROW_FIELDS, TOKEN_FIELDS, Columns, validate_columns
 
+# The attribute that marks a nested mask as label-aligned (a packed file's token_mask): sft_loss
+# (nopad/_losses.py, which reads the same name) refuses such a mask given as a per-token loss_mask.
+LABEL_ALIGNED_ATTR = "_nopad_label_aligned"
+
 
 def _padded(values: np.ndarray, offsets: np.ndarray, width: int, fill: int) -> np.ndarray:
     """Flat values + row offsets -> (rows, width) filled with ``fill`` past each row's end."""
@@ -123,6 +127,13 @@ def packed_to_nested(
     Every segment must be a multiple of ``alignment`` (ValueError naming the row otherwise).
     ONE host sync (segment count, token count and the alignment check, fetched together),
     whatever the batch size: the gathers are computed from the boundaries, not by boolean masks.
+
+    The fields share one offsets tensor, so the result is a micro-batch that the HF/FSDP engine
+    takes as it is (``prepare_model_inputs`` reads ``input_ids`` and ``position_ids``) and that
+    :func:`nopad.losses.sft_loss` takes with the log-probs: ``token_mask`` is label-aligned (1 where
+    the NEXT token is learned), and sft_loss uses it as it is under that name. The returned
+    ``token_mask`` is marked as label-aligned, so sft_loss also refuses it given as a per-token
+    ``loss_mask`` (which it would shift a second time).
     """
     if not isinstance(batch, TensorDict) or "packed_cu_seqlens" not in batch.keys():
         got = "an unpacked batch" if isinstance(batch, TensorDict) else type(batch).__name__
@@ -156,4 +167,7 @@ def packed_to_nested(
     rows = torch.arange(row_len.shape[0], device=cu.device)
     flat = spread_over_tokens(rows * width - row_offsets[:-1], row_offsets, total, plus_position=True)
     offsets = prepare_offsets(lengths)
-    return {f: wrap_jagged(batch[f].reshape(-1).index_select(0, flat), offsets) for f in fields}
+    out = {f: wrap_jagged(batch[f].reshape(-1).index_select(0, flat), offsets) for f in fields}
+    if "token_mask" in out:
+        setattr(out["token_mask"], LABEL_ALIGNED_ATTR, True)
+    return out
