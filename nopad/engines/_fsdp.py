@@ -339,6 +339,45 @@ def _per_token(output: Any, local: int, calculate_entropy: bool) -> tuple[Tensor
     return found["log_probs"][0], None if entropy is None else entropy[0]
 
 
+# ---- a value head ---------------------------------------------------------------------------
+
+
+def prepare_value_outputs(values: Any, output_args: OutputArgs, micro_batch=None) -> dict[str, Tensor]:
+    """A critic's per-token output on the packed row -> {"values": nested (B, j)}, what
+    :func:`nopad.losses.value_loss` takes as its ``model_output``. No host sync.
+
+    ``values``: this rank's (1, L) or (1, L, 1) tensor, or a model output whose ``.logits`` is one
+    (a ``...ForTokenClassification`` critic with ``num_labels=1``), from a forward on the kwargs of
+    :func:`prepare_model_inputs`, whose :class:`OutputArgs` is ``output_args``. Position t holds the
+    value of the sequence up to token t, as the model computed it (no shift: the value loss reads
+    the values of the positions before each response token, as it reads log-probs). Under Ulysses
+    the per-rank slices are all-gathered over ``sp_group`` (the gradient flows back to each rank's
+    slice); the row's pad (``pad_to_multiple``, the SP multiple) is stripped. float32 (float64
+    stays float64), on the batch's offsets. ``micro_batch`` is accepted for verl's signature.
+    """
+    if not isinstance(output_args, OutputArgs):
+        raise input_error("output_args", None, "the OutputArgs of prepare_model_inputs", type(output_args).__name__)
+    args = output_args
+    values = getattr(values, "logits", values)
+    if not isinstance(values, Tensor) or getattr(values, "is_nested", False):
+        raise input_error("values", None, "a (1, L) or (1, L, 1) tensor of per-token values", type(values).__name__)
+    check_real_dtype(values, "values", floating=True)
+    local = args.labels.shape[0]
+    if values.dim() == 3 and values.shape[-1] == 1:
+        values = values[..., 0]
+    if values.shape != (1, local):
+        raise input_error(
+            "values",
+            None,
+            f"(1, {local}) or (1, {local}, 1): one value per token of this rank's packed row",
+            f"{tuple(values.shape)}",
+        )
+    flat = values[0] if values.dtype == torch.float64 else values[0].float()
+    if args.sp_size > 1:
+        flat = gather_seq(flat, args.sp_group, dim=0)
+    return {"values": args.plan.to_nested(flat[: args.plan.total])}
+
+
 # ---- convenience ----------------------------------------------------------------------------
 
 

@@ -6,6 +6,8 @@ model's keyword arguments (no attention mask, ``use_cache=False``, boundaries fo
 :func:`packed_logprobs` does both around one forward. The output head runs chunked
 (:func:`chunked_head`, over :func:`nopad.logprobs.head_log_probs`): log-probs and entropy straight
 from the hidden states, never the (T, V) logits. :func:`padded_logprobs` is the padded reference.
+A critic's per-token output becomes the nested values of the value loss by
+:func:`prepare_value_outputs`.
 """
 
 from nopad.engines._fsdp import (
@@ -14,6 +16,7 @@ from nopad.engines._fsdp import (
     padded_logprobs,
     prepare_model_inputs,
     prepare_model_outputs,
+    prepare_value_outputs,
 )
 
 __all__ = [
@@ -22,4 +25,5 @@ __all__ = [
     "padded_logprobs",
     "prepare_model_inputs",
     "prepare_model_outputs",
+    "prepare_value_outputs",
 ]
