@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from nopad._batch import check_choice, check_real, check_real_dtype
@@ -61,13 +62,17 @@ def _ranges(total: int, size: int) -> list[tuple[int, int]]:
 class ChunkedHead(torch.autograd.Function):
     """(log-probs (T,), entropy (T,) or None) of softmax(z) over the vocabulary, z as the module says.
 
-    ``apply(hidden, weight, bias, labels, k, pre, with_entropy, rows, cols)``: ``k`` (T, 1) > 0,
-    ``pre`` a float with soft-capping (else None), (rows, cols) the tile.
+    ``apply(hidden, weight, bias, labels, k, pre, with_entropy, rows, cols, shard)``: ``k`` (T, 1) > 0,
+    ``pre`` a float with soft-capping (else None), (rows, cols) the tile, ``shard`` a
+    :class:`VocabShard` when ``weight`` is this rank's rows of a vocabulary-parallel layer (else None).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, k, pre, with_entropy, rows, cols):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, labels, k, pre, with_entropy, rows, cols, shard):  # type: ignore[override]
         ctx.set_materialize_grads(False)
+        local_hidden = hidden
+        if shard is not None and shard.sequence_parallel:
+            hidden = shard.gather_rows(hidden)  # (T / tp, H) -> (T, H), as the column-parallel layer gathers
         T, V = hidden.shape[0], weight.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)
         rows, cols = min(rows, max(T, 1)), min(cols, V)
@@ -99,24 +104,30 @@ class ChunkedHead(torch.autograd.Function):
                     run_dot.add_(shift * run_sum).mul_(alpha).add_(tile_dot)
                 run_sum.mul_(alpha).add_(tile_sum)
                 run_max.copy_(new_max)
+        index, owned = _local_labels(labels, V, shard)
+        label_z = _label_z(hidden, weight, bias, index, k, pre, acc)
+        if shard is not None:
+            label_z = shard.combine(stats, torch.where(owned, label_z, 0.0), with_entropy)
         log_sum = stats[1].log()
         lse = stats[0] + log_sum
-        log_probs = _label_z(hidden, weight, bias, labels, k, pre, acc) - lse
+        log_probs = label_z - lse
         entropy = log_sum - stats[2] / stats[1] if with_entropy else None
-        ctx.save_for_backward(hidden, weight, bias, labels, k, lse, entropy)
-        ctx.pre, ctx.tile = pre, (rows, cols)
+        ctx.save_for_backward(local_hidden, weight, bias, labels, k, lse, entropy)
+        ctx.pre, ctx.tile, ctx.shard = pre, (rows, cols), shard
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):  # type: ignore[override]
         hidden, weight, bias, labels, k, lse, entropy = ctx.saved_tensors
-        pre, (rows, cols) = ctx.pre, ctx.tile
+        pre, (rows, cols), shard = ctx.pre, ctx.tile, ctx.shard
         need = ctx.needs_input_grad[:3]
-        T, V = hidden.shape[0], weight.shape[0]
         acc = lse.dtype
         with_h = entropy is not None and grad_entropy is not None
         if (grad_log_probs is None and not with_h) or not any(need):
-            return (None,) * 9
+            return (None,) * 10
+        if shard is not None and shard.sequence_parallel:
+            hidden = shard.gather_rows(hidden)  # gathered again rather than kept: (T, H) between the passes
+        T, V = hidden.shape[0], weight.shape[0]
         g_lp = grad_log_probs.to(acc) if grad_log_probs is not None else torch.zeros_like(lse)
         dzdx = k.view(-1) * (1.0 if pre is None else pre)  # dz/dx, less soft-capping's (1 - t^2)
         # a tile's gradient w.r.t. x is p * (a * log p + c) [* (1 - t^2)], per token a and c:
@@ -143,12 +154,92 @@ class ChunkedHead(torch.autograd.Function):
                     grad.mul_(torch.addcmul(one, x, x, value=-1, out=x))  # d tanh = 1 - t^2
                 grads.add_tile(grad, r0, r1, v0, v1)
         # the label's one-hot part, once per token: d log p[label] / dx[label] = dz/dx [* (1 - t^2)]
+        # (under a vocabulary shard, on the rank that holds the label's row only)
+        index, owned = _local_labels(labels, V, shard)
         onehot = g_lp * dzdx
         if pre is not None:
-            t_label = (_label_x(hidden, weight, bias, labels, acc) * pre).tanh_()
+            t_label = (_label_x(hidden, weight, bias, index, acc) * pre).tanh_()
             onehot = onehot * (1 - t_label * t_label)
-        grads.add_rows(onehot, labels)
-        return (*grads.result(), None, None, None, None, None, None)
+        if owned is not None:
+            onehot = torch.where(owned, onehot, 0.0)
+        grads.add_rows(onehot, index)
+        if shard is not None and grads.h is not None:
+            grads.h = shard.reduce_hidden_grad(grads.h)
+        return (*grads.result(), None, None, None, None, None, None, None)
+
+
+def _local_labels(labels: Tensor, vocab: int, shard: VocabShard | None) -> tuple[Tensor, Tensor | None]:
+    """(T,) rows of ``weight`` holding each label, and (T,) where this rank holds it (None: every label,
+    one rank). A label another rank holds reads row 0 here, and its results are masked out."""
+    if shard is None:
+        return labels, None
+    local = labels - shard.rank * vocab
+    owned = (local >= 0) & (local < vocab)
+    return torch.where(owned, local, 0), owned
+
+
+def _all_gather_rows(out: Tensor, local: Tensor, group: Any) -> None:
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, local, group=group)
+
+
+def _reduce_scatter_rows(out: Tensor, full: Tensor, group: Any) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, full, group=group)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's part of a vocabulary-parallel output layer (Megatron's ColumnParallelLinear).
+
+    The rank holds rows ``[rank * V_local, (rank + 1) * V_local)`` of the (V, H) weight (and bias),
+    in the rank order of ``group``. With ``sequence_parallel`` each rank's hidden states are its
+    contiguous (T / tp, H) part of the sequence, gathered in the forward (and again in the backward)
+    as the layer gathers them. ``reduce_grad``: the gradient of hidden is summed over the ranks (all-reduce;
+    reduce-scatter back to the rank's part under sequence parallelism), as Megatron's column-parallel
+    layer hands it to the layers before it; False leaves each rank its own part of that sum.
+    """
+
+    group: Any
+    rank: int
+    size: int
+    sequence_parallel: bool = False
+    reduce_grad: bool = True
+
+    def gather_rows(self, local: Tensor) -> Tensor:
+        """(T / tp, *) -> (T, *) in rank order."""
+        out = local.new_empty((local.shape[0] * self.size, *local.shape[1:]))
+        _all_gather_rows(out, local.contiguous(), group=self.group)
+        return out
+
+    def combine(self, stats: Tensor, label_z: Tensor, with_entropy: bool) -> Tensor:
+        """Every rank's (3, T) running max, sum of exp and sum of exp times the shifted logit, and (T,)
+        label logit (0 where another rank holds the label), combined in place over the vocabulary
+        shards with two all-reduces of O(T) floats; returns the label logit."""
+        run_max, run_sum, run_dot = stats
+        top = run_max.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+        shift = run_max - top
+        alpha = shift.exp()  # exp(z - top) = exp(z - own max) * exp(own max - top)
+        if with_entropy:
+            run_dot.add_(shift * run_sum).mul_(alpha)
+        run_sum.mul_(alpha)
+        run_max.copy_(top)
+        summed = torch.stack([run_sum, run_dot, label_z] if with_entropy else [run_sum, label_z])
+        dist.all_reduce(summed, group=self.group)
+        run_sum.copy_(summed[0])
+        if with_entropy:
+            run_dot.copy_(summed[1])
+        return summed[-1]
+
+    def reduce_hidden_grad(self, grad: Tensor) -> Tensor:
+        """(T, H) this rank's part of the gradient of hidden -> what the layers before the head get."""
+        if not self.reduce_grad:
+            return grad
+        if self.sequence_parallel:
+            out = grad.new_empty((grad.shape[0] // self.size, *grad.shape[1:]))
+            _reduce_scatter_rows(out, grad.contiguous(), group=self.group)
+            return out
+        dist.all_reduce(grad, group=self.group)
+        return grad
 
 
 class _Tiles:
@@ -296,6 +387,7 @@ class HeadNeeds:
     bias: bool
     per_token_temperature: bool
     temperature_is_one: bool
+    vocab_parallel: bool = False
 
 
 def _on_cuda(device: torch.device) -> bool:
@@ -310,6 +402,8 @@ def _head_refusal(kernel: str, device: torch.device, needs: HeadNeeds) -> str | 
         return f"{kernel} is not installed (or cannot load here)"
     if not _on_cuda(device):
         return f"{kernel} runs on CUDA only"
+    if needs.vocab_parallel:
+        return f"{kernel} has no vocabulary-parallel form (tp_group)"
     if needs.entropy:
         return f"{kernel} gives log-probs only, not the entropy"
     if needs.softcap and not needs.temperature_is_one:
@@ -339,7 +433,7 @@ def _probe_failure(kernel: str, device: str) -> str | None:
             for fused in (True, False):
                 h, w = (x.to(device).requires_grad_() for x in (hidden, weight))
                 args = (h, w, None, labels.to(device), k.to(device))
-                lp = _fused_log_probs(*args, None) if fused else ChunkedHead.apply(*args, None, False, 16, 128)[0]
+                lp = _fused_log_probs(*args, None) if fused else ChunkedHead.apply(*args, None, False, 16, 128, None)[0]
                 (lp * torch.arange(1.0, 17.0, device=device)).sum().backward()
                 grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in (h, w)]  # none: differs
                 results.append([x.detach().cpu() for x in (lp, *grads)])
@@ -355,11 +449,9 @@ def _probe_failure(kernel: str, device: str) -> str | None:
 
 def select_head_kernel(requested: str, device: torch.device, needs: HeadNeeds) -> str:
     """The kernel that runs a call: the first of :data:`HEAD_KERNELS` that serves it ("auto"), or the
-    one requested, which must serve it (else a ValueError saying why)."""
+    one requested (a name checked at the public edge), which must serve it (else a ValueError saying why)."""
     if requested == "auto":
         return next(k for k in HEAD_KERNELS if _head_refusal(k, device, needs) is None)
-    if requested not in HEAD_KERNELS:
-        raise input_error("kernel", None, f"'auto' or one of {list(HEAD_KERNELS)}", repr(requested))
     why = _head_refusal(requested, device, needs)
     if why is not None:
         raise input_error("kernel", None, f"a head kernel that serves this call ({why})", repr(requested))
@@ -395,8 +487,17 @@ def run_head(
     softcap: float | None = None,
     tile: tuple[int, int] | None = None,
     kernel: str = "auto",
+    shard: VocabShard | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """(T,) log-probs and entropy of checked arguments (the temperature per token or a float)."""
+    """(T,) log-probs and entropy of checked arguments (the temperature per token or a float).
+
+    No tokens: no head runs (no kernel, no tile, no collective: every rank of a shard has the same
+    tokens); the empty results still hang on hidden, weight and bias, so a backward gives them zero
+    gradients as a head that ran would, and an engine that reduces gradients sees the same on every rank.
+    """
+    tokens = labels.shape[0]
+    if tokens == 0:
+        return _no_tokens(hidden, weight, bias, with_entropy)
     per_token = isinstance(temperature, Tensor)
     needs = HeadNeeds(
         entropy=with_entropy,
@@ -404,15 +505,24 @@ def run_head(
         bias=bias is not None,
         per_token_temperature=per_token,
         temperature_is_one=not per_token and float(temperature) == 1.0,
+        vocab_parallel=shard is not None,
     )
     chosen = select_head_kernel(kernel, hidden.device, needs)
-    if chosen == "cut_cross_entropy" and hidden.shape[0]:  # no tokens: nothing to launch (the tiles give empty results)
-        k = head_factors(temperature, hidden.shape[0], scale, None, hidden)
+    if chosen == "cut_cross_entropy":
+        k = head_factors(temperature, tokens, scale, None, hidden)
         return _fused_log_probs(hidden, weight, bias, labels, k, softcap), None
     rows, cols = tile or default_tile(hidden.device)
-    k = head_factors(temperature, hidden.shape[0], scale, softcap, hidden)
+    k = head_factors(temperature, tokens, scale, softcap, hidden)
     pre = None if softcap is None else scale / softcap
-    return ChunkedHead.apply(hidden, weight, bias, labels, k, pre, with_entropy, rows, cols)
+    return ChunkedHead.apply(hidden, weight, bias, labels, k, pre, with_entropy, rows, cols, shard)
+
+
+def _no_tokens(hidden: Tensor, weight: Tensor, bias: Tensor | None, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """Empty (0,) results of a call with no tokens, joined to the inputs' graph by an empty sum."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    anchor = sum((x[:0].sum() for x in (hidden, weight, bias) if x is not None), hidden.new_zeros((), dtype=acc))
+    empty = hidden.new_zeros(0, dtype=acc) + anchor.to(acc)
+    return empty, (empty.clone() if with_entropy else None)
 
 
 # ---- from logits, and the checked public entries ------------------------------------------------------
@@ -490,14 +600,18 @@ class _TokenLogProbs(torch.autograd.Function):
         return buf.to(logits.dtype), None, None, None
 
 
-def _check_rows_and_labels(x: Tensor, field: str, shape: str, labels: Tensor) -> None:
-    """``x`` a floating (tokens, *) 2-D tensor and ``labels`` (tokens,) integer token ids."""
+def _check_rows_and_labels(x: Tensor, field: str, shape: str, labels: Tensor, parts: int = 1) -> None:
+    """``x`` a floating (tokens / parts, *) 2-D tensor and ``labels`` (tokens,) integer token ids (one dtype check)."""
     check_real_dtype(x, field, floating=True)
-    check_real_dtype(labels, "labels")
-    if labels.dtype.is_floating_point:
-        raise input_error("labels", None, "token ids (an integer tensor)", f"dtype {labels.dtype}")
-    if x.dim() != 2 or labels.shape != x.shape[:1]:
-        raise input_error(field, None, f"{shape} matching labels {tuple(labels.shape)}", f"{tuple(x.shape)}")
+    dtype = getattr(labels, "dtype", None)
+    if dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        got = f"dtype {dtype}" if dtype is not None else type(labels).__name__
+        raise input_error("labels", None, "token ids (an integer tensor)", got)
+    if x.dim() != 2 or labels.dim() != 1 or labels.shape[0] != x.shape[0] * parts:
+        what = f"{shape} matching labels {tuple(labels.shape)}"
+        if parts > 1:
+            what += f" ({parts} ranks' parts of the sequence: {labels.shape[0] / parts:g} tokens each)"
+        raise input_error(field, None, what, f"{tuple(x.shape)}")
 
 
 def token_log_probs(
@@ -543,6 +657,8 @@ def head_log_probs(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     kernel: str = "auto",
+    tp_group: Any = None,
+    sequence_parallel: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(T, H) hidden states, (V, H) output weight, (T,) labels -> (T,) log-probs and optional (T,) entropy.
 
@@ -564,14 +680,35 @@ def head_log_probs(
     without entropy and a temperature it can fold in, and the tiles above for every other call;
     "tiles" or "cut_cross_entropy" forces one (a forced kernel that cannot serve the call raises
     ValueError saying why). Nothing extra needs installing: the tiles are the reference and the fallback.
+
+    ``tp_group``: a vocabulary-parallel head (Megatron's ColumnParallelLinear output layer). Each rank of
+    the group holds ``weight`` (V / tp, H), rows ``[rank * V / tp, (rank + 1) * V / tp)`` of the whole
+    (and ``bias`` (V / tp,)); ``labels`` are global token ids, the same on every rank, and so are the
+    results. Per tile each rank keeps its own running max, sum of exponentials, label logit and
+    entropy term; two all-reduces of O(T) floats combine them. No rank ever holds (T, V / tp) logits;
+    memory stays a few tiles. The gradient of ``weight`` (and ``bias``) is the rank's own rows; the
+    gradient of ``hidden`` is summed over the ranks, as the column-parallel layer hands it back.
+    ``sequence_parallel``: ``hidden`` is this rank's (T / tp, H) contiguous part of the sequence
+    (Megatron's sequence parallelism), gathered in the forward and the backward, its gradient
+    reduce-scattered back to the part; ``labels`` and a per-token ``temperature`` stay (T,). Every rank
+    must call with the same tokens (collectives); the tiles serve every such call.
     """
-    _check_rows_and_labels(hidden, "hidden", "(tokens, hidden)", labels)
+    shard = None
+    if sequence_parallel is not False:
+        sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
+    if tp_group is not None:
+        shard = _vocab_shard(tp_group, sequence_parallel)
+    elif sequence_parallel:
+        raise input_error("sequence_parallel", None, "a tp_group to gather the sequence over", "no tp_group")
+    parts = shard.size if shard is not None and shard.sequence_parallel else 1
+    _check_rows_and_labels(hidden, "hidden", "(tokens, hidden)", labels, parts)
     check_real_dtype(weight, "weight", floating=True)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.dtype != hidden.dtype:
+        rows = "vocab" if shard is None else f"vocab / {shard.size}"
         raise input_error(
             "weight",
             None,
-            f"(vocab, {hidden.shape[1]}) of dtype {hidden.dtype} like hidden",
+            f"({rows}, {hidden.shape[1]}) of dtype {hidden.dtype} like hidden",
             f"{tuple(weight.shape)} of dtype {weight.dtype}",
         )
     if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
@@ -583,7 +720,7 @@ def head_log_probs(
     if softcap is not None:
         softcap = check_real(softcap, "softcap", low=0, low_open=True)
     if isinstance(temperature, Tensor):
-        temperature = temperature_tensor(temperature, hidden.shape[0], "temperature")
+        temperature = temperature_tensor(temperature, labels.shape[0], "temperature")
     else:
         temperature = check_temperature(temperature)
     tile = None
@@ -600,4 +737,15 @@ def head_log_probs(
         softcap=softcap,
         tile=tile,
         kernel=check_choice(kernel, "kernel", ("auto", *HEAD_KERNELS)),
+        shard=shard,
     )
+
+
+def _vocab_shard(group: Any, sequence_parallel: bool) -> VocabShard | None:
+    """The :class:`VocabShard` of this rank in ``group`` (a ProcessGroup); None for a group of one."""
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise input_error("tp_group", None, "a torch.distributed ProcessGroup or None", type(group).__name__)
+    size = dist.get_world_size(group)
+    if size == 1:
+        return None
+    return VocabShard(group, dist.get_rank(group), size, sequence_parallel)
