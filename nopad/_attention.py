@@ -32,7 +32,6 @@ import importlib.abc
 import importlib.util
 import inspect
 import re
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +51,7 @@ from nopad._layout import (
     remember_host_lengths,
     to_host,
 )
+from nopad._memo import memo
 from nopad._routing import ROUTED_CONFIGS, checkpointed, route, route_of
 from nopad.parallel._ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
 
@@ -140,6 +140,8 @@ def _unavailable(kernel: str, device_type: str, dtype: torch.dtype) -> str | Non
     spec = SPECS[kernel]
     if device_type not in spec.devices:
         return f"needs a {' or '.join(spec.devices)} device, the model is on {device_type}"
+    if device_type == "cuda" and "cpu" not in spec.devices and not torch.cuda.is_available():
+        return "needs a CUDA device, and this machine has none"
     if spec.dtypes is not None and dtype not in spec.dtypes:
         return f"takes {' or '.join(str(d) for d in spec.dtypes)}, the model runs {dtype}"
     if not spec.present():
@@ -306,27 +308,6 @@ def _dense_attention(
 # ---- boundaries of one forward ------------------------------------------------------------------------
 
 
-class _PerForward:
-    """What was derived from some tensors (a padding mask, position ids, boundaries), reused by
-    every layer of the forward that passes those same tensors: one derivation, and at most one host
-    sync, per forward instead of per layer. Keyed on identity and version, never on values."""
-
-    def __init__(self) -> None:
-        self._key: tuple = ()
-        self._value: Any = None
-
-    def get(self, sources: tuple[Tensor | None, ...], derive: Callable[[], Any]) -> Any:
-        alive = tuple(None if ref is None else ref() for ref, _ in self._key)
-        same = len(alive) == len(sources) and all(a is s for a, s in zip(alive, sources))
-        if not same or any(s is not None and s._version != v for s, (_, v) in zip(sources, self._key)):
-            self._value = derive()
-            self._key = tuple((None, 0) if s is None else (weakref.ref(s), s._version) for s in sources)
-        return self._value
-
-
-_from_mask, _from_boundaries, _from_positions = _PerForward(), _PerForward(), _PerForward()
-
-
 def _given_boundaries(
     cu: Any, cu_k: Tensor | None, max_length: Any, total: int, device: torch.device
 ) -> tuple[Tensor, int]:
@@ -384,13 +365,18 @@ def _boundaries(batch: int, length: int, device: torch.device, kwargs: dict) -> 
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         cu_k, max_length = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_q")
-        sources = (cu, cu_k, max_length if isinstance(max_length, Tensor) else None)
         given: Tensor = cu
         total = batch * length
-        return _from_boundaries.get(sources, lambda: _given_boundaries(given, cu_k, max_length, total, device))
+        # one check per forward (every layer passes these same tensors): kept on the boundaries
+        others = tuple(
+            None if x is None or x is cu or not isinstance(x, Tensor) else (id(x), x._version)
+            for x in (cu_k, max_length)
+        )
+        key = ("boundaries", total, str(device), others, max_length if not isinstance(max_length, Tensor) else None)
+        return memo(cu, key, lambda: _given_boundaries(given, cu_k, max_length, total, device))
     position_ids = kwargs.get("position_ids")
     if position_ids is not None and position_ids.shape[-1] == length and position_ids.numel() == batch * length:
-        plan = _from_positions.get((position_ids,), lambda: IndexPlan.from_position_ids(position_ids))
+        plan = memo(position_ids, "position_plan", lambda: IndexPlan.from_position_ids(position_ids))
         return plan.cu_seqlens.to(device), plan.max_seqlen
     # no boundaries given: every row is one sequence
     cu = torch.arange(0, (batch + 1) * length, length, device=device, dtype=torch.int32)
@@ -468,7 +454,7 @@ def nopad_varlen_attention(
                 f"None or a ({B}, {T}) padding mask (nopad_varlen builds no dense masks)",
                 f"shape {tuple(attention_mask.shape)}",
             )
-        plan = _from_mask.get((attention_mask,), lambda: IndexPlan.from_mask(attention_mask))
+        plan = memo(attention_mask, "mask_plan", lambda: IndexPlan.from_mask(attention_mask))
         q, k, v = (t.index_select(0, plan.indices) for t in (q, k, v))
         cu_seqlens, max_seqlen = plan.cu_seqlens, plan.max_seqlen
     else:
@@ -477,7 +463,7 @@ def nopad_varlen_attention(
             _refuse_unrouted(module)
         chunk = _attention_chunk(module)
         if chunk is not None and max_seqlen > chunk:
-            cu_seqlens, max_seqlen = _from_chunks.get((cu_seqlens,), lambda: _split(cu_seqlens, chunk))
+            cu_seqlens, max_seqlen = memo(cu_seqlens, ("chunks", chunk), lambda: _split(cu_seqlens, chunk))
     out = run_kernel(
         kernel, q, k, v, cu_seqlens, max_seqlen, scale=scale, needs=needs, dropout=dropout, softcap=softcap, sinks=sinks
     )
@@ -521,7 +507,6 @@ _CHECKED_CONFIGS: set[int] = set()
 _READ_KWARGS = frozenset(
     {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "s_aux", "cache_position"}
 )
-_from_chunks = _PerForward()
 
 
 def _attention_chunk(module: torch.nn.Module) -> int | None:
@@ -617,12 +602,20 @@ def use_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> torch.
     """
     if kernel not in _IMPLEMENTATION_OF:
         raise input_error("kernel", None, f"'auto' or one of {list(KERNELS)}", repr(kernel))
+    _check_configured(model)
     device, dtype = _model_device_dtype(model)
     if kernel != "auto":
         select_kernel(kernel, device.type, dtype, Needs())
     route(model)
     _switch(model, kernel)
     return model
+
+
+def _check_configured(model: Any) -> None:
+    """A transformers model: its attention implementation lives in its config, where nopad sets it."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(getattr(model, "config", None), "_attn_implementation"):
+        got = type(model).__name__ + ("" if isinstance(model, torch.nn.Module) else " (not a torch module)")
+        raise input_error("model", None, "a transformers model (a module with a config naming its attention)", got)
 
 
 def _switch(model: torch.nn.Module, kernel: str) -> None:
@@ -643,6 +636,7 @@ def packed_attention(model: torch.nn.Module, kernel: str | None = "auto") -> Ite
     name forces that kernel; ``None`` keeps the model's attention, which must read the boundaries
     (else ValueError, before anything runs).
     """
+    _check_configured(model)
     current = current_implementation(model)
     routed = route_of(model) is not None
     switching = kernel is not None and (kernel != "auto" or not reads_boundaries(current))

@@ -88,8 +88,28 @@ def free_to_read(*tensors: Tensor) -> bool:
     return HOST_VALUES_CHECKED and all(t.device.type == "cpu" for t in tensors)
 
 
-# ---- THE mask rule ------------------------------------------------------------------------------
+# ---- THE mask rules ------------------------------------------------------------------------------
+# A mask that SELECTS tokens (an attention mask, an embeds mask): bool, or integers where any nonzero
+# entry is a token (as the gathers and verl read them), or floats that are only 0 and 1 (a 0.5 is
+# neither a token nor padding). A mask that WEIGHS tokens (a loss mask): only 0 and 1 in any dtype
+# (a 2 would count its token twice in a masked mean, as verl's loss would).
 MASK_WORDS = "a 0/1 mask (bool, or numbers that are only 0 and 1: a weight is not a mask)"
+SELECTION_WORDS = "a selection mask (bool, integers with nonzero = token, or floats that are only 0 and 1)"
+
+
+def check_selection_mask(mask: Any, field: str) -> Tensor | None:
+    """THE check of a mask that selects tokens (see above). A bool or integer mask needs no read; a
+    float mask is read where that is free (host memory: a ValueError naming the row and value), else
+    its 0-d device flag "every entry is 0 or 1" is returned for the caller to fold into a read it
+    makes anyway (None: nothing left to check)."""
+    if not isinstance(mask, Tensor) or getattr(mask, "is_nested", False):
+        got = "a nested tensor" if isinstance(mask, Tensor) else type(mask).__name__
+        raise input_error(field, None, f"a dense tensor: {SELECTION_WORDS}", got)
+    if mask.dtype.is_complex:
+        raise input_error(field, None, SELECTION_WORDS, f"dtype {mask.dtype}")
+    if not mask.dtype.is_floating_point:
+        return None
+    return check_mask(mask, field)
 
 
 def check_mask(mask: Any, field: str) -> Tensor | None:

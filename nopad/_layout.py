@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from nopad import _torch_internals as _internals
-from nopad._errors import check_flag, check_int, check_mask, check_optional_int, free_to_read, input_error
+from nopad._errors import check_flag, check_int, check_optional_int, check_selection_mask, free_to_read, input_error
+from nopad._memo import recall, remember
 from nopad._ops import put_rows
 from nopad._torch_internals import (
     cached_seqlens,
@@ -285,12 +286,13 @@ class IndexPlan:
     # ---- constructors -------------------------------------------------------------------
     @classmethod
     def from_mask(cls, mask: Tensor) -> IndexPlan:
-        """Any (B, S) 0/1 mask (:func:`nopad._errors.check_mask`), holes allowed. One sync (``nonzero``).
+        """Any (B, S) selection mask (:func:`nopad._errors.check_selection_mask`: bool, integers with
+        nonzero = token, floats only 0 and 1), holes allowed. One sync (``nonzero``).
 
-        The mask's values are checked where that is free: a bool mask needs nothing, a CPU mask is
-        read (host memory); a non-bool mask on a device is not read for the check (it would be a
-        second sync): there any nonzero entry counts as a one."""
-        check_mask(mask, "mask")
+        A float mask's values are checked where that is free (a CPU mask is read: host memory); on a
+        device it is not read for the check (it would be a second sync): there any nonzero entry
+        counts as a token."""
+        check_selection_mask(mask, "mask")
         if mask.dim() != 2:
             raise input_error("mask", None, "a (batch, seqlen) tensor", f"shape {tuple(mask.shape)}")
         indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
@@ -349,7 +351,9 @@ class IndexPlan:
         plan._host = (lengths, starts, response_width)
         if response_width is not None and source is not None and slot is not None:
             plan.responses = ResponseGather(len(lengths), response_width, total, source, slot, response_lens)
-        _remember(offsets_d, _Known(lengths, plan.responses))
+        remember(offsets_d, "lengths", lengths)
+        if plan.responses is not None:
+            remember(offsets_d, "responses", plan.responses)
         return plan
 
     @classmethod
@@ -844,56 +848,26 @@ class ResponseGather:
         return padded.view(self.batch, self.width, *rest)
 
 
-class _Known:
-    """What nopad laid out itself for one offsets tensor: its rows' lengths on the host (so later
-    reorderings of those rows need no device sync) and, for a left/right conversion, the way back.
-
-    Kept on the offsets tensor itself (an attribute: no lookup costs more than reading it), so it
-    lives exactly as long as they do, and is never matched by value: new rows always come with new
-    offsets, so what is known cannot go stale. A pickled or copied tensor arrives without it (an
-    empty record): the receiver learns the lengths again with one read.
-    """
-
-    __slots__ = ("lengths", "responses")
-
-    def __init__(self, lengths: np.ndarray | None = None, responses: ResponseGather | None = None) -> None:
-        self.lengths, self.responses = lengths, responses
-
-    def __reduce__(self) -> tuple[type, tuple]:
-        return _Known, ()
-
-
-_ATTRIBUTE = "_nopad_known"
-
-
-def _record(offsets: Tensor) -> _Known | None:
-    return getattr(offsets, _ATTRIBUTE, None)
-
-
-def _remember(offsets: Tensor, record: _Known) -> None:
-    setattr(offsets, _ATTRIBUTE, record)
+# What nopad knows of offsets it laid out (THE identity memo, nopad._memo): their rows' lengths on the
+# host, so later reorderings of those rows need no device sync, and for a left/right conversion the
+# way back. Offsets are never matched by value: new rows always come with new offsets.
 
 
 def response_gather(offsets: Tensor) -> ResponseGather | None:
     """The :class:`ResponseGather` planned with these very offsets (identity, not value), or None."""
-    record = _record(offsets)
-    return None if record is None else record.responses
+    return recall(offsets, "responses")
 
 
 def remember_host_lengths(offsets: Tensor, lengths: np.ndarray) -> None:
     """Record ``lengths`` (host int64, (B,)) as the row lengths of ``offsets`` (B+1,). The caller
-    guarantees they are: every later :func:`known_host_lengths` trusts them."""
-    record = _record(offsets)
-    if record is None:
-        _remember(offsets, _Known(lengths))
-    else:
-        record.lengths = lengths
+    guarantees they are: every later :func:`known_host_lengths` trusts them (until the offsets are
+    edited in place)."""
+    remember(offsets, "lengths", lengths)
 
 
 def known_host_lengths(offsets: Tensor) -> np.ndarray | None:
     """The host row lengths recorded for these very offsets (identity, not value), or None."""
-    record = _record(offsets)
-    return None if record is None else record.lengths
+    return recall(offsets, "lengths")
 
 
 def _refuse_negative(lengths: Tensor, starts: Tensor | None) -> None:

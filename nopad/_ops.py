@@ -77,10 +77,18 @@ def index_first_axis(x: Tensor, indices: Tensor) -> Tensor:
 def index_put_first_axis(values: Tensor, indices: Tensor, first_axis_dim: int) -> Tensor:
     """Inverse of :func:`index_first_axis`: (nnz, ...) -> (first_axis_dim, ...), zeros elsewhere.
 
-    Indices on the CPU are checked to lie in [0, first_axis_dim); on a device they are not read."""
+    Indices on the CPU are checked to lie in [0, first_axis_dim) and to be distinct (two values put
+    in one row would keep one of them, silently); on a device they are not read."""
     _check_indices(indices, values.shape[0])
     first_axis_dim = check_int(first_axis_dim, "first_axis_dim", low=0)
     _check_in_range(indices, first_axis_dim)
+    if indices.numel() > 1 and free_to_read(indices):
+        ordered = indices.sort().values
+        repeated = (ordered[1:] == ordered[:-1]).nonzero()
+        if repeated.numel():
+            raise input_error(
+                "indices", None, "distinct rows (one value per row)", f"row {int(ordered[repeated[0, 0]])} twice"
+            )
     return _IndexPutFirstAxis.apply(values, indices, first_axis_dim)
 
 

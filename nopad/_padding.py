@@ -23,7 +23,6 @@ from nopad._errors import (
     check_flag,
     check_int,
     check_integer_tensor,
-    check_mask,
     free_to_read,
     input_error,
     mask_error,
@@ -542,8 +541,7 @@ def _embeds_to_nested(embeds: Tensor, mask: Tensor, field: str) -> tuple[Tensor,
             f"(batch, seqlen, dim) embeds with a {tuple(embeds.shape[:2])} mask",
             f"embeds {tuple(embeds.shape)}, mask {tuple(mask.shape)}",
         )
-    check_mask(mask, f"{field}_mask")
-    plan = IndexPlan.from_mask(mask)
+    plan = IndexPlan.from_mask(mask)  # a selection mask: nonzero = token, as verl reads it
     return plan.nest(embeds), plan.nest(mask.bool())
 
 

@@ -43,11 +43,10 @@ from nopad._layers import (
     torch_causal_conv1d,
 )
 from nopad._layout import IndexPlan, known_host_lengths, remember_host_lengths
+from nopad._memo import memo
 from nopad.parallel._ulysses import SP_GROUP_KWARG, all_to_all, gather_seq
 
 # ---- the packed row of a forward -------------------------------------------------------------------
-
-_ROW_ATTRIBUTE = "_nopad_packed_row"
 
 
 @dataclass(frozen=True)
@@ -68,11 +67,7 @@ def packed_row_of(cu_seqlens: Tensor) -> PackedRow:
     """The :class:`PackedRow` of these boundaries, made once and kept on the tensor itself (by
     identity: every layer of a forward, and a checkpointed layer's recomputation, get the same one).
     One host sync the first time, unless nopad recorded the lengths when it made the tensor."""
-    row = getattr(cu_seqlens, _ROW_ATTRIBUTE, None)
-    if row is None:
-        row = PackedRow.from_cu_seqlens(cu_seqlens, known_host_lengths(cu_seqlens))
-        setattr(cu_seqlens, _ROW_ATTRIBUTE, row)
-    return row
+    return memo(cu_seqlens, "packed_row", lambda: PackedRow.from_cu_seqlens(cu_seqlens, known_host_lengths(cu_seqlens)))
 
 
 @dataclass
@@ -825,14 +820,9 @@ def _row_boundaries(args: tuple, kwargs: dict) -> tuple[Tensor, int] | None:
 
 
 def _plan_of(positions: Tensor) -> IndexPlan:
-    """The plan of these position ids, kept on the tensor (identity and version: the layers of one
-    forward, and the forwards that reuse the tensor, share one derivation)."""
-    cached = getattr(positions, "_nopad_position_plan", None)
-    if cached is not None and cached[0] == positions._version:
-        return cached[1]
-    plan = IndexPlan.from_position_ids(positions)
-    positions._nopad_position_plan = (positions._version, plan)  # type: ignore[attr-defined]
-    return plan
+    """The plan of these position ids (the layers of one forward, and the forwards that reuse the
+    tensor, share one derivation)."""
+    return memo(positions, "position_plan", lambda: IndexPlan.from_position_ids(positions))
 
 
 def route(model: torch.nn.Module) -> Route:

@@ -27,7 +27,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._errors import check_int, input_error
+from nopad._errors import check_int, check_selection_mask, input_error, mask_error
 from nopad._layout import (
     device_to_host,
     expand_ranges,
@@ -503,5 +503,12 @@ def batch_lengths(data: TensorDict) -> np.ndarray:
         return known if known is not None else device_to_host(offsets.diff()).astype(np.int64, copy=False)
     mask = data.get("attention_mask", None) if "attention_mask" in data.keys() else None
     if isinstance(mask, Tensor) and mask.dim() == 2:
-        return device_to_host((mask != 0).sum(-1)).astype(np.int64, copy=False)
+        only_01 = check_selection_mask(mask, "data['attention_mask']")  # a float mask of 0.5s is no mask
+        counts = (mask != 0).sum(-1)
+        if only_01 is None:
+            return device_to_host(counts).astype(np.int64, copy=False)
+        host = device_to_host(torch.cat([counts, only_01.long().reshape(1)]))  # the check in the same read
+        if not host[-1]:
+            raise mask_error(mask, "data['attention_mask']")
+        return host[:-1].astype(np.int64, copy=False)
     raise input_error("data", None, "a nested input_ids or a padded (B, S) attention_mask", f"keys {list(data.keys())}")

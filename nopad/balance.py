@@ -175,6 +175,7 @@ def micro_batch_partitions(
     step = 1 if num_batches_divided_by is None else check_int(num_batches_divided_by, "num_batches_divided_by", low=1)
     least = None if min_num_micro_batch is None else check_int(min_num_micro_batch, "min_num_micro_batch", low=1)
     protocol = check_choice(protocol, "protocol", ("nopad", "verl"))
+    balance = check_flag(balance, "balance")
     if dp_group is not None and not isinstance(dp_group, torch.distributed.ProcessGroup):
         raise input_error("dp_group", None, "a torch.distributed ProcessGroup, or None", type(dp_group).__name__)
     if len(lengths) == 0 or len(lengths) % group:

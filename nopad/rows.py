@@ -120,7 +120,9 @@ class RowRestore:
     def __init__(self, partitions: list[list[int]]) -> None:
         self.partitions = partitions
         self._owners: dict[int, tuple[int, weakref.ref]] = {}  # id(offsets) -> (micro-batch, the offsets)
+        self._lengths: list[np.ndarray | None] = [None] * len(partitions)  # each micro-batch's row lengths
         self.order = np.array([row for p in partitions for row in p], dtype=np.int64)
+        _check_permutation(self.order)
         self.inverse = np.empty_like(self.order)
         self.inverse[self.order] = np.arange(len(self.order))
 
@@ -187,6 +189,17 @@ class RowRestore:
         if owner != i and ref is not None and ref() is offsets:
             got = f"the rows of micro-batch {owner} (outputs out of order?)"
             raise input_error(f"outputs[{i}]", None, f"the rows of micro-batch {i}", got)
+        expected = self._lengths[i]
+        if offsets is None or expected is None or ref is not None:
+            return
+        # offsets of its own (a model's output, a clone): its rows' lengths, where they are free to read
+        lengths = known_host_lengths(offsets)
+        if lengths is None and offsets.device.type == "cpu":
+            lengths = np.diff(offsets.numpy())
+        if lengths is not None and not np.array_equal(lengths, expected):
+            shown = lambda a: str(a.tolist()) if len(a) <= 8 else f"{str(a[:8].tolist())[:-1]}, ...]"  # noqa: E731
+            got = f"rows of lengths {shown(lengths)} (another micro-batch's or another batch's output?)"
+            raise input_error(f"outputs[{i}]", None, f"the rows of micro-batch {i}, of lengths {shown(expected)}", got)
 
     def _remember_offsets(self, micro: list[TensorDict]) -> None:
         for i, part in enumerate(micro):
@@ -194,9 +207,27 @@ class RowRestore:
                 if isinstance(value, Tensor) and kind_of(value) == NESTED:
                     offsets = nested_offsets(value)
                     self._owners[id(offsets)] = (i, weakref.ref(offsets))
+                    if self._lengths[i] is None:
+                        self._lengths[i] = known_host_lengths(offsets)
 
     def __repr__(self) -> str:
         return f"RowRestore(rows={self.batch_size}, micro_batches={len(self.partitions)})"
+
+
+def _check_permutation(order: np.ndarray) -> None:
+    """The partitions hold every row 0..n-1 exactly once: a repeated row would leave another row of the
+    restored output unwritten (uninitialised memory), a missing one would be read from nowhere."""
+    n = len(order)
+    if n == 0:
+        return
+    if order.min() < 0 or order.max() >= n:
+        bad = int(order.min()) if order.min() < 0 else int(order.max())
+        raise input_error("partitions", None, f"rows 0..{n - 1} (one per row of the batch)", f"row {bad}")
+    seen = np.bincount(order, minlength=n)
+    if (seen != 1).any():
+        row = int(np.flatnonzero(seen != 1)[0])
+        expected = f"each of the rows 0..{n - 1} in exactly one partition"
+        raise input_error("partitions", None, expected, f"row {row} in {int(seen[row])}")
 
 
 def _wrap(x: Any, field: str) -> TensorDict:

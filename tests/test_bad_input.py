@@ -490,13 +490,6 @@ CASES += [
         r"unused_mask row 0: expected a 0/1 mask .*got 0.5",
     ),
     Case(
-        "mask not 0/1",
-        "an index plan of a mask of 2s",
-        lambda: (torch.tensor([[2, 0], [1, 1]]),),
-        nopad.IndexPlan.from_mask,
-        r"mask row 0: expected a 0/1 mask .*got 2",
-    ),
-    Case(
         "weak message",
         "indices past the first axis",
         lambda: (torch.zeros(3, 2), torch.tensor([0, 5])),
@@ -747,12 +740,12 @@ CASES_MORE = [
     ),
     Case(
         "mask not 0/1",
-        "embeds with a mask of 2s, named",
+        "embeds with a float mask of halves, named",
         lambda: (
-            TensorDict({"prompt_embeds": torch.zeros(2, 3, 4), "prompt_embeds_mask": torch.full((2, 3), 2)}, [2]),
+            TensorDict({"prompt_embeds": torch.zeros(2, 3, 4), "prompt_embeds_mask": torch.full((2, 3), 0.5)}, [2]),
         ),
         nopad.embeds_padding_2_no_padding,
-        r"prompt_embeds_mask row 0: expected a 0/1 mask .*got 2",
+        r"mask row 0: expected a 0/1 mask .*got 0.5",
     ),
 ]
 
@@ -769,6 +762,11 @@ def test_more_bad_input_is_refused_with_what_to_fix(case):
 def test_an_integer_mask_selects_its_nonzero_entries_as_the_gathers_read_it():
     """A selection mask is read as nonzero = token on every path (the plan, the gathers): a mask of 2s
     or a negative response mask converts exactly as the 0/1 mask does, at no extra pass."""
+    plan, twos = (
+        nopad.IndexPlan.from_mask(torch.tensor([[1, 0], [1, 1]])),
+        nopad.IndexPlan.from_mask(torch.tensor([[2, 0], [1, 1]])),
+    )
+    assert torch.equal(plan.indices, twos.indices) and torch.equal(plan.lengths, twos.lengths)
     data = _batch()
     want = nopad.left_right_2_no_padding(data)
     for key, scaled in (("attention_mask", 2), ("response_mask", -1)):

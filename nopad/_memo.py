@@ -1,0 +1,59 @@
+"""THE identity memo: what nopad derived from an object it was handed (offsets it laid out, position
+ids, a padding mask, a model), kept on that object.
+
+Kept on the object itself, it lives exactly as long as the object and costs one attribute read; it
+is never matched by value, so it cannot be confused with another object's. A tensor's entries also
+record its version: a tensor edited in place (``offsets[1] += 1``) forgets what was derived from it.
+A pickled or copied object arrives with an empty memo (the receiver derives again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+_SLOT = "_nopad_memo"
+_MISSING = object()
+
+
+class _Memo(dict):
+    """key -> (version, value). Dropped by pickle and copy: what it holds is this process's."""
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return _Memo, ()
+
+
+def _version(obj: Any) -> int:
+    return obj._version if isinstance(obj, torch.Tensor) else 0
+
+
+def recall(obj: Any, key: Hashable, default: Any = None) -> Any:
+    """What was remembered of ``obj`` under ``key`` (and is still true of it), else ``default``."""
+    memo = getattr(obj, _SLOT, None)
+    if not memo:
+        return default
+    entry = memo.get(key, _MISSING)
+    if entry is _MISSING:
+        return default
+    if entry[0] != _version(obj):  # edited in place since: what was derived no longer holds
+        memo.clear()
+        return default
+    return entry[1]
+
+
+def remember(obj: Any, key: Hashable, value: Any) -> Any:
+    """Keep ``value`` as what is known of ``obj`` under ``key``; returns it."""
+    memo = getattr(obj, _SLOT, None)
+    if memo is None:
+        memo = _Memo()
+        setattr(obj, _SLOT, memo)
+    memo[key] = (_version(obj), value)
+    return value
+
+
+def memo(obj: Any, key: Hashable, make: Callable[[], Any]) -> Any:
+    """``recall(obj, key)``, made by ``make()`` and remembered the first time."""
+    value = recall(obj, key, _MISSING)
+    return remember(obj, key, make()) if value is _MISSING else value

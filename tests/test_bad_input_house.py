@@ -1,0 +1,113 @@
+"""The bad-input kinds issue 28's catalogue still found: each refused with a message naming what was
+expected (or, for the valid input, accepted), never a silent wrong result."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from nopad.layout import IndexPlan
+from nopad.ops import pad_input
+from nopad.padding import embeds_padding_2_no_padding
+from nopad.rows import micro_batches
+
+
+def _nested_batch(lengths=(3, 5, 2, 4)) -> TensorDict:
+    plan = IndexPlan.from_lengths(torch.tensor(lengths))
+    ids = torch.arange(plan.total)
+    return TensorDict(
+        {"input_ids": plan.to_nested(ids), "position_ids": plan.to_nested(plan.position_ids)}, batch_size=[len(lengths)]
+    )
+
+
+@pytest.mark.parametrize("flag", ["false", 0, 1, None])
+def test_a_flag_that_is_not_a_bool_is_refused_not_read_as_truthy(flag):
+    with pytest.raises(ValueError, match=rf"balance: expected True or False \(a bool\), got {flag!r}"):
+        micro_batches(_nested_batch(), 8, balance=flag)
+
+
+def test_a_float_mask_of_halves_is_no_mask_and_is_refused_where_it_counts_tokens():
+    data = TensorDict(
+        {"input_ids": torch.ones(4, 6, dtype=torch.long), "attention_mask": torch.full((4, 6), 0.5)}, batch_size=[4]
+    )
+    with pytest.raises(ValueError, match=r"data\['attention_mask'\] row 0: expected a 0/1 mask .* got 0.5"):
+        micro_batches(data, 12)
+
+
+def test_restore_partitions_with_a_repeated_or_missing_row_are_refused():
+    from nopad.rows import RowRestore
+
+    with pytest.raises(
+        ValueError, match=r"partitions: expected each of the rows 0..3 in exactly one partition, got row 1"
+    ):
+        RowRestore([[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match=r"partitions: expected rows 0..2 \(one per row of the batch\), got row 5"):
+        RowRestore([[0, 5], [1]])
+
+
+def test_outputs_of_other_rows_are_refused_even_with_the_same_row_counts():
+    data = _nested_batch((3, 5, 2, 4, 6, 1))
+    micro, restore = micro_batches(data, 9, balance=False)
+    assert len(micro) >= 2 and len({len(p) for p in restore.partitions}) == 1  # parts of as many rows
+    other = [
+        IndexPlan.from_lengths(torch.full((len(p),), 7)).to_nested(torch.zeros(7 * len(p))) for p in restore.partitions
+    ]
+    with pytest.raises(
+        ValueError, match=r"outputs\[0\]: expected the rows of micro-batch 0, of lengths .* got rows of lengths \[7"
+    ):
+        restore(other)
+    swapped = [IndexPlan.from_nested(m["input_ids"]).to_nested(m["input_ids"].values().float()) for m in micro][::-1]
+    with pytest.raises(ValueError, match=r"outputs\[0\]: expected the rows of micro-batch 0"):
+        restore(swapped)  # fresh offsets (a model's output), out of order: told apart by the lengths
+
+
+def test_pad_input_refuses_two_values_for_one_row():
+    with pytest.raises(ValueError, match=r"indices: expected distinct rows \(one value per row\), got row 0 twice"):
+        pad_input(torch.randn(3, 2), torch.tensor([0, 0, 1]), 2, 2)
+
+
+def test_use_packed_attention_refuses_what_is_not_a_transformers_model():
+    from nopad.attention import packed_attention, use_packed_attention
+
+    with pytest.raises(ValueError, match=r"model: expected a transformers model \(a module with a config"):
+        use_packed_attention(torch.nn.Linear(2, 2))
+    with (
+        pytest.raises(ValueError, match=r"model: expected a transformers model"),
+        packed_attention(torch.nn.Linear(2, 2)),
+    ):
+        pass
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_available_kernels_on_a_machine_without_cuda_lists_only_what_runs():
+    from nopad.attention import available_kernels
+
+    assert available_kernels("cuda") == ["sdpa"]
+
+
+def test_an_embeds_mask_of_twos_selects_as_verl_reads_it():
+    embeds = torch.randn(2, 3, 4)
+    twos = TensorDict(
+        {"prompt_embeds": embeds, "prompt_embeds_mask": torch.tensor([[2, 2, 0], [2, 0, 0]])}, batch_size=[2]
+    )
+    ones = TensorDict(
+        {"prompt_embeds": embeds, "prompt_embeds_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}, batch_size=[2]
+    )
+    a, b = embeds_padding_2_no_padding(twos), embeds_padding_2_no_padding(ones)
+    assert torch.equal(a["prompt_embeds"].values(), b["prompt_embeds"].values())
+    assert torch.equal(a["prompt_embeds"].offsets(), b["prompt_embeds"].offsets())
+
+
+def test_offsets_edited_in_place_forget_what_was_known_of_them():
+    from nopad._layout import known_host_lengths, remember_host_lengths
+
+    offsets = torch.tensor([0, 3, 5])
+    remember_host_lengths(offsets, np.array([3, 2]))
+    assert known_host_lengths(offsets).tolist() == [3, 2]
+    offsets[1] += 1  # the rows are now 4 and 1: the record would lie
+    assert known_host_lengths(offsets) is None
+    data = TensorDict({"input_ids": torch.nested.nested_tensor_from_jagged(torch.arange(5), offsets)}, batch_size=[2])
+    micro, restore = micro_batches(data, 4, balance=False)  # the stale 3 + 2 would fit 4 neither way
+    assert sorted(len(m["input_ids"].values()) for m in micro) == [1, 4]  # read again, not trusted
