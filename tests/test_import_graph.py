@@ -50,6 +50,7 @@ LAYERS = {
 }
 CORE = {
     "nopad._errors",
+    "nopad._memo",
     "nopad.ops",
     "nopad.layout",
     "nopad.padding",
