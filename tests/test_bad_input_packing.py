@@ -1315,7 +1315,8 @@ def test_valid_pre_tokenized_edges_round_trip_exactly(tmp_path, convs):
     if not any(convs):
         convs = [*convs, [999]]  # at least one row to write
     src = jsonl(tmp_path, [json.dumps({"input_ids": c}) for c in convs])
-    rc, _, err = pack_cli(tmp_path, src, "--vocab-size", "1000", pack_length=8)
+    # concatenative keeps the input order (the default, best fit, puts the longest first)
+    rc, _, err = pack_cli(tmp_path, src, "--vocab-size", "1000", "--algorithm", "concatenative", pack_length=8)
     assert rc == 0, err
     packed = read_packed(tmp_path / "out.parquet", tokenizer=PreTokenized(1000).identity)
     assert segments(packed) == [c for c in convs if c]  # empties counted, every other one exact

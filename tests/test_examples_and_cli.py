@@ -61,6 +61,12 @@ def test_demo_prints_the_table_and_agrees_per_token(capsys):
     assert "(OK: <= 1e-05)" in out
     assert re.search(r"leak probe, use_cache default +LEAK", out)
     assert re.search(r"leak probe, nopad inputs +isolated", out)
+    # the deliberate failing case is introduced as such before its LEAK line
+    trap = out.index("the trap nopad closes, on purpose")
+    assert "use_cache left at its default: expected to LEAK" in out[trap:] and trap < out.index("LEAK:")
+    # speed in words that cannot be misread, from the median of several warm calls
+    assert re.search(r"^speed +packed is \d+\.\dx (faster|slower) than padded", out, re.M)
+    assert out.count("(median of 7 warm calls)") == 4
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad._apps.progress import QUIET, Progress, add_quiet_argument
 from nopad._errors import check_int
 from nopad._layout import IndexPlan, prepare_offsets, wrap_jagged
 from nopad._ops import unpad_input
@@ -111,11 +112,12 @@ def bench_conversions(
     resp_width: int = 512,
     device: str = "cpu",
     repeats: int = 5,
-    progress: bool = False,
+    progress: Progress = QUIET,
 ) -> list[dict]:
     """Rows of {conversion, B, nopad_ms, loop_ms, gather_ms, loop/nopad, nopad/gather}.
 
-    Batch sizes, widths and repeats are ints >= 1 (repeats=0 timed nothing: every time inf)."""
+    Batch sizes, widths and repeats are ints >= 1 (repeats=0 timed nothing: every time inf).
+    ``progress`` counts one step per row measured."""
     batch_sizes = [check_int(b, "batch_sizes", low=1) for b in batch_sizes]
     prompt_width, resp_width = (
         check_int(prompt_width, "prompt_width", low=1),
@@ -123,54 +125,54 @@ def bench_conversions(
     )
     repeats = check_int(repeats, "repeats", low=1)
     rows = []
-    iterator = batch_sizes
-    if progress:
-        from tqdm import tqdm
-
-        iterator = tqdm(batch_sizes, desc="bench conversions", leave=False)
-    for B in iterator:
-        rows += _bench_batch(B, prompt_width, resp_width, device, repeats)
+    for B in batch_sizes:
+        rows += _bench_batch(B, prompt_width, resp_width, device, repeats, progress)
     return rows
 
 
-def _bench_batch(B: int, prompt_width: int, resp_width: int, device: str, repeats: int) -> list[dict]:
+def _bench_batch(
+    B: int, prompt_width: int, resp_width: int, device: str, repeats: int, progress: Progress = QUIET
+) -> list[dict]:
     data = synthetic_batch(B, prompt_width, resp_width, device=device)
     out = left_right_2_no_padding(data)
     total = out.get_non_tensor("indices").shape[0]
-    to_nested = _row(
-        "padded -> nested",
-        B,
-        device,
-        repeats,
-        lambda: left_right_2_no_padding(data),
-        lambda: reference_left_right(data),
-        lambda: bare_gather(data),
-    )
+    with progress.step(f"B={B} padded -> nested"):
+        to_nested = _row(
+            "padded -> nested",
+            B,
+            device,
+            repeats,
+            lambda: left_right_2_no_padding(data),
+            lambda: reference_left_right(data),
+            lambda: bare_gather(data),
+        )
     # the rollout hands the batch over from the host, where its mask is known: a plan made there,
     # timed with the conversion (its host work included); counted on the conversion alone
     masks = data["attention_mask"].cpu(), data["response_mask"].cpu()
-    with_host_plan = _row(
-        "padded -> nested, host plan",
-        B,
-        device,
-        repeats,
-        lambda: left_right_2_no_padding(data, plan=plan_left_right(*masks)),
-        to_nested["loop_ms"],
-        lambda: bare_gather(data),
-        counted=functools.partial(left_right_2_no_padding, data, plan=plan_left_right(*masks)),
-    )
+    with progress.step(f"B={B} padded -> nested, host plan"):
+        with_host_plan = _row(
+            "padded -> nested, host plan",
+            B,
+            device,
+            repeats,
+            lambda: left_right_2_no_padding(data, plan=plan_left_right(*masks)),
+            to_nested["loop_ms"],
+            lambda: bare_gather(data),
+            counted=functools.partial(left_right_2_no_padding, data, plan=plan_left_right(*masks)),
+        )
     offsets = out["input_ids"].offsets()
     logp = torch.nested.nested_tensor_from_jagged(torch.randn(total, device=device), offsets)
     src = torch.randint(0, total, (B * resp_width,), device=device)
-    to_padded = _row(
-        "nested -> padded",
-        B,
-        device,
-        repeats,
-        lambda: no_padding_2_padding(logp, out),
-        lambda: reference_no_padding(logp, data),
-        lambda: logp.values().index_select(0, src),
-    )
+    with progress.step(f"B={B} nested -> padded"):
+        to_padded = _row(
+            "nested -> padded",
+            B,
+            device,
+            repeats,
+            lambda: no_padding_2_padding(logp, out),
+            lambda: reference_no_padding(logp, data),
+            lambda: logp.values().index_select(0, src),
+        )
     return [to_nested, with_host_plan, to_padded]
 
 
@@ -241,33 +243,40 @@ def bench_thd(
     repeats: int = 3,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    progress: Progress = QUIET,
 ) -> list[tuple[int, float, float, float]]:
     """Time :func:`~nopad.engines._megatron.preprocess_thd` (need_roll, zigzag) against the per-sequence loop.
 
     Random lengths in [1, max_len]; rank 0 of ``cp_size``; tensors on ``device``. Checks both agree,
-    then returns rows ``(B, ref_ms, nopad_ms, ref_ms / nopad_ms)`` (best of ``repeats``).
+    then returns rows ``(B, ref_ms, nopad_ms, ref_ms / nopad_ms)`` (best of ``repeats``); ``progress``
+    counts one step per B.
     """
-    from nopad.engines.megatron import ThdPlan, preprocess_thd
-
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for batch in batch_sizes:
-        lengths = torch.randint(1, max_len + 1, (batch,), generator=gen)
-        values = torch.randint(0, 32000, (int(lengths.sum()),), generator=gen)
-        nested = torch.nested.nested_tensor_from_jagged(values.to(device), prepare_offsets(lengths).to(device))
-        ref = lambda: reference_preprocess_thd(nested, cp_size=cp_size, cp_rank=0, need_roll=True)  # noqa: B023
-        ours = lambda: preprocess_thd(nested, cp_size=cp_size, cp_rank=0, need_roll=True)  # noqa: B023
-        ref_tokens, _ = ref()
-        # verl's roll puts a sequence's first token in its last label slot; nopad puts the pad id (0)
-        last = ThdPlan.from_nested(nested, cp_size=cp_size, cp_rank=0).shard(
-            IndexPlan.from_nested(nested).last_token_mask
-        )
-        if not torch.equal(torch.where(last, 0, ref_tokens), ours()[0]):
-            raise AssertionError(f"bench_thd: preprocess_thd disagrees with the reference at B={batch}")
-        ref_ms = timeit(ref, str(device), 1 if batch >= 512 else repeats)
-        ours_ms = timeit(ours, str(device), repeats)
-        rows.append((batch, ref_ms, ours_ms, ref_ms / ours_ms))
+        with progress.step(f"B={batch} preprocess_thd"):
+            rows.append(_bench_thd_batch(batch, gen, max_len, cp_size, repeats, device))
     return rows
+
+
+def _bench_thd_batch(
+    batch: int, gen: torch.Generator, max_len: int, cp_size: int, repeats: int, device: str | torch.device
+) -> tuple[int, float, float, float]:
+    from nopad.engines.megatron import ThdPlan, preprocess_thd
+
+    lengths = torch.randint(1, max_len + 1, (batch,), generator=gen)
+    values = torch.randint(0, 32000, (int(lengths.sum()),), generator=gen)
+    nested = torch.nested.nested_tensor_from_jagged(values.to(device), prepare_offsets(lengths).to(device))
+    ref = lambda: reference_preprocess_thd(nested, cp_size=cp_size, cp_rank=0, need_roll=True)
+    ours = lambda: preprocess_thd(nested, cp_size=cp_size, cp_rank=0, need_roll=True)
+    ref_tokens, _ = ref()
+    # verl's roll puts a sequence's first token in its last label slot; nopad puts the pad id (0)
+    last = ThdPlan.from_nested(nested, cp_size=cp_size, cp_rank=0).shard(IndexPlan.from_nested(nested).last_token_mask)
+    if not torch.equal(torch.where(last, 0, ref_tokens), ours()[0]):
+        raise AssertionError(f"bench_thd: preprocess_thd disagrees with the reference at B={batch}")
+    ref_ms = timeit(ref, str(device), 1 if batch >= 512 else repeats)
+    ours_ms = timeit(ours, str(device), repeats)
+    return batch, ref_ms, ours_ms, ref_ms / ours_ms
 
 
 def _row(name, B, device, repeats, ours, loop, gather, counted=None) -> dict:
@@ -335,11 +344,15 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 256, 1024])
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[8, 256, 1024], metavar="B", help="rows per batch"
+    )
     parser.add_argument("--prompt-len", type=int, default=256, help="padded prompt width")
     parser.add_argument("--response-len", type=int, default=512, help="padded response width")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--device", default="cpu", help="a torch device: cpu, cuda, cuda:1, ...")
+    parser.add_argument(
+        "--repeats", type=int, default=10, help="timed calls per contender, the best kept (--model: at most 5)"
+    )
     parser.add_argument(
         "--packing",
         action="store_true",
@@ -374,7 +387,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arch",
         default="llama",
         choices=sorted(ARCHS),
-        help="the model family of --model (default: %(default)s; qwen3_5, bamba, ...: layers that carry state)",
+        help="the model family of --model (qwen3_5, bamba, ...: layers that carry state)",
     )
     parser.add_argument(
         "--head",
@@ -384,8 +397,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from nopad._apps.bench_head import add_arguments as add_head_arguments
 
     add_head_arguments(parser)
-    parser.add_argument("--plot", metavar="FILE.png", help="write time against batch size to this PNG")
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="write time against batch size to this PNG (default: no plot)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_quiet_argument(parser)
 
 
 def run_model(args: argparse.Namespace) -> int:
@@ -399,12 +415,55 @@ def run_model(args: argparse.Namespace) -> int:
         )
     # a table per shape as soon as it is measured: the large GPU shapes take a while each
     show = None if args.json else (lambda rows: print(f"\n{format_table(rows)}", flush=True))
-    rows = bench_model(args.device, repeats=repeats, on_shape=show, arch=args.arch)
+    with Progress("nopad bench --model", 0, quiet=args.quiet) as progress:
+        rows = bench_model(args.device, repeats=repeats, on_shape=show, arch=args.arch, progress=progress)
     if args.json:
         print(json.dumps({"model": rows}, indent=2))
     if args.plot:
         plot_model(rows, args.plot)
     return 0
+
+
+def _steps(args: argparse.Namespace) -> int:
+    """The progress steps of a run: one per row measured (per batch size and conversion, ...)."""
+    from nopad._apps.bench_rows import STEPS_PER_BATCH
+    from nopad.packing._algorithms import ALGORITHMS
+
+    steps = 3 * len(args.batch_sizes) + int(args.steps) + len(args.batch_sizes) * int(args.engines)
+    steps += STEPS_PER_BATCH * len(args.batch_rows) * int(args.batches)
+    return steps + (2 * len(ALGORITHMS) + 3) * int(args.packing)
+
+
+def _bench_all(args: argparse.Namespace, progress: Progress) -> dict[str, list[dict]]:
+    results: dict[str, list[dict]] = {}
+    results["conversions"] = bench_conversions(
+        args.batch_sizes, args.prompt_len, args.response_len, args.device, args.repeats, progress=progress
+    )
+    if args.steps:
+        B = max(args.batch_sizes)
+        with progress.step(f"B={B} padded -> nested in steps"):
+            results[f"padded -> nested in steps (B={B})"] = bench_padded_to_nested_steps(
+                B, args.prompt_len, args.response_len, args.device, max(args.repeats, 60)
+            )
+    if args.engines:
+        thd = bench_thd(tuple(args.batch_sizes), device=args.device, repeats=args.repeats, progress=progress)
+        results["megatron preprocess_thd (need_roll, cp=2)"] = [
+            {"B": B, "loop_ms": ref, "nopad_ms": ours, "loop/nopad": ratio} for B, ref, ours, ratio in thd
+        ]
+    if args.batches:
+        from nopad._apps.bench_rows import BUDGET, bench_rows
+
+        title = f"rows of nested batches (3 nested fields, lengths in [64, 4096), micro-batches of {BUDGET:,} tokens)"
+        results[title] = bench_rows(tuple(args.batch_rows), repeats=args.repeats, device=args.device, progress=progress)
+    if args.packing:
+        from nopad._apps.bench_packing import CONVERSATION_MEDIAN, files_bench, packing_bench, rows_bench
+
+        results["packing (100,000 lengths, capacity 8192)"] = packing_bench(progress=progress)
+        title = f"packing rows built (20,000 conversations, median {CONVERSATION_MEDIAN} tokens, pack length 8192)"
+        results[title] = rows_bench(repeats=max(1, min(args.repeats, 3)), progress=progress)
+        title = "packed file (50,000 conversations, pack length 4096, best fit)"
+        results[title] = files_bench(progress=progress)
+    return results
 
 
 def run(args: argparse.Namespace) -> int:
@@ -416,32 +475,8 @@ def run(args: argparse.Namespace) -> int:
         return run_head(args, format_table)
     if args.all:
         args.engines = args.packing = args.steps = args.batches = True
-    results: dict[str, list[dict]] = {}
-    results["conversions"] = bench_conversions(
-        args.batch_sizes, args.prompt_len, args.response_len, args.device, args.repeats, progress=not args.json
-    )
-    if args.steps:
-        B = max(args.batch_sizes)
-        results[f"padded -> nested in steps (B={B})"] = bench_padded_to_nested_steps(
-            B, args.prompt_len, args.response_len, args.device, max(args.repeats, 60)
-        )
-    if args.engines:
-        results["megatron preprocess_thd (need_roll, cp=2)"] = [
-            {"B": B, "loop_ms": ref, "nopad_ms": ours, "loop/nopad": ratio}
-            for B, ref, ours, ratio in bench_thd(tuple(args.batch_sizes), device=args.device, repeats=args.repeats)
-        ]
-    if args.batches:
-        from nopad._apps.bench_rows import BUDGET, bench_rows
-
-        title = f"rows of nested batches (3 nested fields, lengths in [64, 4096), micro-batches of {BUDGET:,} tokens)"
-        results[title] = bench_rows(tuple(args.batch_rows), repeats=args.repeats, device=args.device)
-    if args.packing:
-        from nopad._apps.bench_packing import CONVERSATION_MEDIAN, files_bench, packing_bench, rows_bench
-
-        results["packing (100,000 lengths, capacity 8192)"] = packing_bench()
-        title = f"packing rows built (20,000 conversations, median {CONVERSATION_MEDIAN} tokens, pack length 8192)"
-        results[title] = rows_bench(repeats=max(1, min(args.repeats, 3)))
-        results["packed file (50,000 conversations, pack length 4096, best fit)"] = files_bench()
+    with Progress("nopad bench", _steps(args), quiet=args.quiet) as progress:
+        results = _bench_all(args, progress)
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
+from nopad._apps.progress import QUIET, Progress
 from nopad._attention import available_kernels
 from nopad._padding import left_right_2_no_padding, no_padding_2_padding
 from nopad._routing import survey as route_survey
@@ -178,8 +179,12 @@ def _finite(ms: float) -> float | None:
     return ms if math.isfinite(ms) else None
 
 
-def bench_model_shape(shape: ModelShape, device: str = "cpu", repeats: int = 3, seed: int = 0) -> list[dict]:
-    """Rows of {shape, contender, fwd_ms, fwd_bwd_ms, peak_gib, max_abs_logprob_diff, real/padded}."""
+def bench_model_shape(
+    shape: ModelShape, device: str = "cpu", repeats: int = 3, seed: int = 0, progress: Progress = QUIET
+) -> list[dict]:
+    """Rows of {shape, contender, fwd_ms, fwd_bwd_ms, peak_gib, max_abs_logprob_diff, real/padded}.
+
+    ``progress`` gets one step per contender and round (announced here, once the contenders are known)."""
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     data = synthetic_batch(shape.batch, shape.prompt, shape.response, seed=seed, device=device, vocab=shape.vocab)
@@ -196,16 +201,18 @@ def bench_model_shape(shape: ModelShape, device: str = "cpu", repeats: int = 3, 
     fwd_bwd = dict.fromkeys(runs, float("inf"))
     peak: dict[str, float | None] = dict.fromkeys(runs)
     diff: dict[str, float | None] = dict.fromkeys(runs)
-    for _ in range(repeats + 1):  # the first round warms up (kernels, allocator, lazy imports)
+    progress.add(len(runs) * (repeats + 1))
+    for round_ in range(repeats + 1):  # the first round warms up (kernels, allocator, lazy imports)
         for name, run in runs.items():
-            model.zero_grad(set_to_none=True)
-            ms, _, out = _measure(run, dev, backward=False)
-            fwd[name] = min(fwd[name], ms)
-            if out is not None:
-                diff[name] = float((out.float() - exact).abs().max())
-            del out
-            ms, peak[name], _ = _measure(run, dev, backward=True)
-            fwd_bwd[name] = min(fwd_bwd[name], ms)
+            with progress.step(f"{shape.label}: {name}, {'warm-up' if round_ == 0 else f'round {round_}'}"):
+                model.zero_grad(set_to_none=True)
+                ms, _, out = _measure(run, dev, backward=False)
+                fwd[name] = min(fwd[name], ms)
+                if out is not None:
+                    diff[name] = float((out.float() - exact).abs().max())
+                del out
+                ms, peak[name], _ = _measure(run, dev, backward=True)
+                fwd_bwd[name] = min(fwd_bwd[name], ms)
     model.zero_grad(set_to_none=True)
     real = int(data["attention_mask"].sum())
     return [
@@ -229,6 +236,7 @@ def bench_model(
     repeats: int = 3,
     on_shape: Callable[[list[dict]], None] | None = None,
     arch: str = "llama",
+    progress: Progress = QUIET,
 ) -> list[dict]:
     """:func:`bench_model_shape` over ``shapes`` (default :func:`shapes_for` ``arch``: the GPU table's
     four on CUDA, small ones on CPU); ``on_shape`` sees each shape's rows as soon as they are measured."""
@@ -236,7 +244,7 @@ def bench_model(
         shapes = shapes_for(arch, device)
     rows: list[dict] = []
     for shape in shapes:
-        measured = bench_model_shape(shape, device, repeats)
+        measured = bench_model_shape(shape, device, repeats, progress=progress)
         if on_shape is not None:
             on_shape(measured)
         rows += measured

@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad._apps.progress import QUIET, Progress
 from nopad._layout import IndexPlan, nested_offsets
 from nopad.balance import Workload, balanced_partitions
 from nopad.diagnostics import OpCounter
@@ -153,20 +154,31 @@ def _same_nested(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a.values(), b.values()) and torch.equal(nested_offsets(a), nested_offsets(b).to(torch.int64))
 
 
+STEPS_PER_BATCH = 4  # select, split, join + restore, partition: the progress steps of one batch size
+
+
 def bench_rows(
-    batch_sizes=(256, 1024, 4096), repeats: int = 5, reference_repeats: int = 1, device: str = "cpu"
+    batch_sizes=(256, 1024, 4096),
+    repeats: int = 5,
+    reference_repeats: int = 1,
+    device: str = "cpu",
+    progress: Progress = QUIET,
 ) -> list[dict]:
     """One row per operation and batch size: nopad's and the contender's time (best of ``repeats``,
     the contender's of ``reference_repeats``), their ratio, nopad's ops and host syncs, and whether the
-    results are identical (partitions list for list, tokens and offsets)."""
+    results are identical (partitions list for list, tokens and offsets). ``progress`` counts
+    :data:`STEPS_PER_BATCH` steps per batch size."""
     other = contenders()
     rows: list[dict] = []
     for B in batch_sizes:  # the contender twice where it takes seconds, not minutes
-        rows += _bench_batch(B, other, repeats, reference_repeats if B > 1024 else max(reference_repeats, 2), device)
+        reference = reference_repeats if B > 1024 else max(reference_repeats, 2)
+        rows += _bench_batch(B, other, repeats, reference, device, progress)
     return rows
 
 
-def _bench_batch(B: int, other: dict, repeats: int, reference_repeats: int, device: str) -> list[dict]:
+def _bench_batch(
+    B: int, other: dict, repeats: int, reference_repeats: int, device: str, progress: Progress = QUIET
+) -> list[dict]:
     td = nested_rows_batch(B, device)
     work = Workload()(td["input_ids"].offsets().diff().numpy(force=True))
     mini = np.random.default_rng(B).permutation(B)[: max(1, B // 4)].tolist()
@@ -177,16 +189,18 @@ def _bench_batch(B: int, other: dict, repeats: int, reference_repeats: int, devi
     def select() -> TensorDict:
         return select_rows(td, mini)
 
-    ours_ms, ours, theirs_ms, theirs = timed(select, lambda: other["select"](td, mini))
+    with progress.step(f"B={B} mini-batch select, {other['name']} too"):
+        ours_ms, ours, theirs_ms, theirs = timed(select, lambda: other["select"](td, mini))
     same = all(_same_nested(ours[k], theirs[k]) for k in ("input_ids", "position_ids", "loss_mask"))
     rows = [_row("mini-batch select (B/4 rows)", B, ours_ms, theirs_ms, other, same, select)]
 
     def cut() -> tuple[list[TensorDict], Any]:
         return micro_batches(td, BUDGET)
 
-    ours_ms, (micro, restore), theirs_ms, (their_micro, their_parts) = timed(
-        cut, lambda: other["micro_batches"](td, BUDGET)
-    )
+    with progress.step(f"B={B} micro-batch split, {other['name']} too"):
+        ours_ms, (micro, restore), theirs_ms, (their_micro, their_parts) = timed(
+            cut, lambda: other["micro_batches"](td, BUDGET)
+        )
     same = restore.partitions == their_parts
     same = same and all(_same_nested(m["input_ids"], t["input_ids"]) for m, t in zip(micro, their_micro))
     split = _row(f"micro-batch split ({len(micro)} of {BUDGET:,} tokens)", B, ours_ms, theirs_ms, other, same, cut)
@@ -197,20 +211,26 @@ def _bench_batch(B: int, other: dict, repeats: int, reference_repeats: int, devi
     def back() -> Tensor:
         return restore(outputs)
 
-    ours_ms, joined, theirs_ms, their_joined = timed(back, lambda: other["join_restore"](outputs, restore.partitions))
+    with progress.step(f"B={B} join + restore, {other['name']} too"):
+        ours_ms, joined, theirs_ms, their_joined = timed(
+            back, lambda: other["join_restore"](outputs, restore.partitions)
+        )
     same_back = _same_nested(joined, their_joined)
     rows.append(_row("join + restore of outputs", B, ours_ms, theirs_ms, other, same_back, back))
     both_ours, both_theirs = split["nopad_ms"] + ours_ms, split[f"{other['name']}_ms"] + theirs_ms
     rows.append(_row("split + restore", B, both_ours, both_theirs, other, same and same_back, None))
     if other["name"] == "verl":
-        rows.append(engine_path_row(td, B, repeats, device, other))
+        progress.add(1)  # one more step than STEPS_PER_BATCH: verl is there
+        with progress.step(f"B={B} verl's engine path under install()"):
+            rows.append(engine_path_row(td, B, repeats, device, other))
 
     k = len(micro)
 
     def partition() -> list[list[int]]:
         return balanced_partitions(work, k, False)
 
-    ours_ms, parts, theirs_ms, their_parts = timed(partition, lambda: other["partitions"](work.tolist(), k))
+    with progress.step(f"B={B} partition alone, {other['name']} too"):
+        ours_ms, parts, theirs_ms, their_parts = timed(partition, lambda: other["partitions"](work.tolist(), k))
     row = _row(f"partition alone ({B} into {k})", B, ours_ms, theirs_ms, other, parts == their_parts, partition)
     loads = np.array([work[p].sum() for p in parts], dtype=np.float64)
     their_loads = np.array([work[p].sum() for p in their_parts], dtype=np.float64)

@@ -7,6 +7,9 @@ Bad input never ends in a traceback: arguments are checked here after parsing (e
 option is a count >= 1 unless listed in ``INT_MINIMUM``; ``--device`` must name a device this
 machine has), and a ValueError or OSError from a subcommand is printed as one line
 ``nopad <command>: error: ...`` with exit status 2.
+
+Every option's ``--help`` shows its default (:func:`show_defaults`); long work shows its progress on
+stderr when that is a terminal (``nopad._apps.progress``; ``--quiet`` turns it off).
 """
 
 from __future__ import annotations
@@ -27,6 +30,30 @@ INT_MINIMUM = {"seed": 0, "pad_token_id": 0}
 # Options naming a file to write: its folder must exist before any work (a benchmark takes minutes).
 OUTPUT_OPTIONS = ("output", "plot")
 BAD_INPUT = (ValueError, OSError, ImportError)
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option's help ends with its default, ``(default: 8 256 1024)``, unless the help states it
+    already (the word "default" in it: a default that depends on the device or the data) or the
+    option is required. A flag (``--json``, ``--quiet``) is off unless given and says nothing more."""
+    for action in parser._actions:
+        help_text = action.help or ""
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction))
+        stated = "default" in help_text or action.default is argparse.SUPPRESS or action.required
+        if flag or not action.option_strings or stated:
+            continue
+        action.help = f"{help_text} (default: {default_text(action.default)})".lstrip()
+
+
+def default_text(value: object) -> str:
+    """A default as a user would type it: a list as its items, None as "none"; %% escaped for argparse."""
+    if value is None:
+        text = "none"
+    elif isinstance(value, (list, tuple)):
+        text = " ".join(str(v) for v in value)
+    else:
+        text = str(value)
+    return text.replace("%", "%%")
 
 
 def _option(dest: str) -> str:
@@ -87,16 +114,23 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("; ".join(problems))  # usage and the message on stderr, exit 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def build_parser(name: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``nopad`` parser and its subcommands' parsers; only subcommand ``name`` gets its arguments
+    (its module is the only one imported)."""
     parser = argparse.ArgumentParser(prog="nopad", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    name = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     subparsers = {}
     for cmd, (module, help_text) in SUBCOMMANDS.items():
         subparsers[cmd] = p = sub.add_parser(cmd, help=help_text)
         if cmd == name:  # import only the module that will run
             importlib.import_module(module).add_arguments(p)
+            show_defaults(p)
+    return parser, subparsers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, subparsers = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     _check_args(subparsers[args.command], args)
     try:
