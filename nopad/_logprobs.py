@@ -40,7 +40,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nopad._batch import check_choice, check_real, check_real_dtype
-from nopad._errors import check_flag, check_int, input_error
+from nopad._errors import check_flag, check_int, check_mask, free_to_read, input_error
+from nopad._layout import is_nested, jagged_values, nested_offsets, response_gather
+from nopad._padding import no_padding_2_padding
+from nopad._torch_internals import wrap_jagged
 
 # Tile sizes (tokens x vocabulary entries) by device type. CPU: measured on this project's 2-core
 # CPU (docs/results.md, "The output head"): 1,024 x 16,384 (a 64 MiB float32 tile) was the fastest
@@ -749,3 +752,123 @@ def _vocab_shard(group: Any, sequence_parallel: bool) -> VocabShard | None:
     if size == 1:
         return None
     return VocabShard(group, dist.get_rank(group), size, sequence_parallel)
+
+
+# ---- the tokens a loss reads ----------------------------------------------------------------------
+
+TOKENS = ("all", "response")
+FILL = 0.0  # the log-prob and entropy at a position the head did not score (as at a sequence's last token)
+
+
+class ScoredTokens:
+    """The positions of a row of ``total`` per-token outputs that a caller reads: the head runs on
+    those rows only (one gather), and its results go back to their positions with :data:`FILL`
+    everywhere else (one scatter), so the row keeps its shape.
+
+    ``index`` (n,) int64 positions; n, the number of rows the head runs on, is known on the host.
+    ``valid`` (n,) bool or None: False where a row of a bounded gather (one per response slot of a
+    padded (B, R) frame) stands for no position; its result is dropped and it gets no gradient.
+    """
+
+    def __init__(self, index: Tensor, valid: Tensor | None, total: int, kind: str) -> None:
+        self.index, self.valid, self.total, self.kind = index, valid, total, kind
+
+    @property
+    def count(self) -> int:
+        return self.index.shape[0]
+
+    def rows(self, x: Tensor) -> Tensor:
+        """(total, *) -> (n, *) the scored rows."""
+        return x.index_select(0, self.index.to(x.device))
+
+    def place(self, values: Tensor, length: int | None = None) -> Tensor:
+        """(n,) results -> (length or total,) with :data:`FILL` elsewhere; autograd flows to ``values``."""
+        length = self.total if length is None else length
+        index = self.index.to(values.device)
+        if self.valid is not None:
+            index = torch.where(self.valid.to(values.device), index, length)  # a slot past the end, cut off
+        out = values.new_full((length + 1,), FILL)
+        return out.index_copy(0, index, values)[:length]
+
+    def mask(self, length: int | None = None) -> Tensor:
+        """(length or total,) bool: True at the scored positions."""
+        index = self.index if self.valid is None else torch.where(self.valid, self.index, self.total)
+        length = self.total if length is None else length
+        out = torch.zeros(max(length, self.total) + 1, dtype=torch.bool, device=index.device)
+        return out.index_fill_(0, index, True)[:length]
+
+    def shifted(self, start: int, length: int) -> ScoredTokens:
+        """The same positions in a slice ``[start, start + length)`` of the row (a Ulysses rank's):
+        n rows still, those outside the slice not valid."""
+        local = self.index - start
+        inside = (local >= 0) & (local < length)
+        valid = inside if self.valid is None else inside & self.valid
+        return ScoredTokens(torch.where(inside, local, 0), valid, length, self.kind)
+
+    def __repr__(self) -> str:
+        return f"ScoredTokens({self.kind}, rows={self.count}, total={self.total})"
+
+
+def scored_tokens(tokens: str, score_mask: Tensor | None, micro_batch: Any, input_ids: Tensor) -> ScoredTokens | None:
+    """Which positions of the micro-batch's packed row (the outputs of nested ``input_ids``) to score;
+    None: every one. ``tokens`` and ``score_mask`` checked here, at the edge.
+
+    "all" (the default of every entry): every position, so nothing a caller reads changes. "response":
+    the positions :func:`no_padding_2_padding` reads for this micro-batch (position t - 1 for
+    response token t), taken from the way back of a batch that :func:`left_right_2_no_padding`
+    converted (exactly its n response positions), else from the micro-batch's response fields as
+    that function reads them (a bounded gather: one row per slot of the (B, R) response frame); no
+    host sync either way. ``score_mask`` (with tokens "all"): a 0/1 mask, flat (T,) or nested (B, j)
+    on input_ids' rows, True where a position's output (the log-prob of the NEXT token) is read: a
+    packed file's label-aligned ``token_mask`` as it is, or a per-token SFT ``loss_mask`` moved to
+    the positions that predict its tokens, ``IndexPlan.from_nested(loss_mask).next_token_labels(
+    loss_mask.values())``; its count costs one host sync (``nonzero``), on the CPU too (a read of
+    host memory there).
+    """
+    tokens = check_choice(tokens, "tokens", TOKENS)
+    offsets = nested_offsets(input_ids)
+    total = jagged_values(input_ids).shape[0]
+    if score_mask is not None:
+        if tokens != "all":
+            raise input_error("tokens", None, "'all' with a score_mask (the mask says which tokens)", repr(tokens))
+        return _masked(score_mask, offsets, total)
+    if tokens == "all":
+        return None
+    return _response_positions(micro_batch, offsets, total, jagged_values(input_ids).device)
+
+
+def _fields(micro_batch: Any) -> Any:
+    return micro_batch.keys() if hasattr(micro_batch, "keys") else ()
+
+
+def _response_positions(micro_batch: Any, offsets: Tensor, total: int, device: torch.device) -> ScoredTokens:
+    keys = _fields(micro_batch)
+    way = response_gather(offsets)
+    own_lengths = any(k in keys and is_nested(micro_batch.get(k)) for k in ("responses", "prompts"))
+    if way is not None and not own_lengths:  # exactly the positions the way back reads
+        return ScoredTokens(way.source, None, total, "response")
+    # what no_padding_2_padding reads, by its own derivation: positions numbered from 1, 0 where none
+    numbered = wrap_jagged(torch.arange(1, total + 1, device=device), offsets)
+    read = no_padding_2_padding(numbered, micro_batch).flatten()
+    return ScoredTokens((read - 1).clamp_(min=0), read > 0, total, "response")
+
+
+def _masked(score_mask: Any, offsets: Tensor, total: int) -> ScoredTokens:
+    """The positions of a 0/1 mask (flat (T,) or nested on the row's offsets). One ``nonzero``."""
+    field = "score_mask"
+    if is_nested(score_mask):
+        theirs = nested_offsets(score_mask)
+        values = jagged_values(score_mask)
+        if theirs is not offsets and (
+            theirs.shape != offsets.shape
+            or values.shape[0] != total
+            or (free_to_read(theirs, offsets) and not torch.equal(theirs.to(offsets), offsets))
+        ):
+            raise input_error(field, None, f"input_ids' {offsets.shape[0] - 1} rows of {total} tokens", "other rows")
+        score_mask = values
+    if not isinstance(score_mask, Tensor) or score_mask.shape != (total,):
+        got = f"shape {tuple(score_mask.shape)}" if isinstance(score_mask, Tensor) else type(score_mask).__name__
+        raise input_error(field, None, f"a ({total},) or nested (batch, j) 0/1 mask of the row's positions", got)
+    check_mask(score_mask, field)
+    index = score_mask.bool().nonzero().view(-1)
+    return ScoredTokens(index, None, total, "mask")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 import torch
@@ -30,7 +30,15 @@ from nopad._attention import KERNELS, packed_attention, reads_boundaries
 from nopad._batch import check_choice, check_real_dtype, get_field
 from nopad._errors import check_flag, check_int, input_error
 from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
-from nopad._logprobs import check_temperature, default_tile, logits_log_probs, temperature_tensor
+from nopad._logprobs import (
+    TOKENS,
+    ScoredTokens,
+    check_temperature,
+    default_tile,
+    logits_log_probs,
+    scored_tokens,
+    temperature_tensor,
+)
 from nopad.engines._head import head_forward
 from nopad.parallel._ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
@@ -44,7 +52,9 @@ class OutputArgs:
 
     labels / temperature are this rank's slice (L,) of the padded row; label_mask (T_pad,) is False
     at the last token of every sequence and at the pad; ``plan`` is the micro-batch's index plan;
-    ``padded_total`` = T_pad; ``sp_group`` / ``sp_size`` / ``sp_rank`` as given.
+    ``padded_total`` = T_pad; ``sp_group`` / ``sp_size`` / ``sp_rank`` as given. ``micro_batch`` and
+    its nested ``input_ids`` say which tokens a loss reads (:meth:`scored`); ``model_input_ids`` is
+    the (1, L) tensor handed to the model, by which a forward shows it is this micro-batch's.
     """
 
     plan: IndexPlan
@@ -55,12 +65,38 @@ class OutputArgs:
     sp_group: Any = None
     sp_size: int = 1
     sp_rank: int = 0
+    micro_batch: Any = None
+    input_ids: Tensor | None = None
+    model_input_ids: Tensor | None = None
+    _scored: dict = field(default_factory=dict, repr=False)
 
     @property
     def real_tokens(self) -> int:
         """How many of this rank's ``L`` tokens are real (the rest are the row's pad at its end)."""
         local = self.labels.shape[0]
         return max(0, min(local, self.plan.total - self.sp_rank * local))
+
+    def scored(self, tokens: str, score_mask: Tensor | None) -> ScoredTokens | None:
+        """The positions of the row (its T real tokens) to score, or None for all (see
+        :func:`nopad._logprobs.scored_tokens`); worked out once per choice, so the head and the
+        outputs of one forward share them."""
+        key = (tokens, id(score_mask))
+        if key not in self._scored:
+            found = (
+                None if self.input_ids is None else scored_tokens(tokens, score_mask, self.micro_batch, self.input_ids)
+            )
+            self._scored[key] = (score_mask, found)  # the mask is kept so that its id stays its own
+        return self._scored[key][1]
+
+    def local_scored(self, scored: ScoredTokens | None) -> ScoredTokens | None:
+        """``scored`` on this rank's L slots of the padded row (None: every real slot); one object per choice."""
+        if scored is None or self.sp_size == 1:
+            return scored
+        key = ("local", id(scored))
+        if key not in self._scored:
+            local = self.labels.shape[0]
+            self._scored[key] = (scored, scored.shifted(self.sp_rank * local, local))
+        return self._scored[key][1]
 
 
 def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
@@ -207,6 +243,9 @@ def prepare_model_inputs(
         sp_group=sp_group,
         sp_size=sp_size,
         sp_rank=sp_rank,
+        micro_batch=micro_batch,
+        input_ids=input_ids,
+        model_input_ids=model_inputs["input_ids"],
     )
     return model_inputs, args
 
@@ -239,16 +278,34 @@ def chunked_head(
     *,
     calculate_entropy: bool = False,
     chunk_size: int | None = None,
+    tokens: str = "all",
+    score_mask: Tensor | None = None,
 ) -> Iterator[torch.nn.Module]:
     """Within the block, ``model(**model_inputs)`` returns per-token log-probs instead of logits.
 
     The model's own forward runs (inside FSDP's hooks when sharded: the weight is whole while the
-    head uses it); only its output layer is replaced, by :func:`head_log_probs` on this rank's real
-    tokens, so no (L, V) logits exist. The forward then returns an object with ``log_probs``
-    (1, L) and ``entropy`` (1, L) (when ``calculate_entropy``), which :func:`prepare_model_outputs`
-    takes like logits. ``head``: "chunked" requires it (ValueError naming why a model is not
-    served), "auto" uses it wherever it serves the model and returns the model's logits
-    otherwise, "logits" changes nothing.
+    head uses it); only its output layer is replaced, by :func:`head_log_probs` on the hidden states
+    of the tokens a loss reads, so no (L, V) logits exist. The forward then returns an object with
+    ``log_probs`` (1, L) and ``entropy`` (1, L) (when ``calculate_entropy``), which
+    :func:`prepare_model_outputs` takes like logits. ``head``: "chunked" requires it (ValueError
+    naming why a model is not served), "auto" uses it wherever it serves the model and returns the
+    model's logits otherwise, "logits" changes nothing.
+
+    ``tokens`` / ``score_mask``: which positions the head scores (pass the same to
+    :func:`prepare_model_outputs`). "all" (the default) scores every token: nothing a caller reads
+    changes. "response" scores the positions :func:`no_padding_2_padding` reads for an RL micro-batch
+    (position t - 1 for response token t), so ``no_padding_2_padding`` and the PPO losses read the
+    same values as with "all"; a ``score_mask`` scores the positions it marks (for an SFT loss: a
+    packed file's label-aligned ``token_mask``, or a per-token ``loss_mask`` moved to the positions
+    that predict its tokens, ``IndexPlan.next_token_labels`` of it).
+    The head runs on those rows only (one gather; no host sync for "response", one for a mask: its
+    count); every other position holds 0 with a zero gradient, and a micro-batch with no scored token
+    runs no head. The model's own layers still run on every token.
+
+    ``output_args`` must be those :func:`prepare_model_inputs` made for the kwargs the model is called
+    with: ``input_ids`` of another micro-batch are refused (compared on the host where free; on a
+    device, another tensor than the one prepared is compared there and the results become NaN if it
+    differs, without a sync).
 
     Served: an output layer that is a plain ``torch.nn.Linear`` (bias or not, tied or not), with
     soft-capping (Gemma 2/3's ``final_logit_softcapping``) or a scaled head (Cohere's
@@ -257,16 +314,28 @@ def chunked_head(
     model makes of it: anything it does to the logits beyond what was read is refused, never
     ignored (checked on the first forward, one host sync when the model post-processes its logits).
     """
-    check_choice(head, "head", HEADS)
+    args = _checked_output_args(output_args)
+    head = check_choice(head, "head", HEADS)
     calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
-    if not isinstance(output_args, OutputArgs):
-        raise input_error("output_args", None, "the OutputArgs of prepare_model_inputs", type(output_args).__name__)
     if chunk_size is not None:
         chunk_size = check_int(chunk_size, "chunk_size", low=1)
+    with _chunked_head(model, args, head, calculate_entropy, chunk_size, args.scored(tokens, score_mask)) as served:
+        yield served
+
+
+@contextmanager
+def _chunked_head(
+    model: torch.nn.Module,
+    args: OutputArgs,
+    head: str,
+    calculate_entropy: bool,
+    chunk_size: int | None,
+    scored: ScoredTokens | None,
+) -> Iterator[torch.nn.Module]:
+    """:func:`chunked_head` of checked arguments."""
     if head == "logits":
         yield model
         return
-    args = output_args
     tile = None
     if chunk_size is not None:
         tile = (chunk_size, default_tile(args.labels.device)[1])
@@ -278,8 +347,16 @@ def chunked_head(
         with_entropy=calculate_entropy,
         required=head == "chunked",
         tile=tile,
+        scored=args.local_scored(scored),
+        input_ids=args.model_input_ids,
     ) as served:
         yield served
+
+
+def _checked_output_args(output_args: Any) -> OutputArgs:
+    if not isinstance(output_args, OutputArgs):
+        raise input_error("output_args", None, "the OutputArgs of prepare_model_inputs", type(output_args).__name__)
+    return output_args
 
 
 def prepare_model_outputs(
@@ -288,6 +365,8 @@ def prepare_model_outputs(
     micro_batch=None,
     *,
     calculate_entropy: bool = False,
+    tokens: str = "all",
+    score_mask: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Model output -> {"log_probs": nested (B, j), "entropy": nested (B, j) if asked}. No host sync.
 
@@ -296,14 +375,32 @@ def prepare_model_outputs(
     :func:`chunked_head` returns, or verl's fused-kernel output). Log-probs are of the rolled labels
     at the given temperature; the last token of each sequence gets 0 (its label belongs to no
     sequence). Under Ulysses the per-rank results are all-gathered over ``sp_group``; the pad is
-    stripped. ``micro_batch`` is accepted for verl's signature and not needed.
+    stripped. ``micro_batch`` is accepted for verl's signature (the one ``prepare_model_inputs``
+    was given says which tokens a loss reads).
+
+    ``tokens`` / ``score_mask`` as :func:`chunked_head` takes them (the same for both): log-probs and
+    entropy are exact at the scored positions and 0 elsewhere (and from logits, computed at those
+    rows only). The result keeps the nested (B, j) shape, so :func:`no_padding_2_padding` and the
+    losses read it as before. A head output that scored fewer positions than asked is refused.
     """
-    if not isinstance(output_args, OutputArgs):
-        raise input_error("output_args", None, "the OutputArgs of prepare_model_inputs", type(output_args).__name__)
-    args = output_args
+    args = _checked_output_args(output_args)
     calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
+    return _outputs(logits, args, calculate_entropy, args.scored(tokens, score_mask))
+
+
+def _outputs(logits: Any, args: OutputArgs, calculate_entropy: bool, scored: ScoredTokens | None) -> dict[str, Tensor]:
+    """:func:`prepare_model_outputs` of checked arguments."""
     local = args.labels.shape[0]
     if getattr(logits, "log_probs", None) is not None:
+        theirs = getattr(logits, "scored", None)
+        if theirs is not None and theirs is not args.local_scored(scored):
+            asked = "every token" if scored is None else f"{scored.kind} tokens"
+            raise input_error(
+                "tokens",
+                None,
+                f"the tokens the head scored ({theirs.kind}): pass the same tokens / score_mask to chunked_head",
+                asked,
+            )
         log_probs, entropy = _per_token(logits, local, calculate_entropy)
     else:
         logits = getattr(logits, "logits", logits)
@@ -312,16 +409,36 @@ def prepare_model_outputs(
             raise input_error(
                 "logits", None, f"(1, {local}, vocab) for this rank's packed row", f"{tuple(logits.shape)}"
             )
-        log_probs, entropy = logits_log_probs(logits[0], args.labels, args.temperature, calculate_entropy)
+        log_probs, entropy = _from_logits(logits[0], args, calculate_entropy, args.local_scored(scored))
     if args.sp_size > 1:
         log_probs = gather_seq(log_probs, args.sp_group, dim=0)
         entropy = gather_seq(entropy, args.sp_group, dim=0) if entropy is not None else None
     total = args.plan.total
-    log_probs = torch.where(args.label_mask[:total], log_probs[:total], log_probs.new_zeros(()))
+    keep = args.label_mask[:total]
+    log_probs, entropy = log_probs[:total], None if entropy is None else entropy[:total]
+    if scored is not None:  # the fill, wherever the values came from (a head may score a superset)
+        read = scored.mask().to(keep.device)
+        keep = keep & read
+        entropy = None if entropy is None else torch.where(read, entropy, entropy.new_zeros(()))
+    log_probs = torch.where(keep, log_probs, log_probs.new_zeros(()))
     out = {"log_probs": args.plan.to_nested(log_probs)}
     if entropy is not None:
-        out["entropy"] = args.plan.to_nested(entropy[:total])
+        out["entropy"] = args.plan.to_nested(entropy)
     return out
+
+
+def _from_logits(
+    logits: Tensor, args: OutputArgs, calculate_entropy: bool, scored: ScoredTokens | None
+) -> tuple[Tensor, Tensor | None]:
+    """(L,) log-probs and entropy from this rank's (L, V) logits, at the scored rows only when they are fewer."""
+    if scored is None or scored.count >= logits.shape[0]:
+        return logits_log_probs(logits, args.labels, args.temperature, calculate_entropy)
+    temperature = args.temperature
+    if isinstance(temperature, Tensor):
+        temperature = scored.rows(temperature)
+    log_probs, entropy = logits_log_probs(scored.rows(logits), scored.rows(args.labels), temperature, calculate_entropy)
+    length = logits.shape[0]
+    return scored.place(log_probs, length), None if entropy is None else scored.place(entropy, length)
 
 
 def _per_token(output: Any, local: int, calculate_entropy: bool) -> tuple[Tensor, Tensor | None]:
@@ -395,6 +512,8 @@ def packed_logprobs(
     attention: str | None = ...,
     head: str = ...,
     chunk_size: int | None = ...,
+    tokens: str = ...,
+    score_mask: Tensor | None = ...,
     **input_kwargs,
 ) -> Tensor: ...
 
@@ -409,6 +528,8 @@ def packed_logprobs(
     attention: str | None = ...,
     head: str = ...,
     chunk_size: int | None = ...,
+    tokens: str = ...,
+    score_mask: Tensor | None = ...,
     **input_kwargs,
 ) -> dict[str, Tensor]: ...
 
@@ -422,6 +543,8 @@ def packed_logprobs(
     attention: str | None = "auto",
     head: str = "auto",
     chunk_size: int | None = None,
+    tokens: str = "all",
+    score_mask: Tensor | None = None,
     **input_kwargs,
 ) -> Tensor | dict[str, Tensor]:
     """Nested micro-batch -> nested (B, j) log-probs from ONE packed forward of ``model``.
@@ -432,23 +555,29 @@ def packed_logprobs(
     kernel on any device; None runs the model's attention as it is. The model is restored after.
     ``head``: "auto" computes log-probs (and entropy) with the chunked head wherever it serves the
     model, never holding (L, V) logits (see :func:`chunked_head`); "chunked" requires it; "logits"
-    takes the model's logits. ``chunk_size``: the head's tokens per tile.
+    takes the model's logits. ``chunk_size``: the head's tokens per tile. ``tokens`` / ``score_mask``:
+    the positions scored, as :func:`chunked_head` takes them ("all" by default; "response": those that
+    ``no_padding_2_padding`` reads, 0 elsewhere); the model's own layers run on every token.
     ``input_kwargs`` go to :func:`prepare_model_inputs` (pad_to_multiple, sp_group, ...). With
     ``calculate_entropy`` returns the dict of :func:`prepare_model_outputs` instead.
     ``temperature`` as :func:`prepare_model_inputs` takes it: when None, the micro-batch's
     ``temperature`` entry, else 1.0.
     """
-    check_flag(calculate_entropy, "calculate_entropy")
+    calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
     if attention is not None:
         check_choice(attention, "attention", ("auto", *KERNELS))
-    check_choice(head, "head", HEADS)
+    head = check_choice(head, "head", HEADS)
+    check_choice(tokens, "tokens", TOKENS)
+    if chunk_size is not None:
+        chunk_size = check_int(chunk_size, "chunk_size", low=1)
     with packed_attention(model, attention):
         inputs, args = prepare_model_inputs(
             micro_batch, temperature=temperature, attn_implementation=_attn_implementation(model), **input_kwargs
         )
-        with chunked_head(model, args, head, calculate_entropy=calculate_entropy, chunk_size=chunk_size):
+        scored = args.scored(tokens, score_mask)
+        with _chunked_head(model, args, head, calculate_entropy, chunk_size, scored):
             output = model(**inputs)
-        out = prepare_model_outputs(output, args, micro_batch, calculate_entropy=calculate_entropy)
+        out = _outputs(output, args, calculate_entropy, scored)
     return out if calculate_entropy else out["log_probs"]
 
 

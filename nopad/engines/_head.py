@@ -10,6 +10,7 @@ the choice of its kernel, live in :mod:`nopad._logprobs`.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Iterator
@@ -20,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nopad._errors import input_error
-from nopad._logprobs import run_head
+from nopad._errors import free_to_read, input_error
+from nopad._logprobs import ScoredTokens, run_head
 
 # ---- a model's output layer ------------------------------------------------------------------
 
@@ -114,10 +115,12 @@ def head_spec(model: torch.nn.Module) -> HeadSpec | str:
 
 @dataclass
 class HeadOutput:
-    """A forward's per-token results instead of logits: log-probs (1, L) and entropy (1, L) or None."""
+    """A forward's per-token results instead of logits: log-probs (1, L) and entropy (1, L) or None,
+    exact at the positions ``scored`` (None: every real one) and 0 elsewhere."""
 
     log_probs: Tensor
     entropy: Tensor | None = None
+    scored: ScoredTokens | None = None
 
 
 # model -> why the chunked head does not serve it (learnt on a forward); absent: not known to fail
@@ -146,9 +149,11 @@ class _Call:
         real: int,
         with_entropy: bool,
         tile: tuple[int, int] | None,
+        scored: ScoredTokens | None,
+        same: Tensor | None,
     ):
         self.spec, self.labels, self.temperature, self.real = spec, labels, temperature, real
-        self.with_entropy, self.tile = with_entropy, tile
+        self.with_entropy, self.tile, self.scored, self.same = with_entropy, tile, scored, same
         self.calls = 0
         self.stand_in: Tensor | None = None
         self.declined: str | None = None
@@ -171,22 +176,7 @@ class _Call:
             self.declined = f"its output layer mixes dtypes ({hidden.dtype} hidden, {weight.dtype} weight, or autocast)"
         if self.declined is not None:  # the real layer; a probe returned by an earlier call forces a rerun
             return torch.nn.Linear.forward(layer, hidden)
-        real = self.real
-        log_probs, entropy = run_head(
-            hidden[0, :real],
-            weight,
-            bias,
-            self.labels[:real],
-            self.temperature,
-            self.with_entropy,
-            scale=self.spec.scale,
-            softcap=self.spec.softcap,
-            tile=self.tile,
-        )
-        pad = length - real
-        if pad:
-            log_probs = torch.nn.functional.pad(log_probs, (0, pad))
-            entropy = None if entropy is None else torch.nn.functional.pad(entropy, (0, pad))
+        log_probs, entropy = self._head(hidden[0], weight, bias, length)
         # What the model's forward receives instead of (1, L, V) logits: (1, L, 3) = log-prob, entropy
         # and a probe. The results are read back from this tensor, so the gradient reaches it: hooks
         # on the layer's output (FSDP's, when the layer is sharded on its own) fire in the backward.
@@ -197,11 +187,41 @@ class _Call:
         self.stand_in = torch.stack([log_probs, entropy, probe], -1).unsqueeze(0)
         return self.stand_in
 
+    def _head(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, length: int) -> tuple[Tensor, Tensor | None]:
+        """(L,) log-probs and entropy of the row: the head on the scored rows only (one gather, one
+        scatter back, 0 elsewhere) when they are fewer than the real ones, else on the real rows."""
+        real, scored, temperature = self.real, self.scored, self.temperature
+        run = functools.partial(
+            run_head, with_entropy=self.with_entropy, scale=self.spec.scale, softcap=self.spec.softcap, tile=self.tile
+        )
+        if scored is not None and scored.count < real:
+            if isinstance(temperature, Tensor):
+                temperature = scored.rows(temperature)
+            log_probs, entropy = run(scored.rows(hidden), weight, bias, scored.rows(self.labels), temperature)
+            return scored.place(log_probs, length), None if entropy is None else scored.place(entropy, length)
+        if isinstance(temperature, Tensor):
+            temperature = temperature[:real]
+        log_probs, entropy = run(hidden[:real], weight, bias, self.labels[:real], temperature)
+        pad = length - real
+        if pad:
+            log_probs = torch.nn.functional.pad(log_probs, (0, pad))
+            entropy = None if entropy is None else torch.nn.functional.pad(entropy, (0, pad))
+        if scored is not None:  # every real row ran: the fill where no one reads
+            read = scored.mask(length).to(log_probs.device)
+            log_probs = torch.where(read, log_probs, 0.0)
+            entropy = None if entropy is None else torch.where(read, entropy, 0.0)
+        return log_probs, entropy
+
     def result(self) -> HeadOutput:
-        """The per-token results, as new tensors (not views) read from the stand-in output."""
+        """The per-token results, as new tensors (not views) read from the stand-in output (NaN where
+        the forward's input ids were not the ones its output args were made for: see :func:`head_forward`)."""
         assert self.stand_in is not None
+        log_probs = self.stand_in[..., 0].clone()
         entropy = self.stand_in[..., 1].clone() if self.with_entropy else None
-        return HeadOutput(self.stand_in[..., 0].clone(), entropy)
+        if self.same is not None:
+            log_probs = torch.where(self.same, log_probs, float("nan"))
+            entropy = None if entropy is None else torch.where(self.same, entropy, float("nan"))
+        return HeadOutput(log_probs, entropy, self.scored)
 
     def verdict(self, model: torch.nn.Module, output: Any) -> str | None:
         """None when the forward made of the probe exactly what the spec says; else why not."""
@@ -238,12 +258,16 @@ def head_forward(
     with_entropy: bool,
     required: bool,
     tile: tuple[int, int] | None = None,
+    scored: ScoredTokens | None = None,
+    input_ids: Tensor | None = None,
 ) -> Iterator[torch.nn.Module]:
     """Within the block, ``model(...)`` returns a :class:`HeadOutput` computed by the chunked head
     from the hidden states its output layer receives, never (1, L, V) logits.
 
     ``labels`` (L,) and ``temperature`` are the row's; the head runs on the first ``real`` tokens
-    (the rest, the row's pad, get 0). The model's own forward runs (its body, its kwargs, inside
+    (the rest, the row's pad, get 0), or on the ``scored`` positions only (0 elsewhere).
+    ``input_ids``: the (1, L) ids the row was prepared with; a forward given others is refused (see
+    :func:`_same_ids`). The model's own forward runs (its body, its kwargs, inside
     any FSDP hooks, so a sharded weight is whole while the head uses it); only its output layer's
     forward is replaced. When the forward turns out not to be served (it does something to the
     logits that :func:`head_spec` did not read, calls the layer twice, has a DTensor weight, ...),
@@ -261,7 +285,8 @@ def head_forward(
     own = model.__dict__.get("forward")
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        call = _Call(served, labels, temperature, real, with_entropy, tile)
+        same = _same_ids(kwargs.get("input_ids", args[0] if args else None), input_ids)
+        call = _Call(served, labels, temperature, real, with_entropy, tile, scored, same)
         layer = served.layer
         layer_own = layer.__dict__.get("forward")
         layer.forward = call.forward  # type: ignore[method-assign,assignment]
@@ -284,6 +309,26 @@ def head_forward(
         yield model
     finally:
         _restore(model, own)
+
+
+def _same_ids(given: Any, prepared: Tensor | None) -> Tensor | None:
+    """Refuse a forward whose input ids are not those its output args were prepared with (the labels,
+    temperatures and scored positions would belong to another micro-batch: a silent wrong result).
+    The same tensor, or no ids (``inputs_embeds``), passes free; a different shape, or other values on
+    the CPU (a read of host memory), is a ValueError; another tensor on a device is compared there,
+    and the 0-d flag returned turns the results into NaN where it is False (no host sync)."""
+    if prepared is None or not isinstance(given, Tensor) or given is prepared:
+        return None
+    expected = "the OutputArgs prepare_model_inputs made for this forward's input_ids"
+    if given.shape != prepared.shape:
+        raise input_error(
+            "output_args", None, expected, f"input_ids of shape {tuple(given.shape)}, not {tuple(prepared.shape)}"
+        )
+    if free_to_read(given, prepared):
+        if not torch.equal(given, prepared.to(given.device)):
+            raise input_error("output_args", None, expected, "the output args of another micro-batch (other input_ids)")
+        return None
+    return (given == prepared.to(given.device)).all()
 
 
 def _restore(module: torch.nn.Module, own: Any) -> None:
