@@ -35,6 +35,7 @@ from nopad._layout import (
     ragged_dim,
     remember_host_lengths,
 )
+from nopad._memo import recall, remember
 from nopad._rows import (
     NESTED,
     RowPlan,
@@ -119,7 +120,6 @@ class RowRestore:
 
     def __init__(self, partitions: list[list[int]]) -> None:
         self.partitions = partitions
-        self._owners: dict[int, tuple[int, weakref.ref]] = {}  # id(offsets) -> (micro-batch, the offsets)
         self._lengths: list[np.ndarray | None] = [None] * len(partitions)  # each micro-batch's row lengths
         self.order = np.array([row for p in partitions for row in p], dtype=np.int64)
         _check_permutation(self.order)
@@ -185,12 +185,13 @@ class RowRestore:
         offsets = next(
             (nested_offsets(v) for v in part.values() if isinstance(v, Tensor) and kind_of(v) == NESTED), None
         )
-        owner, ref = self._owners.get(id(offsets), (i, None))
-        if owner != i and ref is not None and ref() is offsets:
+        mark = None if offsets is None else recall(offsets, ("micro-batch of", id(self)))
+        owner = mark[1] if mark is not None and mark[0]() is self else None  # (a dead restore's id reused: not ours)
+        if owner is not None and owner != i:
             got = f"the rows of micro-batch {owner} (outputs out of order?)"
             raise input_error(f"outputs[{i}]", None, f"the rows of micro-batch {i}", got)
         expected = self._lengths[i]
-        if offsets is None or expected is None or ref is not None:
+        if offsets is None or expected is None or owner is not None:
             return
         # offsets of its own (a model's output, a clone): its rows' lengths, where they are free to read
         lengths = known_host_lengths(offsets)
@@ -206,7 +207,7 @@ class RowRestore:
             for value in part.values():
                 if isinstance(value, Tensor) and kind_of(value) == NESTED:
                     offsets = nested_offsets(value)
-                    self._owners[id(offsets)] = (i, weakref.ref(offsets))
+                    remember(offsets, ("micro-batch of", id(self)), (weakref.ref(self), i))
                     if self._lengths[i] is None:
                         self._lengths[i] = known_host_lengths(offsets)
 

@@ -13,7 +13,6 @@ Function. ``group`` is always an explicit argument; nothing is read from a globa
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch import Tensor
 
 from nopad._errors import check_int, input_error
 from nopad._layout import block_causal_mask, round_up
+from nopad._memo import recall, remember
 
 ULYSSES_PREFIX = "nopad_ulysses_"
 SP_GROUP_KWARG = "nopad_sp_group"
@@ -227,22 +227,18 @@ def enable_ulysses(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-# model -> its configs: a switch per forward (nopad._attention.packed_attention) need not walk every module
-_CONFIGS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
-
-
 def set_attn_implementation(model: torch.nn.Module, name: str) -> None:
     """Set ``_attn_implementation`` on every config of ``model`` (a VL model has one per tower).
 
     The configs are found once per model (a walk over its modules) and remembered.
     """
-    configs = _CONFIGS.get(model)
+    configs = recall(model, "configs")
     if configs is None or (configs and configs[0] is not getattr(model, "config", configs[0])):
         found = {
             id(m.config): m.config
             for m in model.modules()
             if hasattr(getattr(m, "config", None), "_attn_implementation")
         }
-        configs = _CONFIGS[model] = list(found.values())
+        configs = remember(model, "configs", list(found.values()))
     for each in configs:
         each._attn_implementation = name
