@@ -40,6 +40,7 @@ from nopad._layout import (
     to_host,
 )
 from nopad._layout import is_nested as _is_nested
+from nopad._rows import DATA, DENSE, NESTED, Relayout, register_relayout
 from nopad._torch_internals import put_checked
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "position_ids")
@@ -229,6 +230,27 @@ def _check_plan_of(plan: IndexPlan, attention_mask: Tensor) -> None:
             "plan_left_right of this batch's attention_mask",
             f"a plan of another mask (its row {row} has other real tokens)",
         )
+
+
+def _conversion_width(sources: Any, kinds: dict[str, str]) -> int | None:
+    """S, when row sources carry this conversion's ``indices``: a (total,) integer tensor beside nested
+    ``input_ids`` of that many tokens and a padded (B, S) ``attention_mask``; else None."""
+    if kinds.get("indices") != DATA or kinds.get("input_ids") != NESTED or kinds.get("attention_mask") != DENSE:
+        return None
+    widths = set()
+    for src in sources:
+        indices, ids, mask = src.get("indices").data, src.get("input_ids"), src.get("attention_mask")
+        if not isinstance(indices, Tensor) or indices.dim() != 1 or indices.dtype.is_floating_point:
+            return None
+        if mask.dim() != 2 or ragged_dim(ids) != 1 or indices.shape[0] != jagged_values(ids).shape[0]:
+            return None
+        widths.add(mask.shape[1])
+    return widths.pop() if len(widths) == 1 else None
+
+
+# the conversion's ``indices`` place nested input_ids' tokens in the padded (B, S) batch: rows of the
+# batch moved or cut re-lay them out (nopad._rows.take)
+register_relayout("indices", Relayout("input_ids", _conversion_width))
 
 
 def _check_per_token(data: TensorDict, key: str, B: int, S: int) -> Tensor:

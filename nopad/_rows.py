@@ -186,16 +186,22 @@ def take(sources: Sequence[TensorDict], plan: RowPlan, *, reindex: bool = True) 
     """The parts of ``plan`` over ``sources`` (TensorDicts with a batch dim and the same entries).
     At most one host sync: the lengths of nested rows nopad did not lay out itself.
 
-    ``reindex``: the conversion's ``indices`` (where each token of nested ``input_ids`` sits in the
-    flattened padded ``attention_mask``) are laid out again for the parts' rows, as converting the
-    parts' padded rows would make them; otherwise shared like any other metadata (verl's way)."""
+    ``reindex``: metadata that positions tokens in a padded layout (registered with
+    :func:`register_relayout`: the conversion's ``indices``) is laid out again for the parts' rows, as
+    converting the parts' padded rows would make it; otherwise shared like any other metadata (verl's
+    way)."""
     first = sources[0]
     keys: list[str] = [str(key) for key in first.keys()]
     kinds = {key: kind_of(first.get(key)) for key in keys}
     _check_alike(sources, keys, kinds)
     nested = [key for key in keys if kinds[key] == NESTED]
     lengths = _host_lengths([nested_offsets(src.get(key)) for src in sources for key in nested])
-    width = _conversion_width(sources, kinds) if reindex else None
+    relaid = {}
+    for key, relayout in RELAYOUTS.items() if reindex else ():
+        found = relayout.width(sources, kinds) if key in kinds else None
+        if found is not None:
+            relaid[key] = found
+    width = next(iter(relaid.values()), None)
     device_rows, groups = _to_device(sources, nested, lengths, plan, any(kinds[k] == DENSE for k in keys), width)
     parts = [
         TensorDict({}, batch_size=[int(size), *first.batch_size[1:]], device=first.device)
@@ -204,9 +210,10 @@ def take(sources: Sequence[TensorDict], plan: RowPlan, *, reindex: bool = True) 
     for key in keys:
         values = [src.get(key) for src in sources]
         pieces: Sequence[Any]
-        if key == "indices" and width is not None:
-            group = groups[tuple(id(nested_offsets(src.get("input_ids"))) for src in sources)]
-            for part, position in zip(parts, group.padded_positions([v.data for v in values], width)):
+        if key in relaid:
+            relayout = RELAYOUTS[key]
+            group = groups[tuple(id(nested_offsets(src.get(relayout.rows_of))) for src in sources)]
+            for part, position in zip(parts, group.padded_positions([v.data for v in values], relaid[key])):
                 part.set_non_tensor(key, position)
             continue
         if kinds[key] == NESTED:
@@ -224,20 +231,23 @@ def take(sources: Sequence[TensorDict], plan: RowPlan, *, reindex: bool = True) 
     return parts
 
 
-def _conversion_width(sources: Sequence[TensorDict], kinds: dict[str, str]) -> int | None:
-    """S, when the sources carry a conversion's ``indices``: a (total,) integer tensor beside nested
-    ``input_ids`` of that many tokens and a padded (B, S) ``attention_mask``; else None."""
-    if kinds.get("indices") != DATA or kinds.get("input_ids") != NESTED or kinds.get("attention_mask") != DENSE:
-        return None
-    widths = set()
-    for src in sources:
-        indices, ids, mask = src.get("indices").data, src.get("input_ids"), src.get("attention_mask")
-        if not isinstance(indices, Tensor) or indices.dim() != 1 or indices.dtype.is_floating_point:
-            return None
-        if mask.dim() != 2 or ragged_dim(ids) != 1 or indices.shape[0] != jagged_values(ids).shape[0]:
-            return None
-        widths.add(mask.shape[1])
-    return widths.pop() if len(widths) == 1 else None
+@dataclass(frozen=True)
+class Relayout:
+    """Metadata that places the tokens of nested field ``rows_of`` in a padded layout of some width:
+    ``width(sources, kinds)`` tells whether the sources carry it (the width, or None), and
+    :func:`take` lays it out again for the parts' rows (each token's column, plus its row's start)."""
+
+    rows_of: str
+    width: Any
+
+
+# metadata key -> its relayout; the modules that make such metadata register it (the row code knows no
+# field names)
+RELAYOUTS: dict[str, Relayout] = {}
+
+
+def register_relayout(key: str, relayout: Relayout) -> None:
+    RELAYOUTS[key] = relayout
 
 
 def _check_alike(sources: Sequence[TensorDict], keys: list[str], kinds: dict[str, str]) -> None:
