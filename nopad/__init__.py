@@ -1,11 +1,12 @@
 """nopad: padded <-> nested <-> packed LLM training batches, exact and without per-row loops.
 
-The conversions a forward pass needs are here; the rest lives in its module:
+The conversions a forward pass needs are here; the rest lives in its public module:
 ``nopad.layout`` (the index plan), ``nopad.ops`` (flash-attn's padding primitives),
 ``nopad.rows`` / ``nopad.balance`` (rows of nested batches, micro-batches),
-``nopad.engines._fsdp`` / ``nopad.engines._megatron`` / ``nopad.engines._leak``, ``nopad.parallel``,
-``nopad.attention``, ``nopad.losses``, ``nopad.packing``, ``nopad.integrations.verl``,
-``nopad.diagnostics`` and ``nopad.synthetic``. ``import nopad`` loads neither transformers nor verl.
+``nopad.engines.fsdp`` / ``nopad.engines.megatron`` / ``nopad.engines.leak``, ``nopad.parallel``,
+``nopad.attention``, ``nopad.layers``, ``nopad.logprobs``, ``nopad.losses``, ``nopad.packing``,
+``nopad.integrations.verl``, ``nopad.diagnostics`` and ``nopad.synthetic`` (docs/concepts.md: the
+rooms). ``import nopad`` loads neither transformers nor verl.
 """
 
 from nopad.diagnostics import OpCounter

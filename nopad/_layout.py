@@ -313,9 +313,9 @@ class IndexPlan:
 
         Everything on the device comes from one non-blocking copy of a few (B,) arrays, and the
         gather indices from one pass (:func:`expand_ranges`). No sync. With ``response_width`` R,
-        the last R columns are each row's response, and the plan also carries where
-        :meth:`unpad_responses` reads each response log-prob (token t's comes from position t - 1)
-        and where it writes it in the (B, R) output.
+        the last R columns are each row's response, and the plan also carries its way back
+        (:class:`ResponseGather`: where each response log-prob is read, token t's from position
+        t - 1, and where it is written in the (B, R) output).
         """
         device = torch.device(device)
         rows = np.arange(len(lengths), dtype=np.int64)
@@ -696,12 +696,6 @@ class IndexPlan:
             records=self._seqlen_cache,
         )
 
-    def unpad_responses(self, values: Tensor) -> Tensor:
-        """(total, *) outputs of the whole sequences -> (B, R, *) response outputs: see :class:`ResponseGather`."""
-        if self.responses is None:
-            raise input_error("plan", None, "a plan made with response_width (plan_left_right)", f"{self!r}")
-        return self.responses.unpad(values)
-
     def nest(self, x: Tensor, seq_dim: int = 1) -> Tensor:
         """Padded (B, S, *) -> nested (B, j, *); (B, C, S) with seq_dim=2 -> nested (B, C, j).
 
@@ -720,12 +714,6 @@ class IndexPlan:
         ragged = ragged_dim(nested)
         values = jagged_values(nested).movedim(ragged - 1, 0)
         return self.unpack(values, width).movedim(1, ragged)
-
-    def split(self, values: Tensor) -> list[Tensor]:
-        """(total, *) -> one tensor per row. One sync; for inspection, not for a hot path."""
-        if values.shape[0] != self.total:
-            raise input_error("values", None, f"{self.total} tokens on dim 0", f"shape {tuple(values.shape)}")
-        return list(values.split(self.lengths.tolist()))
 
     # ---- checks -------------------------------------------------------------------------
     def validate(self) -> IndexPlan:

@@ -732,13 +732,6 @@ CASES_MORE = [
         r"width: expected an int >= 0, got -1",
     ),
     Case(
-        "weak message",
-        "split of values of another total",
-        lambda: (torch.arange(4),),
-        lambda values: nopad.IndexPlan.from_lengths([3, 2]).split(values),
-        r"values: expected 5 tokens on dim 0, got shape \(4,\)",
-    ),
-    Case(
         "mask not 0/1",
         "embeds with a float mask of halves, named",
         lambda: (
