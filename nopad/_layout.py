@@ -47,6 +47,10 @@ def nested_offsets(nested: Tensor) -> Tensor:
     return nested.offsets()  # type: ignore[attr-defined]
 
 
+# a padded width beyond this is a mistake, not a batch: its (B, width) buffer would not fit anywhere
+MAX_WIDTH = 2**31 - 1
+
+
 def check_nested(x: object, field: str, *, ragged_dim: int | None = 1, value_dims: int | None = None) -> Tensor:
     """THE nested-input check: ``x`` is a jagged nested tensor ragged at ``ragged_dim`` (None: any)
     whose values have ``value_dims`` dims (None: any); else ValueError naming ``field``. No sync."""
@@ -376,7 +380,7 @@ class IndexPlan:
         and device lengths, the caller vouches for them and for ``total``).
         """
         lengths = as_lengths(lengths, "lengths")
-        width = check_optional_int(width, "width", low=0)
+        width = check_optional_int(width, "width", low=0, high=MAX_WIDTH)
         total = check_optional_int(total, "total", low=0)
         max_seqlen = check_optional_int(max_seqlen, "max_seqlen", low=0)
         min_seqlen = check_optional_int(min_seqlen, "min_seqlen", low=0)
@@ -429,7 +433,7 @@ class IndexPlan:
         first, total, max_len, min_len = to_host(offsets[0], offsets[-1], offsets.diff().max(), offsets.diff().min())
         if first != 0 or min_len < 0:
             raise input_error("offsets", None, "boundaries starting at 0 that never go down", f"{offsets.tolist()}")
-        width = check_optional_int(width, "width", low=0)
+        width = check_optional_int(width, "width", low=0, high=MAX_WIDTH)
         if width is not None and max_len > width:
             raise input_error("width", None, f">= {max_len}, the longest row", f"{width}")
         lengths = offsets.diff()
@@ -495,7 +499,7 @@ class IndexPlan:
                 else type(nested).__name__
             )
             raise input_error("tensor", None, "a jagged nested tensor", got)
-        width = check_optional_int(width, "width", low=0)
+        width = check_optional_int(width, "width", low=0, high=MAX_WIDTH)
         source = nested_offsets(nested)
         offsets = source.to(torch.int64)
         total = jagged_values(nested).shape[ragged_dim(nested) - 1]

@@ -33,6 +33,7 @@ from nopad._layout import (
     expand_ranges,
     host_ranges,
     host_to_device,
+    is_jagged,
     is_nested,
     jagged_values,
     known_host_lengths,
@@ -57,6 +58,8 @@ def kind_of(value: Any) -> str:
     if isinstance(value, TensorDict):
         return SUB
     if isinstance(value, Tensor):
+        if is_nested(value) and not is_jagged(value):  # a strided nested tensor has no offsets to move
+            raise input_error("batch entry", None, "a jagged nested tensor (layout=torch.jagged)", "a strided one")
         return NESTED if is_nested(value) else DENSE
     return DATA  # a value tensordict stores as metadata in some other wrapper
 
@@ -141,6 +144,8 @@ def select_plan(data: TensorDict, index: Any) -> RowPlan:
 
 def split_plan(data: TensorDict, sizes: Sequence[int]) -> RowPlan:
     batch = batch_size_of(data)
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise input_error("sizes", None, f"a list of part sizes summing to the batch's {batch} rows", repr(sizes))
     counts = [check_int(s, f"sizes[{i}]", low=1) for i, s in enumerate(sizes)]
     if not counts or sum(counts) != batch:
         raise input_error("sizes", None, f"part sizes >= 1 that sum to the batch's {batch} rows", f"{list(sizes)}")

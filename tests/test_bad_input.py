@@ -430,7 +430,7 @@ CASES += [
         "a width given as a float",
         lambda: ([3, 2],),
         lambda lengths: nopad.IndexPlan.from_lengths(lengths, width=2.5),
-        r"width: expected an int >= 0, got 2.5",
+        r"width: expected an int in \[0, 2147483647\], got 2.5",
     ),
     Case(
         "type or coercion",

@@ -111,3 +111,43 @@ def test_offsets_edited_in_place_forget_what_was_known_of_them():
     data = TensorDict({"input_ids": torch.nested.nested_tensor_from_jagged(torch.arange(5), offsets)}, batch_size=[2])
     micro, restore = micro_batches(data, 4, balance=False)  # the stale 3 + 2 would fit 4 neither way
     assert sorted(len(m["input_ids"].values()) for m in micro) == [1, 4]  # read again, not trusted
+
+
+def test_split_rows_without_sizes_says_what_it_takes():
+    from nopad.rows import split_rows
+
+    with pytest.raises(
+        ValueError, match=r"sizes: expected a list of part sizes summing to the batch's 4 rows, got None"
+    ):
+        split_rows(_nested_batch(), None)
+
+
+def test_a_strided_nested_tensor_is_named_not_an_attribute_error():
+    from nopad.rows import select_rows
+
+    strided = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(ValueError, match=r"expected a jagged nested tensor \(layout=torch.jagged\), got a strided one"):
+        select_rows(TensorDict({"x": strided}, batch_size=[2]), [0])
+
+
+def test_a_width_no_buffer_could_hold_is_refused_before_allocating():
+    with pytest.raises(ValueError, match=r"width: expected an int in \[0, 2147483647\], got 1000000000000"):
+        IndexPlan.from_lengths(torch.tensor([3, 2]), width=10**12)
+
+
+def test_a_pad_value_an_integer_tensor_cannot_hold_is_refused():
+    from nopad.engines.megatron import ThdPlan
+
+    plan = ThdPlan.from_lengths(torch.tensor([3, 2]), cp_size=1)
+    ids = IndexPlan.from_lengths(torch.tensor([3, 2])).to_nested(torch.arange(5))
+    with pytest.raises(ValueError, match=r"pad_value: expected a whole number for a torch.int64 tensor, got 2.5"):
+        plan.shard(ids, pad_value=2.5)
+
+
+def test_float_input_ids_are_refused_before_the_model_sees_them():
+    from nopad.engines.fsdp import prepare_model_inputs
+
+    plan = IndexPlan.from_lengths(torch.tensor([3, 2]))
+    micro = {"input_ids": plan.to_nested(torch.arange(5).float()), "position_ids": plan.to_nested(plan.position_ids)}
+    with pytest.raises(ValueError, match=r"input_ids: expected an integer tensor, got dtype torch.float32"):
+        prepare_model_inputs(micro)

@@ -346,7 +346,6 @@ def test_on_cuda_a_host_plan_needs_no_sync_and_preprocess_reads_once():
         (torch.int64, 0.7),
         (torch.float16, -1.5),
         (torch.bool, 0),
-        (torch.bool, 3),
         (torch.int32, 5),
     ],
 )
@@ -362,3 +361,10 @@ def test_shard_puts_the_pad_value_as_the_dtype_holds_it(dtype, pad_value):
         reads = torch.tensor([o + step < lengths[s] for s, o in zip(want["segment"], want["offset"])])
         expected = torch.where(reads, values[index], torch.as_tensor(pad_value, dtype=dtype))
         assert out.dtype == dtype and torch.equal(out, expected.unsqueeze(0))
+
+
+@pytest.mark.parametrize(("dtype", "pad_value"), [(torch.int64, 0.7), (torch.int32, 2.5), (torch.bool, 3)])
+def test_a_pad_value_the_dtype_cannot_hold_is_refused_not_cast(dtype, pad_value):
+    plan = ThdPlan.from_lengths(torch.tensor([4, 1, 6]), cp_size=2, cp_rank=1, tp_size=2)
+    with pytest.raises(ValueError, match=rf"pad_value: expected .* for a {dtype} tensor, got {pad_value}"):
+        plan.shard((torch.arange(11) % 3).to(dtype), pad_value=pad_value)

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from nopad._attention import KERNELS, packed_attention, reads_boundaries
 from nopad._batch import check_choice, check_real_dtype, get_field
-from nopad._errors import check_flag, check_int, input_error
+from nopad._errors import check_flag, check_int, check_integer_tensor, input_error
 from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
 from nopad._logprobs import (
     TOKENS,
@@ -102,6 +102,7 @@ class OutputArgs:
 def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
     input_ids, position_ids = get_field(micro_batch, "input_ids"), get_field(micro_batch, "position_ids")
     input_ids = check_nested(input_ids, "input_ids", ragged_dim=None)  # the output of left_right_2_no_padding
+    check_integer_tensor(jagged_values(input_ids), "input_ids")  # float ids would be cut to other tokens
     position_ids = check_nested(position_ids, "position_ids", ragged_dim=None)
     if input_ids.dim() != 2 or ragged_dim(input_ids) != 1:
         raise input_error(

@@ -482,10 +482,15 @@ class ThdPlan:
 
 
 def _pad_of(pad_value: float | int, dtype: torch.dtype) -> float | int | bool:
-    """``pad_value`` as ``dtype`` holds it (what ``torch.as_tensor(pad_value, dtype=dtype)`` stores)."""
-    if dtype == torch.bool:
-        return bool(pad_value)
-    return pad_value if dtype.is_floating_point or dtype.is_complex else int(pad_value)
+    """``pad_value`` as ``dtype`` holds it, refused where it would change: a 2.5 is no token id, and
+    casting it into an integer tensor would pad with 2 silently."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return pad_value
+    exact = float(pad_value) == int(pad_value) if isinstance(pad_value, (int, float)) else False
+    if not exact or (dtype == torch.bool and pad_value not in (0, 1)):
+        kind = "0 or 1" if dtype == torch.bool else "a whole number"
+        raise input_error("pad_value", None, f"{kind} for a {dtype} tensor", repr(pad_value))
+    return bool(pad_value) if dtype == torch.bool else int(pad_value)
 
 
 def cu_starts(lengths: np.ndarray) -> np.ndarray:
