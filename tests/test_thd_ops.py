@@ -343,7 +343,7 @@ def test_on_cuda_a_host_plan_needs_no_sync_and_preprocess_reads_once():
     ("dtype", "pad_value"),
     [
         (torch.int64, -100),
-        (torch.int64, 0.7),
+        (torch.int64, 7.0),
         (torch.float16, -1.5),
         (torch.bool, 0),
         (torch.int32, 5),
