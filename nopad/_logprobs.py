@@ -696,11 +696,45 @@ def head_log_probs(
     reduce-scattered back to the part; ``labels`` and a per-token ``temperature`` stay (T,). Every rank
     must call with the same tokens (collectives); the tiles serve every such call.
     """
+    return checked_head(
+        hidden,
+        weight,
+        labels,
+        temperature,
+        with_entropy,
+        chunk_size,
+        bias=bias,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        kernel=kernel,
+        tp_group=tp_group,
+        sequence_parallel=sequence_parallel,
+    )
+
+
+def checked_head(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: Tensor | float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+    *,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    kernel: str = "auto",
+    tp_group: Any = None,
+    sequence_parallel: bool = False,
+    reduce_hidden_grad: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`head_log_probs`, every argument checked here; ``reduce_hidden_grad=False`` leaves each rank
+    of a ``tp_group`` its own part of the gradient of hidden (what verl's kernel returns: its callers sum it)."""
     shard = None
     if sequence_parallel is not False:
         sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
     if tp_group is not None:
-        shard = _vocab_shard(tp_group, sequence_parallel)
+        shard = _vocab_shard(tp_group, sequence_parallel, reduce_hidden_grad)
     elif sequence_parallel:
         raise input_error("sequence_parallel", None, "a tp_group to gather the sequence over", "no tp_group")
     parts = shard.size if shard is not None and shard.sequence_parallel else 1
@@ -744,14 +778,14 @@ def head_log_probs(
     )
 
 
-def _vocab_shard(group: Any, sequence_parallel: bool) -> VocabShard | None:
+def _vocab_shard(group: Any, sequence_parallel: bool, reduce_grad: bool = True) -> VocabShard | None:
     """The :class:`VocabShard` of this rank in ``group`` (a ProcessGroup); None for a group of one."""
     if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
         raise input_error("tp_group", None, "a torch.distributed ProcessGroup or None", type(group).__name__)
     size = dist.get_world_size(group)
     if size == 1:
         return None
-    return VocabShard(group, dist.get_rank(group), size, sequence_parallel)
+    return VocabShard(group, dist.get_rank(group), size, sequence_parallel, reduce_grad)
 
 
 # ---- the tokens a loss reads ----------------------------------------------------------------------

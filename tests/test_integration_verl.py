@@ -100,12 +100,11 @@ def test_install_rebinds_every_verl_importer_and_uninstall_restores_them_exactly
     assert nv.active() is None
 
 
-def _defining(original):
-    return next(m for m, names in nv.ROUTED.items() if original.__name__ in names)
-
-
 def _replacement_of(original):
-    return nv.REPLACEMENTS[_defining(original)][original.__name__]
+    """nopad's replacement of a verl original, by the (module, name) that defines it (not its
+    ``__name__``: verl's ``linear_cross_entropy`` is ``LinearCrossEntropy.apply``)."""
+    ((module_name, name),) = [key for key, value in nv.active().originals.items() if value is original]
+    return nv.REPLACEMENTS[module_name][name]
 
 
 def test_install_is_idempotent_and_a_context_manager(clean):

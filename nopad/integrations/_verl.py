@@ -14,6 +14,10 @@
     verl.utils.experimental.torch_functional
                                  FusedLinearForPPO (``use_fused_kernels``' torch path: nopad's
                                  chunked head, nopad._logprobs.head_log_probs)
+    verl.utils.kernel.linear_cross_entropy
+                                 linear_cross_entropy (``use_fused_kernels``' Triton path, HF and
+                                 Megatron forwards: verl's kernel where it runs, nopad's tiles,
+                                 vocabulary-parallel too, everywhere else; ``install(head_kernel=)``)
 
 Each replacement has verl's signature and verl's observable behaviour (in-place updates of the
 TensorDict, ``NonTensorData`` metadata, output dtypes, shapes and values, PackedSeqParams fields,
@@ -51,6 +55,7 @@ from tensordict import NonTensorData, TensorDict
 from torch import Tensor
 
 import nopad._padding as _padding
+import nopad.integrations._verl_head as _head
 import nopad.integrations._verl_models as _models
 import nopad.integrations._verl_rows as _rows
 from nopad._batch import get_field
@@ -58,7 +63,7 @@ from nopad._errors import check_flag, check_int, check_optional_int, input_error
 from nopad._layout import is_nested, known_host_lengths, nested_offsets, remember_host_lengths
 from nopad._torch_internals import cached_seqlens, jagged_values, wrap_jagged
 from nopad.engines.megatron import ThdPlan, postprocess_thd
-from nopad.integrations._verl_head import TORCH_FUNCTIONAL_MODULE, FusedLinearForPPO
+from nopad.integrations._verl_head import KERNEL_MODULE, TORCH_FUNCTIONAL_MODULE, FusedLinearForPPO
 from nopad.parallel._cp import alignment_of
 
 SUPPORTED_VERSIONS = ("0.9.1",)
@@ -89,6 +94,7 @@ BALANCING_NAMES = (
 )
 ENGINE_NAMES = ("postprocess_batch_func",)
 HEAD_NAMES = ("FusedLinearForPPO",)
+KERNEL_NAMES = ("linear_cross_entropy",)
 ROUTED = {
     PADDING_MODULE: PADDING_NAMES,
     MCORE_UTIL_MODULE: THD_NAMES,
@@ -96,6 +102,7 @@ ROUTED = {
     _rows.SEQLEN_BALANCING: BALANCING_NAMES,
     _rows.ENGINE_UTILS: ENGINE_NAMES,
     TORCH_FUNCTIONAL_MODULE: HEAD_NAMES,
+    KERNEL_MODULE: KERNEL_NAMES,
 }
 
 
@@ -372,6 +379,22 @@ def _packed_chunk_gated_delta_rule(
     )
 
 
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: float | Tensor = 1.0,
+    reduction: str = "none",
+    dist_process_group: Any = None,
+) -> tuple[Tensor, Tensor]:
+    """verl's ``linear_cross_entropy`` (its fused Triton head, ``dist_process_group`` its vocabulary-parallel
+    form): verl's kernel where it runs, nopad's tiles on any other device (:mod:`._verl_head`)."""
+    original = _original(KERNEL_MODULE, "linear_cross_entropy")
+    return _head.linear_cross_entropy(
+        hidden, weight, labels, temperature, reduction, dist_process_group, original=original
+    )
+
+
 REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
     PADDING_MODULE: {
         "left_right_2_no_padding": left_right_2_no_padding,
@@ -401,6 +424,7 @@ REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
     },
     _rows.ENGINE_UTILS: {"postprocess_batch_func": postprocess_batch_func},
     TORCH_FUNCTIONAL_MODULE: {"FusedLinearForPPO": FusedLinearForPPO},
+    KERNEL_MODULE: {"linear_cross_entropy": linear_cross_entropy},
     _models.QWEN3_5_MODULE: {
         "_packed_causal_conv1d_fallback": _packed_causal_conv1d_fallback,
         "_packed_chunk_gated_delta_rule": _packed_chunk_gated_delta_rule,
@@ -594,22 +618,46 @@ class _VerlFinder(importlib.abc.MetaPathFinder):
 
 _ACTIVE: VerlPatch | None = None
 
+# A venv with verl's own pins, from a nopad checkout (docs/integrations/verl.md shows these steps; a
+# test keeps the two equal). `pip install verl==0.9.1` in nopad's own venv would downgrade it
+# (tensordict 0.15 -> 0.10, transformers 5.24 -> 5.10) and still lack what verl's trainer imports.
+VERL_VENV_STEPS = (
+    "python3 -m venv verl-venv && . verl-venv/bin/activate",
+    "pip install torch==2.13.0",
+    "pip install verl==0.9.1",
+    "pip install cachetools uvicorn fastapi",
+    "pip install --no-deps megatron-core==0.16.1",
+    "pip install --no-deps -e .",
+)
 
-def install(*, check_version: bool = True) -> VerlPatch:
+
+def install(*, check_version: bool = True, head_kernel: str = "auto") -> VerlPatch:
     """Route verl's padding and THD conversions to nopad; returns the handle (also a context manager).
 
     Idempotent: a second call returns the active handle. Refuses a verl other than
     ``SUPPORTED_VERSIONS`` with a RuntimeError naming the version found (``check_version=False``
     skips the check, at your own risk), and raises ImportError when verl is not installed.
     Touches only modules whose name starts with ``verl``.
+
+    ``head_kernel``: what serves verl's ``linear_cross_entropy`` (the Triton head of
+    ``use_fused_kernels``): "auto" keeps verl's kernel where it runs (probed once per device: a small
+    forward and backward must run and equal nopad's tiles) and the call is one it takes, and runs
+    nopad's tiles everywhere else (a CPU, a GPU its Triton does not support); "nopad" always runs
+    the tiles; "verl" always verl's kernel. A second ``install()`` applies its ``head_kernel``.
     """
     global _ACTIVE
     check_version = check_flag(check_version, "check_version")
+    _head.use_kernel(head_kernel)
     if _ACTIVE is not None and _ACTIVE.active:
         return _ACTIVE
     version = verl_version()
     if version is None:
-        raise ImportError("nopad.integrations.verl: verl is not installed (pip install verl==0.9.1)")
+        steps = "\n".join(f"  {step}" for step in VERL_VENV_STEPS)
+        raise ImportError(
+            "nopad.integrations.verl: verl is not installed. verl 0.9.1 pins tensordict<=0.10 and "
+            "transformers<5.11, so installing it into this environment would downgrade both: give it a "
+            f"venv of its own, from a nopad checkout (docs/integrations/verl.md, 'A venv for verl'):\n{steps}"
+        )
     if check_version and version not in SUPPORTED_VERSIONS:
         raise RuntimeError(
             f"nopad.integrations.verl: found verl {version}, but these adapters were checked against verl "

@@ -1,21 +1,28 @@
-"""verl's fused-kernel head (``use_fused_kernels``, torch backend) served by nopad's chunked head.
+"""verl's fused-kernel heads (``use_fused_kernels``) served by nopad's chunked head.
 
-verl 0.9.1's ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` computes log-probs and
-entropy from the hidden states in chunks of 512 tokens, each chunk through full (512, V) float32
-logits, softmax, log-softmax and a one-hot in its backward. Its model forwards import the class by
-name at call time, so rebinding that one name routes every fused forward here.
+verl 0.9.1's ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` (the torch backend)
+computes log-probs and entropy from the hidden states in chunks of 512 tokens, each chunk through
+full (512, V) float32 logits, softmax, log-softmax and a one-hot in its backward. Its model forwards
+import the class by name at call time, so rebinding that one name routes every fused forward here.
+
+``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (the Triton backend, with a
+vocabulary-parallel form for Megatron) needs a CUDA GPU its Triton supports; its HF forwards import it
+at call time and its Megatron forwards at import. :func:`linear_cross_entropy` keeps verl's kernel
+where it runs and serves nopad's tiles (vocabulary-parallel too) everywhere else.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from nopad._batch import check_choice
 from nopad._errors import input_error
-from nopad._logprobs import head_log_probs
+from nopad._logprobs import checked_head, head_log_probs
 
 TORCH_FUNCTIONAL_MODULE = "verl.utils.experimental.torch_functional"
 
@@ -66,3 +73,112 @@ def _liger(
         hidden, vocab_weights, input_ids.reshape(-1).to(torch.int64), temperature, -100, 1, True
     )
     return (-nll).reshape(shape), entropy.reshape(shape)
+
+
+# ---- verl's fused Triton head: verl.utils.kernel.linear_cross_entropy ------------------------------
+
+KERNEL_MODULE = "verl.utils.kernel.linear_cross_entropy"
+KERNEL_CHOICES = ("auto", "verl", "nopad")
+REDUCTIONS = ("none", "sum", "mean")
+_choice = {"kernel": "auto"}
+
+
+def use_kernel(kernel: str) -> None:
+    """Which head serves verl's ``linear_cross_entropy`` under ``install()``: "auto" (verl's Triton
+    kernel where it runs and serves the call, nopad's tiles everywhere else), "verl" (verl's own
+    function, always: verl's behaviour), "nopad" (nopad's tiles, always)."""
+    _choice["kernel"] = check_choice(kernel, "head_kernel", KERNEL_CHOICES)
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: float | Tensor = 1.0,
+    reduction: str = "none",
+    dist_process_group: Any = None,
+    *,
+    original: Any,
+) -> tuple[Tensor, Tensor]:
+    """verl's ``linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group)``.
+
+    ``hidden`` (..., H) and ``labels`` (...) are flattened to (T, H) and (T,); ``weight`` (V, H), or this
+    rank's (V / tp, H) vocabulary shard when ``dist_process_group`` has more than one rank (labels
+    global). Returns ``(log_probs, entropy)``: float32 (T,) each, or with ``reduction`` "sum" / "mean" a
+    0-d sum / mean of the log-probs (the entropy stays (T,)), as verl's kernel returns them. Backward:
+    the gradient of ``hidden`` in its own shape and, under a process group, this rank's part of it
+    (verl's kernel leaves the sum to its callers: Megatron's sequence-parallel gather reduces it),
+    of ``weight`` its own rows. ``original`` is verl's function: it runs where the user's choice
+    (:func:`use_kernel`) and its probe let it; nopad's tiles serve every other call, on any device.
+    """
+    if not isinstance(reduction, str) or reduction.lower() not in REDUCTIONS:
+        raise input_error("reduction", None, f"one of {list(REDUCTIONS)} (verl's reductions)", repr(reduction))
+    kernel = _choice["kernel"]
+    if kernel == "verl" or (kernel == "auto" and _verl_serves(original, hidden, weight, labels, temperature)):
+        return original(hidden, weight, labels, temperature, reduction, dist_process_group)
+    if not isinstance(hidden, Tensor) or hidden.dim() < 2:
+        raise input_error("hidden", None, "a (..., hidden) tensor", f"{getattr(hidden, 'shape', type(hidden))}")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if isinstance(temperature, Tensor) and temperature.numel() == 1:
+        temperature = float(temperature)  # a host scalar in verl; a 1-element tensor reads the same
+    elif isinstance(temperature, Tensor):
+        temperature = temperature.reshape(-1)
+    group = dist_process_group
+    log_probs, entropy = checked_head(
+        flat, weight, labels.reshape(-1), temperature, True, tp_group=group, reduce_hidden_grad=False
+    )
+    assert entropy is not None
+    log_probs, entropy = log_probs.float(), entropy.float()
+    if reduction.lower() == "sum":
+        return log_probs.sum(), entropy
+    if reduction.lower() == "mean":
+        return log_probs.mean(), entropy
+    return log_probs, entropy
+
+
+def _verl_serves(original: Any, hidden: Any, weight: Any, labels: Any, temperature: Any) -> bool:
+    """Whether verl's Triton kernel takes this call (what its asserts ask: CUDA, a float temperature,
+    contiguous inputs, a hidden size that is a multiple of 128) and runs here (its probe)."""
+    if not all(isinstance(x, Tensor) for x in (hidden, weight, labels)) or type(temperature) is not float:
+        return False
+    if hidden.device.type != "cuda" or hidden.shape[-1] % 128:
+        return False
+    if not (hidden.is_contiguous() and weight.is_contiguous()):
+        return False
+    return _verl_probe(original, str(hidden.device)) is None
+
+
+_PROBES: dict[tuple[int, str], str | None] = {}
+
+
+def _verl_probe(original: Any, device: str) -> str | None:
+    """Why verl's kernel cannot serve on ``device`` (None: it runs and equals nopad's tiles on a small
+    forward and backward, once per process and device; results read back: host syncs, once)."""
+    key = (id(original), device)
+    if key in _PROBES:
+        return _PROBES[key]
+    failure: str | None = None
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            g = torch.Generator().manual_seed(0)
+            # small integers in bf16: every logit is exact, so the two must agree to rounding
+            h0, w0 = (torch.randint(-2, 3, shape, generator=g).to(torch.bfloat16) for shape in ((16, 128), (256, 128)))
+            labels = torch.randint(0, 256, (16,), generator=g).to(device)
+            results = []
+            for fn in (original, None):
+                h, w = (x.to(device, copy=True).requires_grad_() for x in (h0, w0))
+                if fn is None:
+                    lp, ent = checked_head(h, w, labels, 0.5, True)
+                else:
+                    lp, ent = fn(h, w, labels, 0.5, "none", None)
+                outputs: list[Any] = [lp, ent]
+                ((lp * torch.arange(1.0, 17.0, device=device)).sum() + outputs[1].float().sum()).backward()
+                results.append([x.detach().float().cpu() for x in (*outputs, h.grad, w.grad)])
+        if not all(torch.allclose(a, b, rtol=2e-2, atol=2e-2) for a, b in zip(*results)):
+            failure = "verl's linear_cross_entropy failed its probe here (its results differ from nopad's tiles')"
+    except Exception as error:  # noqa: BLE001 - whatever the kernel raises here, the tiles serve instead
+        failure = f"verl's linear_cross_entropy failed its probe here ({type(error).__name__}: {error})"
+    if failure is not None:
+        warnings.warn(f"nopad: {failure}; nopad's tiles serve it", RuntimeWarning, stacklevel=3)
+    _PROBES[key] = failure
+    return failure
