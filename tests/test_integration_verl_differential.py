@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -35,12 +36,21 @@ from tensordict import NonTensorData, TensorDict  # noqa: E402
 
 from nopad.integrations import _verl as nv  # noqa: E402
 from tests.batches import batch_shapes, make_batch  # noqa: E402
-from tests.verl_differential import Kinds, Part, assert_same, build, concat_parts, outcome, parts  # noqa: E402
+from tests.verl_differential import (  # noqa: E402
+    Kinds,
+    Part,
+    assert_same,
+    build,
+    concat_parts,
+    outcome,
+    parts,
+    raised_here,
+)
 
 CASES: Counter = Counter()  # (function, outcome) -> count
 KINDS = Kinds()
 EXAMPLES = settings(
-    max_examples=int(os.environ.get("NOPAD_VERL_EXAMPLES", "120")),
+    max_examples=int(os.environ.get("NOPAD_VERL_EXAMPLES", "100")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -75,6 +85,8 @@ def differential(name: str, call, reference=None):
         assert_same(theirs[1], ours[1], name, KINDS)
         CASES[name, "equal"] += 1
     elif ours[0] == "error":
+        for who, exc in (("verl", theirs[1]), ("nopad", ours[1])):  # a refusal, not this test's own error
+            assert not raised_here(exc), f"{name}: {who}'s call failed in the test itself: {exc!r}"
         CASES[name, f"both refuse ({type(theirs[1]).__name__})"] += 1
     else:
         message = str(theirs[1])
@@ -316,6 +328,137 @@ def test_left_right_2_no_padding_then_rows(shape, meta, chunks):
         "left_right_2_no_padding -> chunk -> concat",
         lambda: tu.concat_tensordict(list(tu.chunk_tensordict(vpad.left_right_2_no_padding(padded()), n))),
     )
+
+
+@EXAMPLES
+@given(shape=batch_shapes(), trailing=st.sampled_from([(), (3,)]), width=st.booleans())
+def test_the_padding_conversions_after_left_right_2_no_padding(shape, trailing, width):
+    """The model-output side of verl's padding module, on the batch its own conversion made: a nested
+    output (and its flat values) back to padded responses, responses to and from nested, the mask."""
+    prompt_lens, resp_lens, P, R = shape
+    B = len(prompt_lens)
+
+    def padded():
+        td = make_batch(prompt_lens, resp_lens, P, R, extras=False)
+        td["prompts"], td["responses"] = td["input_ids"][:, :P], td["input_ids"][:, P:]
+        return td
+
+    if min(prompt_lens) == 0:  # a row of pure padding: the conversions, compared as they are
+        differential("left_right_2_no_padding", lambda: vpad.left_right_2_no_padding(padded()))
+        return
+
+    def converted():
+        data = vpad.left_right_2_no_padding(padded())
+        offsets = data["input_ids"].offsets()
+        g = torch.Generator().manual_seed(B)
+        values = torch.randn(int(offsets[-1]), *trailing, generator=g)
+        out = torch.nested.nested_tensor_from_jagged(values, offsets.to(torch.int64))
+        resp = torch.nested.as_nested_tensor([torch.ones(n) for n in resp_lens], layout=torch.jagged)
+        return data, out, resp
+
+    def padded_response():
+        return torch.randn(B, R, *trailing, generator=torch.Generator().manual_seed(B + 1))
+
+    def on_converted(f):
+        return lambda: f(*converted())
+
+    differential("no_padding_2_padding", on_converted(lambda data, out, resp: vpad.no_padding_2_padding(out, data)))
+    differential(
+        "no_padding_2_padding", on_converted(lambda data, out, resp: vpad.no_padding_2_padding(out.values(), data))
+    )
+    differential("response_from_nested", on_converted(lambda data, out, resp: vpad.response_from_nested(out, resp)))
+    differential(
+        "response_to_nested", on_converted(lambda data, out, resp: vpad.response_to_nested(padded_response(), resp))
+    )
+    size = (P + R) if width else None
+    differential(
+        "build_attention_mask_from_nested",
+        on_converted(lambda data, out, resp: vpad.build_attention_mask_from_nested(data["input_ids"], size)),
+    )
+
+
+@EXAMPLES
+@given(
+    lengths=st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    negative=st.booleans(),
+    holes=st.integers(0, 5),
+    data=st.data(),
+)
+def test_embeds_padding_2_no_padding(lengths, negative, holes, data):
+    S = max(lengths) + data.draw(st.integers(0, 2))
+    B = len(lengths)
+
+    def batch():
+        g = torch.Generator().manual_seed(B)
+        mask = (torch.arange(S) < torch.tensor(lengths).unsqueeze(1)).long()  # [1 1 1 0 0]: verl's form
+        if holes == 0 and S:  # sometimes a hole inside a row
+            mask[0, 0] = 0 if mask[0].sum() > 1 else mask[0, 0]
+        td = TensorDict({"prompt_embeds": torch.randn(B, S, 2, generator=g), "prompt_embeds_mask": mask}, [B])
+        if negative:
+            td["negative_prompt_embeds"] = torch.randn(B, S, 2, generator=g)
+            td["negative_prompt_embeds_mask"] = mask.flip(0)
+        return td
+
+    differential("embeds_padding_2_no_padding", lambda: vpad.embeds_padding_2_no_padding(batch()))
+
+
+class _ParallelState:
+    """megatron-core's parallel_state as verl reads it, for one rank of a TP x CP grid (no group)."""
+
+    def __init__(self, tp, cp, rank):
+        self.tp, self.cp, self.rank = tp, cp, rank
+
+    def get_tensor_model_parallel_world_size(self):
+        return self.tp
+
+    def get_context_parallel_world_size(self):
+        return self.cp
+
+    def get_context_parallel_rank(self):
+        return self.rank
+
+    def get_context_parallel_group(self):
+        return None
+
+
+@EXAMPLES
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=6),
+    trailing=st.sampled_from([(), (3,)]),
+    grid=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]),
+    need_roll=st.booleans(),
+    fp8=st.booleans(),
+    bucket=st.sampled_from([None, 8, 16]),
+    data=st.data(),
+)
+def test_preprocess_and_postprocess_thd_engine(lengths, trailing, grid, need_roll, fp8, bucket, data):
+    """verl's THD conversion for Megatron on one rank of a TP x CP grid (megatron's parallel_state
+    stubbed as verl reads it); back from THD where no CP gather is needed."""
+    util = pytest.importorskip("verl.models.mcore.util")
+    tp, cp = grid
+    rank = data.draw(st.integers(0, cp - 1))
+    saved = getattr(util, "mpu", None)
+    util.mpu = _ParallelState(tp, cp, rank)
+    try:
+
+        def input_ids():
+            values = torch.randint(1, 1000, (sum(lengths), *trailing), generator=torch.Generator().manual_seed(3))
+            offsets = torch.tensor([0, *np.cumsum(lengths)])
+            return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+        kwargs = dict(need_roll=need_roll, use_fp8_padding=fp8, pad_to_length_bucket=bucket)
+        theirs, _ = differential("preprocess_thd_engine", lambda: util.preprocess_thd_engine(input_ids(), **kwargs))
+        if cp == 1 and theirs[0] == "ok":
+
+            def round_trip():
+                ids = input_ids()
+                tokens, params, _ = util.preprocess_thd_engine(ids, **kwargs)
+                output = tokens.float() * 0.5
+                return util.postprocess_thd_engine(output, params, ids, len(lengths))
+
+            differential("postprocess_thd_engine", round_trip)
+    finally:
+        util.mpu = saved
 
 
 # ---- karmarkar_karp and the balanced partitions ------------------------------------------------------
