@@ -19,10 +19,8 @@ from torch import Tensor
 
 from nopad._batch import get_field
 from nopad._errors import (
-    MASK_WORDS,
     check_flag,
     check_int,
-    check_integer_tensor,
     free_to_read,
     input_error,
     mask_error,
@@ -41,6 +39,7 @@ from nopad._layout import (
 )
 from nopad._layout import is_nested as _is_nested
 from nopad._rows import DATA, DENSE, NESTED, Relayout, register_relayout
+from nopad._schema import ANY, IDS, MASK, Field, check_field
 from nopad._torch_internals import put_checked
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "position_ids")
@@ -168,25 +167,31 @@ def plan_left_right(
     return _plan_left_right(attention_mask, response_mask, check_response_mask, device)
 
 
-def _check_masks(attention_mask: Any, response_mask: Any) -> None:
+# the padded batch left_right_2_no_padding takes (nopad._schema): the masks first, whose shapes the
+# others repeat; the response mask's (B, R) with R < S is checked beside it
+MASKS = (Field("attention_mask", MASK, (("B", "S"),)), Field("response_mask", MASK, (("...",),)))
+LEFT_RIGHT = (
+    *MASKS,
+    Field("input_ids", IDS, (("B", "S"),), like="attention_mask"),
+    Field("position_ids", IDS, (("B", "S"), ("B", "C", "S")), choices=(("C", (3, 4)),)),
+)
+
+
+def per_token(key: str) -> Field:
+    """A per-token field beside the masks: (B, S, ...)."""
+    return Field(key, ANY, (("B", "S", "..."),), words="a per-token tensor")
+
+
+def _check_masks(attention_mask: Any, response_mask: Any) -> dict[str, int]:
     """The two masks' types, dtypes and shapes: (B, S) and (B, R) with R < S and B >= 1. Host facts."""
-    for name, mask in (("attention_mask", attention_mask), ("response_mask", response_mask)):
-        if not isinstance(mask, Tensor) or _is_nested(mask) or mask.dtype.is_complex:
-            got = (
-                "a nested tensor"
-                if _is_nested(mask)
-                else f"dtype {mask.dtype}"
-                if isinstance(mask, Tensor)
-                else type(mask).__name__
-            )
-            raise input_error(name, None, f"a dense {MASK_WORDS}", got)
-    if attention_mask.dim() != 2:
-        raise input_error("attention_mask", None, "shape (batch, seqlen)", f"{tuple(attention_mask.shape)}")
-    (B, S), R = attention_mask.shape, response_mask.shape[-1]
-    if response_mask.dim() != 2 or response_mask.shape[0] != B or R >= S:
-        raise input_error("response_mask", None, f"shape ({B}, R) with R < seqlen {S}", f"{tuple(response_mask.shape)}")
+    sizes = check_field(attention_mask, MASKS[0], {})
+    check_field(response_mask, MASKS[1], sizes)
+    (B, S), shape = attention_mask.shape, tuple(response_mask.shape)
+    if len(shape) != 2 or shape[0] != B or shape[1] >= S:
+        raise input_error("response_mask", None, f"shape ({B}, R) with R < seqlen {S}", f"{shape}")
     if B == 0:
         raise input_error("attention_mask", None, "at least one row", "an empty batch")
+    return {**sizes, "R": shape[1]}
 
 
 def _plan_left_right(
@@ -253,14 +258,6 @@ def _conversion_width(sources: Any, kinds: dict[str, str]) -> int | None:
 register_relayout("indices", Relayout("input_ids", _conversion_width))
 
 
-def _check_per_token(data: TensorDict, key: str, B: int, S: int) -> Tensor:
-    x = data[key]
-    if not isinstance(x, Tensor) or x.dim() < 2 or tuple(x.shape[:2]) != (B, S):
-        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise input_error(key, None, f"a per-token tensor of shape ({B}, {S}, ...)", f"{shape}")
-    return x
-
-
 def left_right_2_no_padding(
     data: TensorDict,
     fields: Iterable[str] = (),
@@ -309,23 +306,14 @@ def left_right_2_no_padding(
         raise input_error("fields", None, f"names of per-token fields of data (keys {list(data.keys())})", f"{absent}")
     input_ids, attention_mask = data["input_ids"], data["attention_mask"]
     response_mask, position_ids = data["response_mask"], data["position_ids"]
-    _check_masks(attention_mask, response_mask)
-    B, S = attention_mask.shape
-    check_integer_tensor(input_ids, "input_ids")
-    check_integer_tensor(position_ids, "position_ids")
-    if _is_nested(input_ids) or input_ids.shape != (B, S):
-        got = "a nested tensor" if _is_nested(input_ids) else f"{tuple(input_ids.shape)}"
-        raise input_error("input_ids", None, f"shape ({B}, {S}) like attention_mask", got)
-    mrope = not _is_nested(position_ids) and position_ids.dim() == 3
-    if (
-        _is_nested(position_ids)
-        or position_ids.dim() not in (2, 3)
-        or position_ids.shape[0] != B
-        or position_ids.shape[-1] != S
-        or (mrope and position_ids.shape[1] not in (3, 4))
-    ):
-        got = "a nested tensor" if _is_nested(position_ids) else f"{tuple(position_ids.shape)}"
-        raise input_error("position_ids", None, f"shape ({B}, {S}) or ({B}, 3|4, {S})", got)
+    sizes = _check_masks(attention_mask, response_mask)
+    for field in LEFT_RIGHT[2:]:
+        sizes = check_field(data[field.key], field, sizes)
+    B, S = sizes["B"], sizes["S"]
+    mrope = "C" in sizes
+    extra = [k for k in (*PER_TOKEN_KEYS, *fields) if k in present and not _is_nested(data[k])]
+    for key in extra:
+        sizes = check_field(data[key], per_token(key), sizes)
 
     if plan is None:
         plan = _plan_left_right(attention_mask, response_mask, check_response_mask, None)
@@ -345,9 +333,8 @@ def left_right_2_no_padding(
     put("input_ids", plan.nest(input_ids))
     put("position_ids", plan.nest(position_ids, seq_dim=2 if mrope else 1))
     put("loss_mask", response_mask)
-    for key in (*PER_TOKEN_KEYS, *fields):
-        if key in present and not _is_nested(data[key]):
-            put(key, plan.nest(_check_per_token(data, key, B, S)))
+    for key in extra:
+        put(key, plan.nest(data[key]))
     out.set_non_tensor("max_seq_len", S)
     out.set_non_tensor("max_response_len", response_mask.shape[1])
     out.set_non_tensor("indices", plan.indices)
