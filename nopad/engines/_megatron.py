@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from nopad._errors import check_flag, free_to_read, input_error
 from nopad._layout import check_nested, is_nested, jagged_values, nested_offsets, wrap_jagged
+from nopad._logprobs import check_temperature, head_log_probs, temperature_tensor
 from nopad._torch_internals import cached_seqlens
 from nopad.parallel._cp import CpLayout, check_cp_args, gather_cp_flat, unshard_index
 from nopad.parallel._thd import (
@@ -171,6 +173,82 @@ def _check_padded_boundaries(cu: Tensor, offsets: Tensor, padded_total: int, cp_
         i = int(bad[0])
         expected = f"a padded segment holding the sequence's {int(lengths[i])} tokens, a multiple of {multiple}"
         raise input_error(field, i, expected, f"{int(segments[i])} (the params of another batch?)")
+
+
+# ---- the output head -------------------------------------------------------------------------------
+def thd_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    input_ids_nested: Tensor,
+    plan: ThdPlan,
+    packed_seq_params: Any,
+    *,
+    bias: Tensor | None = None,
+    temperature: float | Tensor = 1.0,
+    calculate_entropy: bool = False,
+    tp_group: Any = None,
+    sequence_parallel: bool = False,
+    cp_group: Any = None,
+    chunk_size: int | None = None,
+) -> dict[str, Tensor]:
+    """A Megatron model's last hidden states and output layer -> {"log_probs": nested (B, j),
+    "entropy": nested (B, j) if asked}, never the (T, V / tp) logits. No host sync.
+
+    ``hidden``: this rank's output of the model's decoder (``post_process=False``, or the input of its
+    ``output_layer``), Megatron's [s, b, h] layout with b = 1, ``(local_len, 1, H)`` (``(local_len / tp,
+    1, H)`` under ``sequence_parallel``), for the THD row that ``plan`` (the :class:`ThdPlan` of
+    :func:`preprocess_thd`) sharded over context parallelism. ``weight`` (and ``bias``): the
+    ColumnParallelLinear ``output_layer.weight`` (``bias``), this rank's (V / tp, H) vocabulary shard
+    of ``tp_group`` (the whole (V, H) without one), or the shared embedding of a tied model. The labels
+    are the batch's next tokens, sharded by the same plan (``plan.shard(input_ids, need_roll=True)``);
+    ``temperature`` a float or a per-sequence (B,) tensor.
+
+    The head runs on the rank's slots through :func:`nopad.logprobs.head_log_probs` (vocabulary-parallel
+    over ``tp_group``: two all-reduces of O(T) floats per call, the gradient of hidden summed over the
+    ranks as the column-parallel layer hands it back), and the results come back through
+    :func:`postprocess_thd` (gathered over ``cp_group``, the way back of the plan, padding dropped), on
+    the batch's offsets: ``no_padding_2_padding`` reads the response log-probs from them. A sequence's
+    last token gets log-prob 0 (its label belongs to no sequence). Equal to megatron-core's
+    ``vocab_parallel_cross_entropy`` on the full logits.
+    """
+    if not isinstance(plan, ThdPlan):
+        raise input_error("plan", None, "the ThdPlan that sharded the batch", type(plan).__name__)
+    calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
+    sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
+    if not isinstance(hidden, Tensor) or hidden.dim() != 3 or hidden.shape[1] != 1:
+        got = f"shape {tuple(hidden.shape)}" if isinstance(hidden, Tensor) else type(hidden).__name__
+        raise input_error("hidden", None, "Megatron's (local_len, 1, hidden) decoder output of one THD row", got)
+    labels = plan.shard(input_ids_nested, need_roll=True)[0]
+    if isinstance(temperature, Tensor):
+        per_row = temperature_tensor(temperature, plan.batch_size, "temperature")
+        temperature = per_row.to(device=labels.device, dtype=torch.float32).index_select(0, plan.segment)
+    else:
+        temperature = check_temperature(temperature)
+    log_probs, entropy = head_log_probs(
+        hidden[:, 0],
+        weight,
+        labels,
+        temperature,
+        calculate_entropy,
+        chunk_size,
+        bias=bias,
+        tp_group=tp_group,
+        sequence_parallel=sequence_parallel,
+    )
+    per_slot = log_probs if entropy is None else torch.stack([log_probs, entropy], -1)
+    nested = postprocess_thd(per_slot.unsqueeze(0), packed_seq_params, input_ids_nested, plan=plan, cp_group=cp_group)
+    values = jagged_values(nested)
+    last = plan.plan.last_token_mask.to(values.device)
+    lp = values if entropy is None else values[:, 0]
+    out = {"log_probs": wrap_jagged(torch.where(last, 0.0, lp), nested_offsets(nested), **_seqlens(nested))}
+    if entropy is not None:
+        out["entropy"] = wrap_jagged(values[:, 1], nested_offsets(nested), **_seqlens(nested))
+    return out
+
+
+def _seqlens(nested: Tensor) -> dict[str, Any]:
+    low, high = cached_seqlens(nested)
+    return {"min_seqlen": low, "max_seqlen": high}
 
 
 # ---- megatron-core parallel state ----------------------------------------------------------------
