@@ -116,7 +116,12 @@ def first_fit(work: np.ndarray, tokens: np.ndarray, budget: int, start: int, ste
 
 
 def fits(partitions: list[list[int]], tokens: np.ndarray, budget: int) -> bool:
-    return bool(partitions) and all(int(tokens[p].sum()) <= budget for p in partitions)
+    """Whether every partition's tokens fit the budget (one gather and one reduction for all)."""
+    if not partitions or not all(partitions):
+        return bool(partitions) and all(int(tokens[p].sum()) <= budget for p in partitions)
+    sizes = np.fromiter((len(p) for p in partitions), dtype=np.int64, count=len(partitions))
+    flat = tokens[np.fromiter((i for p in partitions for i in p), dtype=np.int64, count=int(sizes.sum()))]
+    return bool((np.add.reduceat(flat, np.cumsum(sizes) - sizes) <= budget).all())
 
 
 def split_until(partitions: list[list[int]], count: int, tokens: np.ndarray) -> list[list[int]]:

@@ -339,6 +339,7 @@ class _TokenGroup:
         self.token_index: Tensor | None = None
         self.offsets: list[Tensor] = []
         self.row_starts_d: Tensor | None = None
+        self._part_seqlens: list[dict[str, Any]] | None = None
 
     def host_arrays(self) -> list[np.ndarray]:
         extra = [] if self.row_starts is None else [self.row_starts]
@@ -366,11 +367,28 @@ class _TokenGroup:
         pieces = [tokens] if len(sizes) == 1 else list(tokens.split_with_sizes(sizes, dim))
         if dim > 0 and len(sizes) > 1:  # a (C, t) slice of (C, total) is strided: parts must be contiguous
             pieces = [p.contiguous() for p in pieces]
-        starts = self.plan.starts
         return [
-            wrap_jagged(piece, offsets, ragged, **_seqlens(self.lengths[start : start + size]))
-            for piece, offsets, start, size in zip(pieces, self.offsets, starts.tolist(), self.plan.sizes.tolist())
+            wrap_jagged(piece, offsets, ragged, **seqlens)
+            for piece, offsets, seqlens in zip(pieces, self.offsets, self.part_seqlens())
         ]
+
+    def part_seqlens(self) -> list[dict[str, Any]]:
+        """Each part's min / max row length, as wrap_jagged takes them: two reductions for all parts
+        (made once for the group; every nested field of it shares them)."""
+        if self._part_seqlens is None:
+            sizes = self.plan.sizes
+            starts = self.plan.starts[sizes > 0]
+            low = np.minimum.reduceat(self.lengths, starts).tolist() if len(starts) else []
+            high = np.maximum.reduceat(self.lengths, starts).tolist() if len(starts) else []
+            found = iter(zip(low, high))
+            self._part_seqlens = []
+            for size in sizes.tolist():
+                if size == 0:
+                    self._part_seqlens.append({})
+                    continue
+                a, b = next(found)
+                self._part_seqlens.append({"min_seqlen": a, "max_seqlen": b, "records": seqlen_records(a, b)})
+        return self._part_seqlens
 
     def padded_positions(self, indices: list[Tensor], width: int) -> list[Tensor]:
         """Each part's ``indices``: the column of every token in its padded row (``indices % width``,
@@ -387,14 +405,6 @@ class _TokenGroup:
         columns = columns + spread_over_tokens(row_start, offsets, self.total).to(columns.dtype)
         sizes = self.tokens_per_part.tolist()
         return [columns] if len(sizes) == 1 else list(columns.split_with_sizes(sizes))
-
-
-def _seqlens(lengths: np.ndarray) -> dict[str, Any]:
-    """wrap_jagged's min / max length arguments for rows of these lengths (shared records: no op)."""
-    if len(lengths) == 0:
-        return {}
-    low, high = int(lengths.min()), int(lengths.max())
-    return {"min_seqlen": low, "max_seqlen": high, "records": seqlen_records(low, high)}
 
 
 def _to_device(
