@@ -749,8 +749,10 @@ class Route:
         self._tokens.append(_PACKED_FORWARD.set(forward))
         if boundaries is None:
             return None
-        kwargs = _without_cache(kwargs, owner)
-        if "cu_seq_lens_q" not in kwargs:  # found from the position ids: every layer gets them as kwargs
+        kwargs = _without_cache(kwargs, owner, _takes(module, "use_cache"))
+        if "cu_seq_lens_q" not in kwargs and _takes(module, "cu_seq_lens_q"):
+            # found from the position ids: every layer gets them as kwargs (a forward that takes no such
+            # kwargs leaves its layers to the forward's row, which _packed_call falls back to)
             cu, longest = boundaries
             kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return args, kwargs
@@ -778,7 +780,7 @@ ROUTED_CONFIGS: set[int] = set()
 _ROUTES: weakref.WeakKeyDictionary[torch.nn.Module, Route] = weakref.WeakKeyDictionary()
 
 
-def _without_cache(kwargs: dict, owner: str) -> dict:
+def _without_cache(kwargs: dict, owner: str, takes_it: bool) -> dict:
     """A packed forward builds no cache: ``use_cache`` left at None would make transformers start one."""
     use_cache = kwargs.get("use_cache")
     if use_cache:
@@ -788,7 +790,20 @@ def _without_cache(kwargs: dict, owner: str) -> dict:
             "False or None in a packed forward (a cache across packed sequences would mix them)",
             repr(use_cache),
         )
-    return {**kwargs, "use_cache": False}
+    return {**kwargs, "use_cache": False} if takes_it or "use_cache" in kwargs else dict(kwargs)
+
+
+def _takes(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward takes the keyword ``name`` (or any keyword). Read once per module."""
+
+    def read() -> bool:
+        try:
+            parameters = inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            return False
+        return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+    return memo(module, ("takes", name), read)
 
 
 def _row_boundaries(args: tuple, kwargs: dict) -> tuple[Tensor, int] | None:
