@@ -481,6 +481,7 @@ def _refuse_unrouted(module: torch.nn.Module) -> None:
     but never given to :func:`use_packed_attention`): if its config has layers that carry state
     along the sequence, they ran the row as one sequence already. Checked once per config."""
     config = getattr(module, "config", None)
+    config = getattr(config, "_target", config)  # under Ulysses the kernel sees a view of the module's config
     if config is None or id(config) in ROUTED_CONFIGS or id(config) in _CHECKED_CONFIGS:
         return
     kinds = [
