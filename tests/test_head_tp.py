@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from nopad._logprobs import VocabShard, run_head
+from nopad.diagnostics import OpCounter
 from nopad.logprobs import head_log_probs
 from tests.dist_utils import run_distributed
 from tests.live_bytes import LiveBytes
@@ -66,8 +67,12 @@ def _tp_worker(rank: int, world: int) -> dict:
             errors[f"{name}, sp={sp}"] = [float((a - e).abs().max()) for a, e in zip(ours, expected)]
     # the public entry: a ProcessGroup, a float temperature, no bias, the default tiles
     ref_lp, ref_ent = head_log_probs(hidden, weight, labels, 0.8, True)
-    lp, ent = head_log_probs(hidden, weight[rows], labels, 0.8, True, tp_group=group)
+    h, w = hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_()
+    with OpCounter() as counter:  # forward and backward: collectives, no host read
+        lp, ent = head_log_probs(h, w, labels, 0.8, True, tp_group=group)
+        (lp.sum() + ent.sum()).backward()
     errors["head_log_probs(tp_group)"] = [float((lp - ref_lp).abs().max()), float((ent - ref_ent).abs().max())]
+    errors["host syncs"] = [float(counter.syncs)]
     if importlib.util.find_spec("megatron") is not None:
         errors["megatron"] = _against_megatron(rank, world, hidden, weight, b, labels, temperature, weights, rows)
     return errors
@@ -102,7 +107,7 @@ def test_tp_head_on_gloo_ranks_equals_one_process_and_megatron_core(world):
     """With per-token temperature, bias, soft-capping and a scale, with and without sequence parallelism:
     log-probs, entropy and the gradients of hidden (summed over ranks), of the weight shard and of the
     bias shard within 1e-5 of one process holding the whole layer; and megatron-core's
-    vocab_parallel_cross_entropy on the same shards (log-probs, gradients) within 1e-5."""
+    vocab_parallel_cross_entropy on the same shards (log-probs, gradients) within 1e-5; no host sync."""
     results = run_distributed(_tp_worker, world)
     for rank, errors in enumerate(results):
         assert ("megatron" in errors) == (importlib.util.find_spec("megatron") is not None)
