@@ -48,11 +48,36 @@ def _run(arch: str, group=None):
     return out["log_probs"].values().detach(), out["entropy"].values().detach(), grads
 
 
+def _fsdp_batch(rank):
+    return make_padded_batch(2, 10, 40, seed=200 + rank, vocab=VOCAB)
+
+
+def _fsdp2(arch: str, rank: int):
+    """The model routed, then sharded by FSDP2 over the 4 ranks (as a trainer builds it); each rank its
+    own batch: its log-probs and the full gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from nopad.attention import use_packed_attention
+
+    model = use_packed_attention(tiny_causal_lm(arch, vocab=VOCAB, hidden=32, layers=4))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    micro = left_right_2_no_padding(_fsdp_batch(rank))
+    lp = packed_logprobs(model, micro, head="logits")
+    no_padding_2_padding(lp, micro).sum().backward()
+    return lp.values().detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def _worker(rank, world_size):
     torch.set_num_threads(1)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     groups = {2: pairs[rank // 2], 4: dist.group.WORLD}
-    return {(sp, arch): _run(arch, groups[sp]) for sp in (2, 4) for arch in ARCHS}
+    out = {(sp, arch): _run(arch, groups[sp]) for sp in (2, 4) for arch in ARCHS}
+    out.update({("fsdp2", arch): _fsdp2(arch, rank) for arch in ("qwen3_5", "bamba")})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +104,25 @@ def test_ulysses_state_layers_equal_one_process(four_ranks, arch, sp):
         for name, grad in grads.items():
             scale = max(1.0, ref_grads[name].abs().max().item())
             assert (grad - ref_grads[name]).abs().max() <= 1e-5 * scale, f"{arch} SP {sp} rank {rank}: {name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba"])
+def test_a_routed_model_under_fsdp2_equals_one_process(four_ranks, arch):
+    model = tiny_causal_lm(arch, vocab=VOCAB, hidden=32, layers=4)
+    expected = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for rank, result in enumerate(four_ranks):
+        lp, _ = result[("fsdp2", arch)]
+        micro = left_right_2_no_padding(_fsdp_batch(rank))
+        model.zero_grad()
+        ref = packed_logprobs(model, micro, head="logits")
+        no_padding_2_padding(ref, micro).sum().backward()
+        assert (lp - ref.values().detach()).abs().max() <= 1e-5, f"{arch} rank {rank}"
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                expected[n] += p.grad / len(four_ranks)  # FSDP averages gradients over its ranks
+    for rank, result in enumerate(four_ranks):
+        _, grads = result[("fsdp2", arch)]
+        for n, g in grads.items():
+            scale = max(1.0, expected[n].abs().max().item())
+            assert (g - expected[n]).abs().max() <= 1e-5 * scale, f"{arch} rank {rank}: {n}"
