@@ -257,7 +257,7 @@ def _checked_figures(
             needs,
             None,
             f"the global mini-batch figure when dp_size={dp_size} with {loss_agg_mode!r} "
-            "(see nopad._losses.global_batch_info)",
+            "(see nopad.losses.global_batch_info)",
             "None",
         )
     return {
