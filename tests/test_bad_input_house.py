@@ -151,3 +151,18 @@ def test_float_input_ids_are_refused_before_the_model_sees_them():
     micro = {"input_ids": plan.to_nested(torch.arange(5).float()), "position_ids": plan.to_nested(plan.position_ids)}
     with pytest.raises(ValueError, match=r"input_ids: expected an integer tensor, got dtype torch.float32"):
         prepare_model_inputs(micro)
+
+
+@pytest.mark.parametrize("bad", [8, -1])
+def test_routed_expert_ids_outside_the_experts_are_refused_not_replayed(bad):
+    from nopad.engines.megatron import ThdPlan
+
+    plan = ThdPlan.from_nested(_nested_batch()["input_ids"])
+    experts = torch.zeros(plan.total, 2, dtype=torch.long)
+    experts[5, 1] = bad
+    with pytest.raises(ValueError, match=rf"routed_experts: expected expert ids in \[0, num_experts=8\), got {bad}"):
+        plan.shard_routed_experts(experts, num_experts=8)
+    with pytest.raises(ValueError, match=r"routed_experts: expected an integer tensor, got dtype torch.float32"):
+        plan.shard_routed_experts(experts.float(), num_experts=8)
+    experts[5, 1] = 7
+    assert plan.shard_routed_experts(experts, num_experts=8).shape == (1, plan.local_len, 2)

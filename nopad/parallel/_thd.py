@@ -23,7 +23,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nopad._errors import check_flag, check_int, check_optional_int, free_to_read, input_error
+from nopad._errors import (
+    check_flag,
+    check_int,
+    check_integer_tensor,
+    check_optional_int,
+    free_to_read,
+    input_error,
+)
 from nopad._layout import (
     IndexPlan,
     as_lengths,
@@ -405,14 +412,20 @@ class ThdPlan:
 
         Alignment slots get distinct experts spread round-robin over ``num_experts`` (slot g, pick k
         -> (g * topk + k) % num_experts), so replaying the router does not pile padding on expert 0.
+        Ids outside [0, num_experts) are refused where reading them is free (host memory); on a
+        device they are not read (that would be a host sync).
         """
         num_experts = check_int(num_experts, "num_experts", low=1)
         flat = self._values(routed_experts)
+        check_integer_tensor(flat, "routed_experts")
         if flat.dim() < 2:
             raise input_error("routed_experts", None, "(total, ..., topk)", f"shape {tuple(flat.shape)}")
         topk = flat.shape[-1]
         if not 0 < topk <= num_experts:
             raise input_error("num_experts", None, f">= topk {topk} (distinct experts per slot)", f"{num_experts}")
+        if free_to_read(flat) and flat.numel() and not bool(((flat >= 0) & (flat < num_experts)).all()):
+            bad = flat[(flat < 0) | (flat >= num_experts)][0].item()
+            raise input_error("routed_experts", None, f"expert ids in [0, num_experts={num_experts})", f"{bad}")
         out = flat.index_select(0, self.source_index())
         pick = torch.arange(topk, device=out.device)
         spread = (self.global_index.view(-1, *([1] * (out.dim() - 1))) * topk + pick) % num_experts
