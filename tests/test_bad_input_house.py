@@ -166,3 +166,32 @@ def test_routed_expert_ids_outside_the_experts_are_refused_not_replayed(bad):
         plan.shard_routed_experts(experts.float(), num_experts=8)
     experts[5, 1] = 7
     assert plan.shard_routed_experts(experts, num_experts=8).shape == (1, plan.local_len, 2)
+
+
+def _set(field, index, value):
+    def edit(batch):
+        batch[field][index] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(_set("packed_cu_seqlens", (1, 1), 5), id="last boundary moved into the row's padding"),
+        pytest.param(_set("packed_cu_seqlens_lengths", 0, 2), id="count shrank: real tokens past the last boundary"),
+        pytest.param(_set("packed_cu_seqlens", (0, 1), 2), id="boundary moved between two conversations"),
+        pytest.param(_set("packed_cu_seqlens", (1, 1), 9), id="boundary past the row's width"),
+        pytest.param(_set("packed_cu_seqlens_lengths", 1, 7), id="count past the boundaries held"),
+    ],
+)
+def test_packed_rows_whose_boundaries_no_longer_match_their_tokens_are_refused(edit):
+    from nopad.packing import collate_packed, pack_conversations, packed_to_nested, packed_to_thd
+
+    convs = [([1, 2, 3], [0, 1, 1]), ([4, 5], [1, 1]), ([6, 7, 8, 9], [1, 1, 1, 1])]
+    batch = collate_packed(pack_conversations(convs, 8, pad_token_id=0)[0])
+    assert packed_to_nested(batch)["input_ids"].offsets().tolist() == [0, 3, 5, 9]
+    edit(batch)
+    for convert in (packed_to_nested, packed_to_thd):
+        with pytest.raises(ValueError, match=r"packed_cu_seqlens row \d: expected boundaries that match the row's"):
+            convert(batch)

@@ -118,6 +118,44 @@ def collate_packed(rows: Sequence[Mapping[str, object]], *, pad_token_id: int = 
     return TensorDict({k: torch.from_numpy(v) for k, v in data.items()}, batch_size=[len(rows)])
 
 
+def _broken_rows(
+    batch: TensorDict, cu: Tensor, count: Tensor, real: Tensor, seg: Tensor, row_len: Tensor, width: int
+) -> Tensor:
+    """(N,) rows whose boundaries do not describe their tokens: they do not run 0 < b_1 < ... <= the
+    row's width with a count in [2, K], or (where the batch has positions) the positions are not
+    0, 1, ... restarting at each boundary and 0 past the last one. A boundary moved into the row's
+    padding, or a count that shrank and left real tokens past the last boundary, is caught here
+    rather than feeding padding to the model or dropping tokens. Device ops only, no sync.
+    """
+    broken = (count < 2) | (count > cu.shape[1]) | (cu[:, 0] != 0) | (row_len > width)
+    broken |= (real & (seg <= 0)).any(1)
+    if "position_ids" in batch.keys():
+        # the one a boundary starts: boundaries past a row's count set to width, so every slot finds
+        # the last boundary at or before it (searchsorted over each row's sorted boundaries)
+        k = torch.arange(cu.shape[1], device=cu.device).unsqueeze(0)
+        starts = torch.where(k < count.unsqueeze(1), cu, width).contiguous()
+        slot = torch.arange(width, device=cu.device).expand(cu.shape[0], width).contiguous()
+        first = torch.searchsorted(starts, slot, right=True).sub_(1).clamp_(0, cu.shape[1] - 1)
+        expected = slot - starts.gather(1, first)
+        expected = expected.masked_fill_(slot >= row_len.unsqueeze(1), 0)
+        broken |= (batch["position_ids"] != expected).any(1)
+    return broken
+
+
+def _broken_error(batch: TensorDict, broken: Tensor, cu: Tensor, count: Tensor, width: int) -> ValueError:
+    """The error for the first row :func:`_broken_rows` flags (an error path: it reads the row)."""
+    r = int(broken.nonzero()[0])
+    n = int(count[r])
+    bounds = cu[r, : max(0, min(n, cu.shape[1]))].tolist()
+    expected = f"0 < b_1 < ... <= width {width}, with position_ids 0, 1, ... restarting at each and 0 past the last"
+    return input_error(
+        "packed_cu_seqlens",
+        r,
+        f"boundaries that match the row's tokens: {expected}",
+        f"count {n}, boundaries {bounds}; collate the rows again (collate_packed)",
+    )
+
+
 def packed_to_nested(
     batch: TensorDict, fields: Sequence[str] = TOKEN_FIELDS, *, alignment: int = 1, context: str = ""
 ) -> dict[str, Tensor]:
@@ -146,12 +184,18 @@ def packed_to_nested(
     alignment = check_int(alignment, "alignment", low=1)
     cu, count = batch["packed_cu_seqlens"], batch["packed_cu_seqlens_lengths"]
     width = batch["input_ids"].shape[1]
-    segs_per_row = count - 1
+    if cu.dim() != 2 or count.shape != cu.shape[:1]:
+        got = f"packed_cu_seqlens {tuple(cu.shape)}, packed_cu_seqlens_lengths {tuple(count.shape)}"
+        raise input_error("batch", None, "(N, K) boundaries and (N,) counts", got)
+    segs_per_row = (count - 1).clamp_(0, cu.shape[1] - 1)
     seg = cu[:, 1:] - cu[:, :-1]  # (N, K-1); entries past a row's count are meaningless
     real = torch.arange(seg.shape[1], device=cu.device).unsqueeze(0) < segs_per_row.unsqueeze(1)
     row_len = cu.gather(1, segs_per_row.unsqueeze(1)).squeeze(1)
     misaligned = real & (seg % alignment != 0)
-    n_seg, total, bad = to_host(segs_per_row.sum(), row_len.sum(), misaligned.any())
+    broken = _broken_rows(batch, cu, count, real, seg, row_len, width)
+    n_seg, total, bad, n_broken = to_host(segs_per_row.sum(), row_len.sum(), misaligned.any(), broken.any())
+    if n_broken:
+        raise _broken_error(batch, broken, cu, count, width)
     if bad:
         r = int(misaligned.any(1).nonzero()[0])
         raise input_error(
