@@ -17,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer",
         default=None,
-        help="also require this tokenizer: a local HF directory, or 'bytes' for the built-in one",
+        help="also require this tokenizer: a local HF directory, or 'bytes' for the built-in one (default: "
+        "none required, the file is checked against the tokenizer it records)",
     )
     parser.add_argument("--bins", type=int, default=10, help="histogram bins")
 
