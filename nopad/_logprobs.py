@@ -617,16 +617,27 @@ def _check_rows_and_labels(x: Tensor, field: str, shape: str, labels: Tensor, pa
         raise input_error(field, None, what, f"{tuple(x.shape)}")
 
 
+def check_label_range(labels: Tensor, vocab: int) -> None:
+    """Labels are ids in [0, vocab): read where that is free (host memory), one reduction; on a device
+    they are not read (the gather then fails on its own, or, under TP, no rank owns the label)."""
+    if free_to_read(labels) and labels.numel():
+        low, high = torch.aminmax(labels)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise input_error("labels", None, f"token ids in [0, vocab={vocab}) (a pad id past it?)", f"{int(bad)}")
+
+
 def token_log_probs(
     logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0, with_entropy: bool = False
 ) -> tuple[Tensor, Tensor | None]:
     """(L, V) logits, (L,) labels, float or (L,) temperature -> (L,) log-probs and optional (L,) entropy.
 
     Float32 results. One extra (L, V) buffer in the forward (see :class:`_TokenLogProbs`).
-    Floating logits, integer labels (their range is not read: gather refuses one outside the
-    vocab), a temperature as :func:`prepare_model_inputs` takes it (per token here).
+    Floating logits, integer labels in [0, V) (read on the CPU, where that is free; on a device
+    gather refuses one outside the vocab), a temperature as :func:`prepare_model_inputs` takes it (per token here).
     """
     _check_rows_and_labels(logits, "logits", "(tokens, vocab)", labels)
+    check_label_range(labels, logits.shape[1])
     with_entropy = check_flag(with_entropy, "with_entropy")
     if isinstance(temperature, Tensor):
         temperature = temperature_tensor(temperature, logits.shape[0], "temperature")
@@ -748,6 +759,7 @@ def checked_head(
             f"({rows}, {hidden.shape[1]}) of dtype {hidden.dtype} like hidden",
             f"{tuple(weight.shape)} of dtype {weight.dtype}",
         )
+    check_label_range(labels, weight.shape[0] * (1 if shard is None else shard.size))
     if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
         raise input_error(
             "bias", None, f"({weight.shape[0]},) of dtype {weight.dtype}", f"{tuple(bias.shape)} of dtype {bias.dtype}"

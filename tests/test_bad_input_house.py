@@ -195,3 +195,32 @@ def test_packed_rows_whose_boundaries_no_longer_match_their_tokens_are_refused(e
     for convert in (packed_to_nested, packed_to_thd):
         with pytest.raises(ValueError, match=r"packed_cu_seqlens row \d: expected boundaries that match the row's"):
             convert(batch)
+
+
+@pytest.mark.parametrize("label", [97, -1])
+def test_a_label_outside_the_vocabulary_is_named_not_an_index_error(label):
+    from nopad.logprobs import head_log_probs, token_log_probs
+
+    labels = torch.tensor([1, 2, label, 0])
+    match = rf"labels: expected token ids in \[0, vocab=97\) \(a pad id past it\?\), got {label}"
+    with pytest.raises(ValueError, match=match):
+        token_log_probs(torch.randn(4, 97), labels)
+    with pytest.raises(ValueError, match=match):
+        head_log_probs(torch.randn(4, 8), torch.randn(97, 8), labels)
+
+
+@pytest.mark.parametrize("head", ["logits", "chunked"])
+def test_a_pad_id_past_the_vocabulary_is_named_before_the_head_reads_it(head):
+    from nopad import left_right_2_no_padding
+    from nopad.engines.fsdp import chunked_head, prepare_model_inputs, prepare_model_outputs
+    from tests.models import make_padded_batch, tiny_llama
+
+    m = tiny_llama(0)  # vocabulary 97
+    micro = left_right_2_no_padding(make_padded_batch(2, 4, 3, seed=0, prompt_lens=[4, 2], resp_lens=[3, 1]))
+    inputs, args = prepare_model_inputs(micro, pad_token_id=97)
+    with pytest.raises(ValueError, match=r"labels: expected token ids in \[0, vocab=97\) \(a pad id past it\?\)"):
+        with torch.no_grad(), chunked_head(m, args, head) as served:
+            prepare_model_outputs(served(**inputs), args)
+    inputs, args = prepare_model_inputs(micro, pad_token_id=0)
+    with torch.no_grad(), chunked_head(m, args, head) as served:
+        assert prepare_model_outputs(served(**inputs), args)["log_probs"].values().isfinite().all()

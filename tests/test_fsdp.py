@@ -236,7 +236,7 @@ def test_log_probs_materialise_one_extra_tokens_by_vocab_tensor_forward_and_back
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "flash_attention_2"])
-def test_adapter_op_count_is_independent_of_batch_size_and_sync_free(attn_implementation):
+def test_adapter_op_count_is_independent_of_batch_size_and_sync_free(attn_implementation, device_path):
     def run(B):
         micro = left_right_2_no_padding(make_padded_batch(B, 6, 5, seed=B))  # nested rows carry their max length
         T = micro["input_ids"].values().shape[0]

@@ -33,6 +33,7 @@ from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets
 from nopad._logprobs import (
     TOKENS,
     ScoredTokens,
+    check_label_range,
     check_temperature,
     default_tile,
     logits_log_probs,
@@ -432,6 +433,7 @@ def _from_logits(
     logits: Tensor, args: OutputArgs, calculate_entropy: bool, scored: ScoredTokens | None
 ) -> tuple[Tensor, Tensor | None]:
     """(L,) log-probs and entropy from this rank's (L, V) logits, at the scored rows only when they are fewer."""
+    check_label_range(args.labels, logits.shape[-1])
     if scored is None or scored.count >= logits.shape[0]:
         return logits_log_probs(logits, args.labels, args.temperature, calculate_entropy)
     temperature = args.temperature

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from nopad._errors import free_to_read, input_error
-from nopad._logprobs import ScoredTokens, run_head
+from nopad._logprobs import ScoredTokens, check_label_range, run_head
 
 # ---- a model's output layer ------------------------------------------------------------------
 
@@ -280,6 +280,7 @@ def head_forward(
             raise input_error("head", None, "a model the chunked head can serve (or head='logits')", str(reason))
         yield model
         return
+    check_label_range(labels[:real], spec.layer.weight.shape[0])  # the pad past them is never scored
     served = spec
     original = model.forward
     own = model.__dict__.get("forward")
