@@ -260,7 +260,9 @@ def engine_path_row(td: TensorDict, B: int, repeats: int, device: str, other: di
     """verl's engine path under ``install()`` (``prepare_micro_batches`` + ``postprocess_batch_func``,
     as its FSDP engine calls them with ``use_dynamic_bsz``) against the bare gathers of the same
     tokens: one ``index_select`` per field into the micro-batches' order and one of the output back
-    (the memory floor of any split and restore), measured in the same run."""
+    (the memory floor of any split and restore). The two are timed alternately in one loop, each
+    result dropped before the next call, so both meet the allocator in the same state (kept results
+    made the bare gathers page-fault fresh memory in some calls: 10 or 20 ms for the same work)."""
     import verl.workers.engine.utils as engine
 
     from nopad.integrations.verl import install
@@ -270,23 +272,33 @@ def engine_path_row(td: TensorDict, B: int, repeats: int, device: str, other: di
     data.set_non_tensor("use_dynamic_bsz", True)
     patch = install(check_version=False)
     try:
-        split_ms, (micro, parts) = _best(lambda: engine.prepare_micro_batches(data), repeats, device)
+        micro, parts = engine.prepare_micro_batches(data)
         outputs = [{"model_output": {"log_probs": m["input_ids"].float()}} for m in micro]
-        back_ms, joined = _best(lambda: engine.postprocess_batch_func(outputs, parts, data), repeats, device)
+        joined = engine.postprocess_batch_func(outputs, parts, data)
+        order = np.array([r for p in parts for r in p], dtype=np.int64)
+        plan = IndexPlan.from_nested(td["input_ids"])
+        tokens = plan.token_index(plan.offsets[:-1])  # identity on the batch's own layout: the rows' tokens
+        starts = plan.offsets[torch.from_numpy(order)]
+        lengths = plan.lengths[torch.from_numpy(order)]
+        moved = IndexPlan.from_lengths(lengths).token_index(starts)  # each micro-batch's tokens, in order
+        back = torch.empty_like(moved).index_copy_(0, moved, tokens)
+        fields = [td[key].values() for key in ("input_ids", "position_ids", "loss_mask")]
+        out = td["input_ids"].values().float()
+
+        def split_restore() -> None:
+            _, rows = engine.prepare_micro_batches(data)
+            engine.postprocess_batch_func(outputs, rows, data)
+
+        def bare() -> None:
+            [f.index_select(0, moved) for f in fields], out.index_select(0, back)
+
+        engine_ms = bare_ms = float("inf")
+        for _ in range(repeats):
+            engine_ms = min(engine_ms, _best(split_restore, 1, device)[0])
+            bare_ms = min(bare_ms, _best(bare, 1, device)[0])
     finally:
         patch.uninstall()
-    order = np.array([r for p in parts for r in p], dtype=np.int64)
-    plan = IndexPlan.from_nested(td["input_ids"])
-    tokens = plan.token_index(plan.offsets[:-1])  # identity on the batch's own layout: the rows' tokens
-    starts = plan.offsets[torch.from_numpy(order)]
-    lengths = plan.lengths[torch.from_numpy(order)]
-    moved = IndexPlan.from_lengths(lengths).token_index(starts)  # each micro-batch's tokens, in order
-    back = torch.empty_like(moved).index_copy_(0, moved, tokens)
-    fields = [td[key].values() for key in ("input_ids", "position_ids", "loss_mask")]
-    out = td["input_ids"].values().float()
-    bare_ms, _ = _best(lambda: ([f.index_select(0, moved) for f in fields], out.index_select(0, back)), repeats, device)
     same = torch.equal(joined["model_output"]["log_probs"].values(), out)
-    engine_ms = split_ms + back_ms
     row = _row(
         f"split + restore, verl's engine path ({len(parts)} parts)", B, engine_ms, float("nan"), other, same, None
     )
