@@ -58,9 +58,11 @@ def kind_of(value: Any) -> str:
     if isinstance(value, TensorDict):
         return SUB
     if isinstance(value, Tensor):
-        if is_nested(value) and not is_jagged(value):  # a strided nested tensor has no offsets to move
+        if is_jagged(value):
+            return NESTED
+        if is_nested(value):  # a strided nested tensor has no offsets to move
             raise input_error("batch entry", None, "a jagged nested tensor (layout=torch.jagged)", "a strided one")
-        return NESTED if is_nested(value) else DENSE
+        return DENSE
     return DATA  # a value tensordict stores as metadata in some other wrapper
 
 
