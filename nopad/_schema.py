@@ -1,11 +1,11 @@
 """The batches the public entries take, described once and checked once, at the edge.
 
 A :class:`Field` says what one key of a batch holds: what its values are (token ids, a selection
-mask, real numbers), whether it is padded or nested, and its shape as symbols (``"B"``, ``"S"``,
-...) that the first field to have them binds. :func:`check` runs every field's checks on host facts
-only (presence, types, dtypes, shapes: no tensor value is read, so no sync) and returns the sizes it
-bound, so the function behind it starts from checked arguments and never checks again. Its messages
-name the field, what was expected (the shape with the sizes bound so far) and what came.
+mask, anything per token), and its shape as symbols (``"B"``, ``"S"``, ...) that the first field to
+have them binds. :func:`check_field` runs one field's checks on host facts only (type, dtype, shape:
+no tensor value is read, so no sync) and returns the sizes bound so far, so the function behind it
+starts from checked arguments and never checks again. Its messages name the field, what was
+expected (the shape with the sizes bound so far) and what came.
 
 The values themselves (a mask's 0s and 1s, the rows' runs) are checked where they are read anyway,
 by the function's own first read (see :func:`nopad._padding.plan_left_right`).
@@ -13,7 +13,6 @@ by the function's own first read (see :func:`nopad._padding.plan_left_right`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,7 @@ from torch import Tensor
 from nopad._errors import SELECTION_WORDS, check_integer_tensor, input_error
 from nopad._layout import is_nested
 
-IDS, MASK, REAL, ANY = "token ids", "a mask", "real numbers", "anything"
+IDS, MASK, ANY = "token ids", "a mask", "anything"
 Dim = str | int
 
 
@@ -32,13 +31,12 @@ class Field:
     """One key of a batch. ``shapes``: the shapes it may take, each a tuple of symbols or ints
     (``"..."`` last: any trailing dims); a symbol seen first here is bound to this field's size.
     ``choices``: the sizes a symbol may take (mrope's C in {3, 4}). ``like``: the field whose shape
-    this one repeats, for the message. ``required``: absent keys are an error (else skipped)."""
+    this one repeats, for the message."""
 
     key: str
     values: str
     shapes: tuple[tuple[Dim, ...], ...]
     like: str | None = None
-    required: bool = True
     choices: tuple[tuple[str, tuple[int, ...]], ...] = ()
     words: str | None = None  # what the field is, for the message ("a per-token tensor")
 
@@ -82,31 +80,9 @@ def _match(shape: tuple[int, ...], pattern: tuple[Dim, ...], sizes: dict, choice
     return bound
 
 
-def check(
-    data: Any, fields: tuple[Field, ...], sizes: dict[str, int] | None = None, *, keys: tuple[str, ...] = ()
-) -> dict[str, int]:
-    """Check ``data`` (a TensorDict or a mapping) against ``fields``, in order; returns the sizes bound.
-
-    Host facts only: no tensor value is read. Raises the ValueError of the first field that fails,
-    naming it, what it must be and what it is. ``keys``: the required keys in the order a message
-    lists them (default: the fields' order).
-    """
-    sizes = dict(sizes or {})
-    present = set(data.keys())
-    required = keys or tuple(f.key for f in fields if f.required)
-    missing = [key for key in required if key not in present]
-    if missing:
-        raise input_error("data", None, f"keys {list(required)}", f"missing {missing}")
-    for field in fields:
-        if field.key not in present:
-            continue
-        value = data[field.key] if not isinstance(data, Mapping) else data.get(field.key)
-        sizes = check_field(value, field, sizes)
-    return sizes
-
-
 def check_field(value: Any, field: Field, sizes: dict[str, int]) -> dict[str, int]:
-    """One field's checks (see :func:`check`); returns the sizes with those it binds."""
+    """``value`` against ``field``: a dense tensor, of its kind of values, of one of its shapes under
+    the ``sizes`` bound so far. Returns the sizes with those it binds. Host facts only."""
     key = field.key
     choices: dict[str, tuple[int, ...]] = field.sizes_of  # type: ignore[attr-defined]
     if type(value) is not Tensor and (not isinstance(value, Tensor) or is_nested(value)):
@@ -119,8 +95,6 @@ def check_field(value: Any, field: Field, sizes: dict[str, int]) -> dict[str, in
             check_integer_tensor(value, key)
     elif field.values == MASK and value.dtype.is_complex:
         raise input_error(key, None, SELECTION_WORDS, f"dtype {value.dtype}")
-    elif field.values == REAL and (value.dtype.is_complex or str(value.dtype) == "torch.bool"):
-        raise input_error(key, None, "a tensor of real numbers", f"dtype {value.dtype}")
     shape = tuple(value.shape)
     for pattern in field.shapes:
         bound = _match(shape, pattern, sizes, choices)
