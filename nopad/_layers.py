@@ -27,8 +27,8 @@ Shapes: T tokens of the packed row, N sequences, H heads.
 
 from __future__ import annotations
 
+import functools
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +39,7 @@ from torch import Tensor
 
 from nopad._errors import input_error
 from nopad._layout import IndexPlan, device_to_host, host_to_device, prepare_position_ids, spread_over_tokens
+from nopad._probe import probe
 
 
 class PackedRow:
@@ -381,7 +382,6 @@ KERNELS: dict[str, tuple[str, Callable[[], Callable]]] = {
 }
 KERNEL_DEVICES = ("cuda",)
 _LOADED: dict[str, Callable | None] = {}
-_PROBED: dict[tuple[str, str], str | None] = {}
 
 
 def _kernel(form: str) -> Callable | None:
@@ -401,35 +401,34 @@ def kernel_refusal(form: str, device: torch.device) -> str | None:
         return f"{package} runs on {' or '.join(KERNEL_DEVICES)}, not {device.type}"
     if _kernel(form) is None:
         return f"{package} is not installed (or cannot load here)"
-    key = (form, str(device))
-    if key not in _PROBED:
-        _PROBED[key] = _probe(form, device)
-    return _PROBED[key]
+    return _probe(form, str(device))
 
 
-def _probe(form: str, device: torch.device) -> str | None:
+@functools.cache
+def _probe(form: str, device: str) -> str | None:
     """None when the kernel runs a small packed case here and equals the torch form, forward and
-    backward; else why not (also warned once). Host syncs: once per process and device."""
-    try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
-            row = PackedRow.from_lengths([37, 1, 5, 64, 20], device)
-            base = _probe_inputs(form, row.total)
-            results: list[list[Tensor]] = []
-            runs = (_KERNEL_RUNS[form], _TORCH_RUNS[form])
-            for run in runs:
-                inputs = [x.to(device).requires_grad_() for x in base]
-                out = run(*inputs, row)
-                (out * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
-                grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in inputs]  # none: differs
-                results.append([out.detach().float().cpu()] + [x.float().cpu() for x in grads])
-    except Exception as error:  # noqa: BLE001 - whatever the install raises, the torch form serves instead
-        failure: str | None = f"{KERNELS[form][0]} failed its probe here ({type(error).__name__}: {error})"
-    else:
-        close = all(torch.allclose(a, b, rtol=1e-2, atol=1e-2) for a, b in zip(*results))
-        failure = None if close else f"{KERNELS[form][0]} failed its probe here (it differs from the torch form)"
-    if failure is not None:
-        warnings.warn(f"nopad: {failure}; the torch form runs instead", RuntimeWarning, stacklevel=3)
-    return failure
+    backward; else why not (also warned once: :func:`nopad._probe.probe`). Host syncs: once per
+    process and device."""
+    lengths = np.array([37, 1, 5, 64, 20], dtype=np.int64)
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))  # each run's own row: made in its context
+
+    def on_row(run: Callable) -> Callable:
+        def call(*tensors: Tensor) -> list[Tensor]:
+            *inputs, cu = tensors
+            return [run(*inputs, PackedRow(cu, lengths))]
+
+        return call
+
+    return probe(
+        KERNELS[form][0],
+        on_row(_KERNEL_RUNS[form]),
+        on_row(_TORCH_RUNS[form]),
+        _probe_inputs(form, int(lengths.sum())),
+        device,
+        constants=[cu],
+        tol=1e-2,
+        instead="the torch form runs instead",
+    )
 
 
 def _probe_inputs(form: str, T: int) -> list[Tensor]:

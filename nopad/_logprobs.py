@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +42,7 @@ from nopad._batch import check_choice, check_real, check_real_dtype
 from nopad._errors import check_flag, check_int, check_mask, free_to_read, input_error
 from nopad._layout import is_nested, jagged_values, nested_offsets, response_gather
 from nopad._padding import no_padding_2_padding
+from nopad._probe import probe
 from nopad._torch_internals import wrap_jagged
 
 # Tile sizes (tokens x vocabulary entries) by device type. CPU: measured on this project's 2-core
@@ -420,34 +420,21 @@ def _head_refusal(kernel: str, device: torch.device, needs: HeadNeeds) -> str | 
 
 @functools.cache
 def _probe_failure(kernel: str, device: str) -> str | None:
-    """Why the installed ``kernel`` failed its probe on ``device``, or None. Once per process and
-    device, a small forward and backward must run and equal the tiles (its results are read back:
-    host syncs, once). An install that does not run here (a Triton it does not know) or computes
-    something else is never used."""
-    results = []
-    failure: str | None = None
-    try:
-        # The first call may come inside no_grad or inference_mode (old log-probs): the probe needs autograd.
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
-            g = torch.Generator().manual_seed(0)
-            # Small integers: every logit is exact in any matmul precision, so the two must agree closely.
-            hidden, weight = (torch.randint(-2, 3, shape, generator=g).float() for shape in ((16, 64), (128, 64)))
-            labels, k = torch.randint(0, 128, (16,), generator=g), torch.full((16, 1), 0.25)
-            for fused in (True, False):
-                h, w = (x.to(device).requires_grad_() for x in (hidden, weight))
-                args = (h, w, None, labels.to(device), k.to(device))
-                lp = _fused_log_probs(*args, None) if fused else ChunkedHead.apply(*args, None, False, 16, 128, None)[0]
-                (lp * torch.arange(1.0, 17.0, device=device)).sum().backward()
-                grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in (h, w)]  # none: differs
-                results.append([x.detach().cpu() for x in (lp, *grads)])
-    except Exception as error:  # noqa: BLE001 - whatever the install raises, the tiles serve instead
-        failure = f"{kernel} failed its probe here ({type(error).__name__}: {error})"
-    else:
-        close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(*results))
-        failure = None if close else f"{kernel} failed its probe here (its results differ from the tiles')"
-    if failure is not None:
-        warnings.warn(f"nopad: {failure}; the head runs the tiles", RuntimeWarning, stacklevel=2)
-    return failure
+    """Why the installed ``kernel`` failed its probe on ``device``, or None (:func:`nopad._probe.probe`:
+    once per process and device, its results read back)."""
+    g = torch.Generator().manual_seed(0)
+    # Small integers: every logit is exact in any matmul precision, so the two must agree closely.
+    hidden, weight = (torch.randint(-2, 3, shape, generator=g).float() for shape in ((16, 64), (128, 64)))
+    labels, k = torch.randint(0, 128, (16,), generator=g), torch.full((16, 1), 0.25)
+
+    def fused(h: Tensor, w: Tensor, labels: Tensor, k: Tensor) -> list[Tensor]:
+        return [_fused_log_probs(h, w, None, labels, k, None)]
+
+    def tiles(h: Tensor, w: Tensor, labels: Tensor, k: Tensor) -> list[Tensor]:
+        return [ChunkedHead.apply(h, w, None, labels, k, None, False, 16, 128, None)[0]]
+
+    instead = "the head runs the tiles"
+    return probe(kernel, fused, tiles, [hidden, weight], device, constants=[labels, k], tol=1e-4, instead=instead)
 
 
 def select_head_kernel(requested: str, device: torch.device, needs: HeadNeeds) -> str:

@@ -51,6 +51,7 @@ LAYERS = {
 CORE = {
     "nopad._errors",
     "nopad._memo",
+    "nopad._probe",
     "nopad._schema",
     "nopad.ops",
     "nopad.layout",

@@ -444,9 +444,10 @@ def standins(monkeypatch):
     """The kernels 'installed' on this CPU: stand-ins for the real ones, probed afresh."""
     monkeypatch.setattr(layers, "KERNEL_DEVICES", ("cpu", "cuda"))
     monkeypatch.setattr(layers, "_LOADED", dict(STANDINS))
-    monkeypatch.setattr(layers, "_PROBED", {})
+    layers._probe.cache_clear()
     CALLS.clear()
-    return monkeypatch
+    yield monkeypatch
+    layers._probe.cache_clear()  # verdicts on stand-ins are not this process's kernels'
 
 
 def test_auto_runs_each_kernel_with_the_boundaries_and_equals_the_torch_form(standins):

@@ -13,8 +13,8 @@ where it runs and serves nopad's tiles (vocabulary-parallel too) everywhere else
 
 from __future__ import annotations
 
+import functools
 import sys
-import warnings
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from torch import Tensor
 from nopad._batch import check_choice
 from nopad._errors import input_error
 from nopad._logprobs import checked_head, head_log_probs
+from nopad._probe import probe
 
 TORCH_FUNCTIONAL_MODULE = "verl.utils.experimental.torch_functional"
 
@@ -148,37 +149,22 @@ def _verl_serves(original: Any, hidden: Any, weight: Any, labels: Any, temperatu
     return _verl_probe(original, str(hidden.device)) is None
 
 
-_PROBES: dict[tuple[int, str], str | None] = {}
-
-
+@functools.cache
 def _verl_probe(original: Any, device: str) -> str | None:
     """Why verl's kernel cannot serve on ``device`` (None: it runs and equals nopad's tiles on a small
-    forward and backward, once per process and device; results read back: host syncs, once)."""
-    key = (id(original), device)
-    if key in _PROBES:
-        return _PROBES[key]
-    failure: str | None = None
-    try:
-        with torch.inference_mode(False), torch.enable_grad():
-            g = torch.Generator().manual_seed(0)
-            # small integers in bf16: every logit is exact, so the two must agree to rounding
-            h0, w0 = (torch.randint(-2, 3, shape, generator=g).to(torch.bfloat16) for shape in ((16, 128), (256, 128)))
-            labels = torch.randint(0, 256, (16,), generator=g).to(device)
-            results = []
-            for fn in (original, None):
-                h, w = (x.to(device, copy=True).requires_grad_() for x in (h0, w0))
-                if fn is None:
-                    lp, ent = checked_head(h, w, labels, 0.5, True)
-                else:
-                    lp, ent = fn(h, w, labels, 0.5, "none", None)
-                outputs: list[Any] = [lp, ent]
-                ((lp * torch.arange(1.0, 17.0, device=device)).sum() + outputs[1].float().sum()).backward()
-                results.append([x.detach().float().cpu() for x in (*outputs, h.grad, w.grad)])
-        if not all(torch.allclose(a, b, rtol=2e-2, atol=2e-2) for a, b in zip(*results)):
-            failure = "verl's linear_cross_entropy failed its probe here (its results differ from nopad's tiles')"
-    except Exception as error:  # noqa: BLE001 - whatever the kernel raises here, the tiles serve instead
-        failure = f"verl's linear_cross_entropy failed its probe here ({type(error).__name__}: {error})"
-    if failure is not None:
-        warnings.warn(f"nopad: {failure}; nopad's tiles serve it", RuntimeWarning, stacklevel=3)
-    _PROBES[key] = failure
-    return failure
+    forward and backward, once per process and device: :func:`nopad._probe.probe`)."""
+    g = torch.Generator().manual_seed(0)
+    # small integers in bf16: every logit is exact, so the two must agree to rounding
+    hidden, weight = (torch.randint(-2, 3, shape, generator=g).to(torch.bfloat16) for shape in ((16, 128), (256, 128)))
+    labels = torch.randint(0, 256, (16,), generator=g)
+
+    def verls(h: Tensor, w: Tensor, labels: Tensor) -> list[Tensor]:
+        return list(original(h, w, labels, 0.5, "none", None))
+
+    def tiles(h: Tensor, w: Tensor, labels: Tensor) -> list[Tensor]:
+        log_probs, entropy = checked_head(h, w, labels, 0.5, True)
+        assert entropy is not None
+        return [log_probs, entropy]
+
+    name, instead = "verl's linear_cross_entropy", "nopad's tiles serve it"
+    return probe(name, verls, tiles, [hidden, weight], device, constants=[labels], tol=2e-2, instead=instead)
