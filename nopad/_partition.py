@@ -69,29 +69,37 @@ def karmarkar_karp_arrays(values: np.ndarray, k: int, equal_size: bool) -> list[
     collecting = gc.isenabled()
     gc.disable()  # thousands of small tuples and lists, no cycles: a collection midway only costs time
     try:
-        return _karmarkar_karp([int(v) for v in values], k, equal_size)
+        values = np.asarray(values)
+        order = np.argsort(values, kind="stable").tolist()  # ascending (value, index), as verl sorts its pairs
+        return _karmarkar_karp(values.tolist(), order, k, equal_size)
     finally:
         if collecting:
             gc.enable()
 
 
-def _karmarkar_karp(work: list[int], k: int, equal_size: bool) -> list[list[int]]:
+def _karmarkar_karp(work: list[int], order: list[int], k: int, equal_size: bool) -> list[list[int]]:
     n = len(work)
-    order = sorted(range(n), key=lambda i: (work[i], i))  # ascending (value, index), as verl sorts its pairs
     after = [-1] * n
-    width = k if equal_size else 1
-    states: list[list[_Set] | None] = [
-        sorted((-work[i], -1, -i, i, i) for i in order[start : start + width]) for start in range(0, n, width)
-    ]
-    heap = [(_heap_key(s, k), i) for i, s in enumerate(states) if s is not None]
+    states: list[list[_Set]]
+    if equal_size or k == 1:
+        states = [sorted((-work[i], -1, -i, i, i) for i in order[start : start + k]) for start in range(0, n, k)]
+        heap = [(_heap_key(s, k), i) for i, s in enumerate(states)]
+    else:  # one item a state, its key (spread, top set) is the item's
+        states = [[(-work[i], -1, -i, i, i)] for i in order]
+        heap = [((-work[i], -work[i], -1, -i), j) for j, i in enumerate(order)]
     heapq.heapify(heap)
     while len(heap) > 1:
-        _, first = heapq.heappop(heap)
-        _, second = heapq.heappop(heap)
-        merged = _merge(states[first], states[second], k, after)  # type: ignore[arg-type]
-        states[first], states[second] = merged, None
-        heapq.heappush(heap, (_heap_key(merged, k), first))
-    final: list[_Set] = states[heap[0][1]]  # type: ignore[assignment]
+        first = heapq.heappop(heap)[1]
+        second = heap[0][1]  # popped by the heapreplace below, which pushes the merge in the same sift
+        a, b = states[first], states[second]
+        if len(b) == 1 and len(a) < k:  # most merges: a state of one set into a state with room
+            bisect.insort(a, b[0])
+            merged = a
+        else:
+            merged = _merge(a, b, k, after)
+        states[first], states[second] = merged, []
+        heapq.heapreplace(heap, (_heap_key(merged, k), first))
+    final = states[heap[0][1]]
     return [_walk(s[3], after) for s in final] + [[] for _ in range(k - len(final))]
 
 
