@@ -164,14 +164,22 @@ def host_ranges(firsts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.cumsum(out, out=out)
 
 
-def expand_ranges(positions: Tensor, steps: Tensor, n: int) -> Tensor:
+def expand_ranges(positions: Tensor, steps: Tensor, n: int, dtype: torch.dtype = torch.int64) -> Tensor:
     """(n,) concatenated ranges from :func:`range_steps`: ones, each range's step at its start, summed.
 
     ``torch.cat([torch.arange(f, f + l) for f, l in ...])`` in three ops whatever the number of
-    ranges. No sync (``n`` is the total length, known on the host).
+    ranges (four for a ``dtype`` other than the steps'). No sync (``n`` is the total length, known
+    on the host).
     """
-    ones = torch.ones(n, dtype=torch.int64, device=positions.device)
-    return ones.index_copy_(0, positions, steps).cumsum_(0)
+    ones = torch.ones(n, dtype=dtype, device=positions.device)
+    return ones.index_copy_(0, positions, steps.to(dtype)).cumsum_(0)
+
+
+def gather_index_dtype(n: int) -> torch.dtype:
+    """The narrowest index dtype ``index_select`` takes for values below ``n``: int32 halves the memory
+    an index of every token writes and reads (on a CPU, where fresh memory is page-faulted, that is
+    most of the cost of making one), int64 past 2**31."""
+    return torch.int32 if n < 2**31 else torch.int64
 
 
 def host_to_device(array: np.ndarray, device: torch.device) -> Tensor:

@@ -31,6 +31,7 @@ from nopad._errors import check_int, check_selection_mask, input_error, mask_err
 from nopad._layout import (
     device_to_host,
     expand_ranges,
+    gather_index_dtype,
     host_ranges,
     host_to_device,
     is_jagged,
@@ -45,7 +46,7 @@ from nopad._layout import (
     spread_over_tokens,
     wrap_jagged,
 )
-from nopad._torch_internals import put_checked
+from nopad._torch_internals import put_checked, ragged_size_of
 
 NESTED, DENSE, SUB, DATA, STACK = "nested", "dense", "tensordict", "NonTensorData", "NonTensorStack"
 
@@ -277,18 +278,18 @@ def _family(kind: str) -> str:
     return "metadata" if kind in (DATA, STACK) else kind
 
 
-def _check_same_rows(value: Tensor, value0: Tensor, field: str, nested: bool) -> None:
-    """The same dtype, device and per-row shape as batch 0's field: rows of both go in one tensor."""
+def _check_same_rows(value: Tensor, value0: Tensor, field: str, nested: bool, like: str = "batch 0") -> None:
+    """The same dtype, device and per-row shape as ``like``'s field: rows of both go in one tensor."""
     if nested:
         ragged = ragged_dim(value)
         v, v0 = jagged_values(value), jagged_values(value0)
         shape, shape0 = v.shape[: ragged - 1] + v.shape[ragged:], v0.shape[: ragged - 1] + v0.shape[ragged:]
         if ragged != ragged_dim(value0):
-            raise input_error(field, None, f"the ragged dim at {ragged_dim(value0)} as in batch 0", f"{ragged}")
+            raise input_error(field, None, f"the ragged dim at {ragged_dim(value0)} as in {like}", f"{ragged}")
     else:
         v, v0, shape, shape0 = value, value0, value.shape[1:], value0.shape[1:]
     if v.dtype != v0.dtype or v.device != v0.device or shape != shape0:
-        expected = f"rows of shape {tuple(shape0)}, {v0.dtype} on {v0.device} as in batch 0"
+        expected = f"rows of shape {tuple(shape0)}, {v0.dtype} on {v0.device} as in {like}"
         raise input_error(field, None, expected, f"rows of shape {tuple(shape)}, {v.dtype} on {v.device}")
 
 
@@ -321,6 +322,7 @@ class _TokenGroup:
     def __init__(self, lengths: np.ndarray, plan: RowPlan, width: int | None = None) -> None:
         source_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=source_offsets[1:])
+        self.sources_total = int(source_offsets[-1])  # the gathers read tokens below it
         self.lengths = plan.pick(lengths)  # output row lengths
         self.plan = plan
         ends = np.cumsum(self.lengths)
@@ -353,7 +355,7 @@ class _TokenGroup:
             self.row_starts_d = rest.pop(0)
         self.offsets = list(part_offsets.split_with_sizes((self.plan.sizes + 1).tolist()))
         if rest:
-            self.token_index = expand_ranges(rest[0], rest[1], self.total)
+            self.token_index = expand_ranges(rest[0], rest[1], self.total, gather_index_dtype(self.sources_total))
         for offsets, lengths in zip(self.offsets, np.split(self.lengths, np.cumsum(self.plan.sizes)[:-1])):
             remember_host_lengths(offsets, lengths)
 
@@ -375,8 +377,8 @@ class _TokenGroup:
         ]
 
     def part_seqlens(self) -> list[dict[str, Any]]:
-        """Each part's min / max row length, as wrap_jagged takes them: two reductions for all parts
-        (made once for the group; every nested field of it shares them)."""
+        """Each part's min / max row length and ragged size, as wrap_jagged takes them: two reductions
+        for all parts (made once for the group; every nested field of it shares them)."""
         if self._part_seqlens is None:
             sizes = self.plan.sizes
             starts = self.plan.starts[sizes > 0]
@@ -389,7 +391,10 @@ class _TokenGroup:
                     self._part_seqlens.append({})
                     continue
                 a, b = next(found)
-                self._part_seqlens.append({"min_seqlen": a, "max_seqlen": b, "records": seqlen_records(a, b)})
+                records = seqlen_records(a, b)
+                self._part_seqlens.append({"min_seqlen": a, "max_seqlen": b, "records": records})
+            for seqlens, offsets in zip(self._part_seqlens, self.offsets):
+                seqlens["ragged_size"] = ragged_size_of(offsets)
         return self._part_seqlens
 
     def padded_positions(self, indices: list[Tensor], width: int) -> list[Tensor]:
@@ -426,21 +431,38 @@ def _to_device(
         if ids not in groups:
             reindexed = width if ids == ids_of_input_ids else None
             groups[ids] = _TokenGroup(np.concatenate([lengths[i] for i in ids]), plan, reindexed)
-    arrays: list[np.ndarray] = []
-    if has_dense and plan.rows is not None:
-        arrays.append(plan.rows)
-    for group in groups.values():
-        arrays.extend(group.host_arrays())
-    if not arrays:
+    extra = [plan.rows] if has_dense and plan.rows is not None else []
+    if not extra and not groups:
         return None, groups
-    device = _device_of(sources[0], nested)
+    moved = _move(extra, list(groups.values()), _device_of(sources[0], nested))
+    return (moved[0] if extra else None), groups
+
+
+def _move(extra: list[np.ndarray], groups: list[_TokenGroup], device: torch.device) -> list[Tensor]:
+    """``extra`` and every group's host arrays on ``device`` in ONE host->device copy; the groups take
+    theirs, ``extra`` comes back."""
+    arrays = [*extra, *(a for group in groups for a in group.host_arrays())]
     moved = list(host_to_device(np.concatenate(arrays), device).split_with_sizes([len(a) for a in arrays]))
-    device_rows = moved.pop(0) if has_dense and plan.rows is not None else None
-    for group in groups.values():
+    at = len(extra)
+    for group in groups:
         count = len(group.host_arrays())
-        group.take_device(moved[:count])
-        del moved[:count]
-    return device_rows, groups
+        group.take_device(moved[at : at + count])
+        at += count
+    return moved[: len(extra)]
+
+
+def take_nested(values: Sequence[Tensor], plan: RowPlan, field: str) -> list[Tensor]:
+    """The parts of ``plan`` over the jagged tensors ``values`` (one field's sources, in order): what
+    :func:`take` makes of batches holding only that field, without a TensorDict per source (a
+    restore joins a hundred micro-batches' outputs; a TensorDict each costs more than their gather).
+    At most one host sync, as :func:`take`."""
+    for i, value in enumerate(values[1:], 1):
+        _check_same_rows(value, values[0], f"{field}[{i}]", True, f"{field}[0]")
+    offsets = [nested_offsets(v) for v in values]
+    lengths = _host_lengths(offsets)
+    group = _TokenGroup(np.concatenate([lengths[id(o)] for o in offsets]), plan)
+    _move([], [group], offsets[0].device)
+    return group.cut(list(values))
 
 
 def _device_of(batch: TensorDict, nested: list[str]) -> torch.device:

@@ -48,9 +48,10 @@ from nopad._rows import (
     select_plan,
     split_plan,
     take,
+    take_nested,
     unpad_plan,
 )
-from nopad._torch_internals import put_checked
+from nopad._torch_internals import is_jagged, put_checked
 from nopad.balance import Workload, micro_batch_partitions
 
 __all__ = [
@@ -149,6 +150,8 @@ class RowRestore:
         if isinstance(first, TensorDict):
             return self._take(parts)
         if isinstance(first, Tensor):
+            if len(parts) == len(self.partitions) > 1 and all(is_jagged(p) for p in parts):
+                return self._take_nested(parts)
             return self._take([_wrap(p, "outputs") for p in parts])["x"]
         if isinstance(first, Mapping):
             keys = list(first.keys())
@@ -169,9 +172,19 @@ class RowRestore:
         else:
             self._check_parts(sizes)
             for i, part in enumerate(parts):
-                self._check_owner(i, part)
+                nested = (nested_offsets(v) for v in part.values() if isinstance(v, Tensor) and kind_of(v) == NESTED)
+                self._check_owner(i, next(nested, None))
         rows = sum(sizes)
         return take(parts, RowPlan.of(self.inverse, [rows], rows))[0]
+
+    def _take_nested(self, parts: list[Tensor]) -> Tensor:
+        """One jagged output per micro-batch, joined in the batch's order without a TensorDict each."""
+        offsets = [nested_offsets(p) for p in parts]
+        self._check_parts([len(o) - 1 for o in offsets])
+        for i, o in enumerate(offsets):
+            self._check_owner(i, o)
+        rows = self.batch_size
+        return take_nested(parts, RowPlan.of(self.inverse, [rows], rows), "outputs")[0]
 
     def _check_parts(self, sizes: list[int]) -> None:
         """Each output holds its micro-batch's number of rows."""
@@ -179,12 +192,9 @@ class RowRestore:
             if size != len(rows):
                 raise input_error(f"outputs[{i}]", None, f"{len(rows)} rows, as micro-batch {i} holds", f"{size}")
 
-    def _check_owner(self, i: int, part: TensorDict) -> None:
-        """The first nested output of micro-batch ``i`` does not follow the offsets of another one
-        (one field tells: a part's outputs come from one micro-batch; each further field costs)."""
-        offsets = next(
-            (nested_offsets(v) for v in part.values() if isinstance(v, Tensor) and kind_of(v) == NESTED), None
-        )
+    def _check_owner(self, i: int, offsets: Tensor | None) -> None:
+        """The offsets of micro-batch ``i``'s first nested output are not another one's (one field
+        tells: a part's outputs come from one micro-batch; each further field costs)."""
         mark = None if offsets is None else recall(offsets, ("micro-batch of", id(self)))
         owner = mark[1] if mark is not None and mark[0]() is self else None  # (a dead restore's id reused: not ours)
         if owner is not None and owner != i:

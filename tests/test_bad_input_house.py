@@ -63,6 +63,22 @@ def test_outputs_of_other_rows_are_refused_even_with_the_same_row_counts():
         restore(swapped)  # fresh offsets (a model's output), out of order: told apart by the lengths
 
 
+def test_outputs_that_do_not_join_into_one_tensor_are_refused_by_the_part_that_differs():
+    micro, restore = micro_batches(_nested_batch((3, 5, 2, 4, 6, 1)), 9, balance=False)
+    outputs = [IndexPlan.from_nested(m["input_ids"]).to_nested(m["input_ids"].values().float()) for m in micro]
+    mixed = [outputs[0], outputs[1].double(), *outputs[2:]]
+    with pytest.raises(
+        ValueError, match=r"outputs\[1\]: expected rows of shape \(\), torch.float32 on cpu as in outputs\[0\]"
+    ):
+        restore(mixed)
+    wide = [
+        IndexPlan.from_nested(m["input_ids"]).to_nested(torch.zeros(len(m["input_ids"].values()), 2)) for m in micro
+    ]
+    with pytest.raises(ValueError, match=r"outputs\[2\]: expected rows of shape \(2,\)"):
+        restore([*wide[:2], outputs[2], *wide[3:]])
+    assert torch.equal(restore(outputs).values(), restore([o.clone() for o in outputs]).values())
+
+
 def test_pad_input_refuses_two_values_for_one_row():
     with pytest.raises(ValueError, match=r"indices: expected distinct rows \(one value per row\), got row 0 twice"):
         pad_input(torch.randn(3, 2), torch.tensor([0, 0, 1]), 2, 2)

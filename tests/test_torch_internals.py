@@ -28,11 +28,15 @@ def test_wrap_jagged_equals_torchs_public_constructor(path, shape, ragged_dim, s
     values, offsets = torch.arange(torch.Size(shape).numel()).reshape(shape), torch.tensor([0, 1, 5, 7])
     min_len, max_len = seqlens or (None, None)
     records = internals.seqlen_records(*seqlens) if seqlens else None
-    ours = internals.wrap_jagged(values, offsets, ragged_dim, min_seqlen=min_len, max_seqlen=max_len, records=records)
+    ragged_size = internals.ragged_size_of(offsets)  # shared by the fields of a micro-batch
+    ours = internals.wrap_jagged(
+        values, offsets, ragged_dim, min_seqlen=min_len, max_seqlen=max_len, records=records, ragged_size=ragged_size
+    )
     public = torch.nested.nested_tensor_from_jagged(
         values, offsets, jagged_dim=ragged_dim, min_seqlen=min_len, max_seqlen=max_len
     )
     assert ours.shape == public.shape and ragged_dim == internals.ragged_dim(ours) == internals.ragged_dim(public)
+    assert ours.stride() == public.stride() and type(ours) is type(public)
     assert ours.offsets() is offsets and torch.equal(ours.values(), public.values())
     assert [torch.equal(a, b) for a, b in zip(ours.unbind(), public.unbind())] == [True] * 3
     assert (ours._maybe_min_seqlen, ours._maybe_max_seqlen) == (public._maybe_min_seqlen, public._maybe_max_seqlen)
@@ -42,6 +46,12 @@ def test_wrap_jagged_equals_torchs_public_constructor(path, shape, ragged_dim, s
     nested = internals.wrap_jagged(grad_values, offsets, ragged_dim)
     nested.values().sum().backward()
     assert torch.equal(grad_values.grad, torch.ones_like(grad_values))
+
+
+def test_the_fast_jagged_constructor_is_taken_on_this_torch():
+    """The constructor check passes on the torch nopad is tested with, so the tests above exercise
+    nopad's own constructor and not only torch's fallback."""
+    assert internals._constructor_agrees.__wrapped__()
 
 
 def test_jagged_values_is_the_values_tensor_and_keeps_every_gradient_path(path):

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from nopad._batch import get_field
 from nopad._errors import input_error
-from nopad._layout import is_nested, ragged_dim
+from nopad._layout import is_nested, nested_offsets, ragged_dim
 from nopad._rows import RowPlan, batch_lengths, cat_plan, row_index, take
 from nopad._torch_internals import is_jagged, put_checked
 from nopad.balance import balanced_partitions, micro_batch_partitions
@@ -296,27 +296,29 @@ def rearrange_micro_batches(
         keys = [str(key) for key in batch.keys()]
         if all(type(others.get(key)).__name__ == "NonTensorData" for key in others.keys()):
             shared: dict[tuple[str, int], Any] = {}
-            micro = [_with_metadata(keys, m, others, shared) for m in micro]
+            in_place = keys[: len(tensors)] == tensors  # the metadata comes last: added to each part as it is
+            micro = [_with_metadata(keys, m, others, shared, in_place) for m in micro]
         else:  # per-row metadata (a NonTensorStack) or a sub-TensorDict: verl's own selection of them
             verls = original(TENSORDICT_UTILS, "index_select_tensor_dict")
             micro = [_merge(keys, verls(others, p), m) for m, p in zip(micro, rows)]
     return micro, rows
 
 
-def _with_metadata(keys: list[str], part: TensorDict, metadata: TensorDict, shared: dict) -> TensorDict:
+def _with_metadata(keys: list[str], part: TensorDict, metadata: TensorDict, shared: dict, in_place: bool) -> TensorDict:
     """``part`` with the batch's one-value metadata (NonTensorData), keys in verl's order: what verl's
     row selection of that metadata gives every micro-batch (the same value at the part's batch size).
     One NonTensorData per key and part size, shared by the parts of that size (building one costs
-    more than the gathers of a part; tensordict replaces, never mutates, an entry that is set)."""
+    more than the gathers of a part; tensordict replaces, never mutates, an entry that is set).
+    ``in_place``: the metadata keys come after all of ``part``'s, which then takes them itself."""
     size = part.batch_size
-    out = TensorDict({}, batch_size=size, device=part.device)
+    out = part if in_place else TensorDict({}, batch_size=size, device=part.device)
     for key in keys:
         if key in metadata.keys():
             value = shared.get((key, size[0]))
             if value is None:
                 value = shared[key, size[0]] = metadata.get(key)[: size[0]]
             put_checked(out, key, value)
-        else:
+        elif not in_place:
             put_checked(out, key, part.get(key))
     return out
 
@@ -340,11 +342,11 @@ def postprocess_batch_func(
         raise input_error("indices", None, "the micro-batches' row lists (use_dynamic_bsz is on)", "None")
     joined = {}
     for key, parts in outputs.items():
-        fields = [_one_field(p) for p in parts]
-        _refuse_no_rows(sum(len(f) for f in fields), [f"model_output[{key!r}]"])
+        _refuse_no_rows(sum(len(nested_offsets(p)) - 1 for p in parts), [f"model_output[{key!r}]"])
         if use_dynamic_bsz:
-            joined[key] = _restore(indices or [])(fields).get("x")
+            joined[key] = _restore(indices or [])(parts)
         else:
+            fields = [_one_field(p) for p in parts]
             joined[key] = take(fields, cat_plan(fields))[0].get("x")
     result["model_output"] = joined
     return result
