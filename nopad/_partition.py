@@ -169,8 +169,19 @@ def order_partitions(partitions: list[list[int]], group: int, row_work: np.ndarr
     """Partitions of groups -> partitions of rows, each ascending; with ``row_work`` (per row) in verl's
     balanced order: by (workload, first row) descending, then the even places reversed ahead of the
     odd ones, so the heaviest sit in the middle and the lightest at both ends."""
-    rows = [[g * group + i for g in sorted(p) for i in range(group)] for p in partitions]
-    if row_work is None:
+    if group == 1:
+        rows = [sorted(p) for p in partitions]
+    else:
+        rows = [[g * group + i for g in sorted(p) for i in range(group)] for p in partitions]
+    if row_work is None or not rows:
         return rows
-    rows.sort(key=lambda p: (int(row_work[p].sum()), p[0]), reverse=True)
+    sizes = np.fromiter((len(p) for p in rows), dtype=np.int64, count=len(rows))
+    flat = np.fromiter((i for p in rows for i in p), dtype=np.int64, count=int(sizes.sum()))
+    starts = np.cumsum(sizes) - sizes
+    loads = np.add.reduceat(row_work[flat], starts[sizes > 0]) if flat.size else np.zeros(0, dtype=np.int64)
+    load = np.zeros(len(rows), dtype=np.int64)
+    load[sizes > 0] = loads  # an empty partition weighs 0
+    # descending (workload, first row), ties (empty partitions only) in their own order as a stable sort
+    keyed = sorted(zip(load.tolist(), (p[0] if p else -1 for p in rows), range(0, -len(rows), -1)), reverse=True)
+    rows = [rows[-i] for _, _, i in keyed]
     return rows[::2][::-1] + rows[1::2]
