@@ -22,7 +22,7 @@ from torch import Tensor
 from nopad._batch import get_field
 from nopad._errors import input_error
 from nopad._layout import is_nested, nested_offsets, ragged_dim
-from nopad._rows import RowPlan, batch_lengths, cat_plan, row_index, take
+from nopad._rows import RowPlan, batch_lengths, row_index, take, take_nested
 from nopad._torch_internals import is_jagged, put_checked
 from nopad.balance import balanced_partitions, micro_batch_partitions
 from nopad.balance import karmarkar_karp as _karmarkar_karp
@@ -135,15 +135,14 @@ def concat_nested_tensors(tensors: list[Tensor], original: Original) -> Tensor:
     for i, tensor in enumerate(tensors):
         if not is_jagged(tensor) or not tensor.is_contiguous() or tensor.dim() < 2:
             raise input_error(f"tensors[{i}]", None, "a contiguous jagged nested tensor (B, j, ...)", f"{tensor.shape}")
-    parts = _one_fields(list(tensors), "tensors")
-    _refuse_no_rows(sum(len(p) for p in parts), ["tensors"])
-    return take(parts, cat_plan(parts), reindex=False)[0].get("x")
+    parts = _verl_dtype(list(tensors), "tensors")
+    _refuse_no_rows(_rows_of(parts), ["tensors"])
+    return _cat(parts, "tensors")
 
 
-def _one_fields(tensors: list[Tensor], field: str) -> list[TensorDict]:
-    """Each tensor as the one field of a TensorDict, its rows in verl's dtype: verl rebuilds rows of
-    more than one dim with ``torch.cat`` (mixed dtypes promote) and rows of one with
-    ``as_nested_tensor`` (mixed dtypes refused)."""
+def _verl_dtype(tensors: list[Tensor], field: str) -> list[Tensor]:
+    """The tensors' rows in verl's dtype: verl rebuilds rows of more than one dim with ``torch.cat``
+    (mixed dtypes promote) and rows of one with ``as_nested_tensor`` (mixed dtypes refused)."""
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
         if tensors[0].dim() == 2:
@@ -151,13 +150,17 @@ def _one_fields(tensors: list[Tensor], field: str) -> list[TensorDict]:
             raise input_error(field, None, "one dtype (verl cannot mix them in rows of one dim)", found)
         dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
         tensors = [t if t.dtype == dtype else t.to(dtype) for t in tensors]
-    return [_one_field(t) for t in tensors]
+    return tensors
 
 
-def _one_field(x: Tensor) -> TensorDict:
-    td = TensorDict({}, batch_size=[x.size(0)])
-    put_checked(td, "x", x)
-    return td
+def _rows_of(tensors: list[Tensor]) -> int:
+    return sum(len(nested_offsets(t)) - 1 for t in tensors)
+
+
+def _cat(tensors: list[Tensor], field: str) -> Tensor:
+    """The rows of jagged tensors one after another: one cat of their tokens."""
+    rows = _rows_of(tensors)
+    return take_nested(tensors, RowPlan.of(None, [rows], rows), field)[0]
 
 
 def concat_tensordict(data: list[TensorDict], original: Original) -> Any:
@@ -174,12 +177,12 @@ def concat_tensordict(data: list[TensorDict], original: Original) -> Any:
             raise input_error(f"data[{i}]", None, f"the nested fields of data[0] {sorted(nested)}", f"{got}")
     rest = verls([td.exclude(*nested) for td in data])
     _refuse_no_rows(len(rest), nested)
-    fields = {key: _one_fields([td.get(key) for td in data], f"data[*][{key!r}]") for key in nested}
+    fields = {key: _verl_dtype([td.get(key) for td in data], f"data[*][{key!r}]") for key in nested}
     for key, parts in fields.items():
-        ragged = {ragged_dim(p.get("x")) for p in parts}
+        ragged = {ragged_dim(p) for p in parts}
         if len(ragged) > 1:
             raise input_error(f"data[*][{key!r}]", None, "one ragged dim in every part", f"{sorted(ragged)}")
-    joined = {key: take(parts, cat_plan(parts), reindex=False)[0].get("x") for key, parts in fields.items()}
+    joined = {key: _cat(parts, f"data[*][{key!r}]") for key, parts in fields.items()}
     for key in _verl_set_order(data[0], nested):
         put_checked(rest, key, joined[key])
     return rest
@@ -342,11 +345,7 @@ def postprocess_batch_func(
         raise input_error("indices", None, "the micro-batches' row lists (use_dynamic_bsz is on)", "None")
     joined = {}
     for key, parts in outputs.items():
-        _refuse_no_rows(sum(len(nested_offsets(p)) - 1 for p in parts), [f"model_output[{key!r}]"])
-        if use_dynamic_bsz:
-            joined[key] = _restore(indices or [])(parts)
-        else:
-            fields = [_one_field(p) for p in parts]
-            joined[key] = take(fields, cat_plan(fields))[0].get("x")
+        _refuse_no_rows(_rows_of(parts), [f"model_output[{key!r}]"])
+        joined[key] = _restore(indices or [])(parts) if use_dynamic_bsz else _cat(parts, f"model_output[{key!r}]")
     result["model_output"] = joined
     return result
