@@ -427,16 +427,84 @@ STEP_PRIMITIVES = {
 UNSERVED_PRIMITIVES: dict[str, str] = {}
 
 
-def primitive_name(obj: Any) -> str | None:
-    """The kernel name transformers registered a primitive under (``use_kernel_func_from_hub_with_fallback``),
-    or None when ``obj`` is not one of its primitives."""
-    if not callable(obj) or not hasattr(obj, "__wrapped__"):
+# ---- what a layer calls: transformers' primitives and the helpers that reach them ----------------------
+# transformers decorates each sequence primitive with ``use_kernel_func_from_hub_with_fallback(name,
+# package)`` and the helpers that call them (``causal_conv1d_forward``, ``mamba2_scan_forward``, ...) with
+# ``use_kernel_forward_from_hub(name)``. Without the ``kernels`` package a primitive is a closure over
+# ``func_name`` (``__wrapped__`` is the torch fallback) and a helper a plain function; with it (a hard
+# dependency since transformers 5.25) both are kernels function modules, whose class carries the name as
+# ``kernel_layer_name`` (kernels' own lookup key) and whose forward calls the decorated function. These
+# readers are the one place nopad looks inside those wrappers; what they cannot read is refused by name.
+
+
+def _kernels_function(module: torch.nn.Module) -> Callable | None:
+    """The function a kernels function module calls (its forward's ``func``), or None."""
+    try:
+        func = inspect.getclosurevars(type(module).forward).nonlocals.get("func")
+    except (TypeError, ValueError):
+        return None
+    return func if callable(func) else None
+
+
+def _fallback_name(fn: Any) -> str | None:
+    """The kernel name of a ``use_kernel_func_from_hub_with_fallback`` closure, or None."""
+    if not inspect.isfunction(fn) or not hasattr(fn, "__wrapped__"):
         return None
     try:
-        name = inspect.getclosurevars(obj).nonlocals.get("func_name")
+        name = inspect.getclosurevars(fn).nonlocals.get("func_name")
     except (TypeError, ValueError):
         return None
     return name if isinstance(name, str) else None
+
+
+@dataclass(frozen=True)
+class Callee:
+    """A global a layer's code calls, as transformers wrapped it: a sequence ``primitive`` (its kernel
+    name), a ``helper`` whose Python ``function`` may reach primitives, or ``opaque`` (a kernels function
+    module whose function nopad cannot read: its ``name`` says what it is)."""
+
+    kind: str  # "primitive", "helper" or "opaque"
+    name: str
+    function: Callable | None = None
+
+
+def callee(obj: Any) -> Callee | None:
+    """What ``obj`` (a module global) is to the routing, or None for anything that is not a function."""
+    layer_name = getattr(type(obj), "kernel_layer_name", None) if isinstance(obj, torch.nn.Module) else None
+    if isinstance(layer_name, str):
+        func = _kernels_function(obj)
+        if func is None:
+            return Callee("opaque", layer_name)
+        name = _fallback_name(func)
+        return Callee("primitive", name) if name is not None else Callee("helper", layer_name, _innermost(func))
+    name = _fallback_name(obj)
+    if name is not None:
+        return Callee("primitive", name)
+    if inspect.isfunction(obj):
+        return Callee("helper", obj.__name__, _innermost(obj))
+    return None
+
+
+def primitive_name(obj: Any) -> str | None:
+    """The kernel name transformers registered a sequence primitive under, however it is wrapped (with or
+    without ``kernels``), or None when ``obj`` is not one."""
+    found = callee(obj)
+    return found.name if found is not None and found.kind == "primitive" else None
+
+
+def torch_fallback(obj: Any) -> Callable:
+    """transformers' torch implementation behind a primitive (what runs without the CUDA package)."""
+    found = callee(obj)
+    if found is None or found.kind != "primitive":
+        raise input_error("primitive", None, "a transformers sequence primitive", repr(obj))
+    fn = _kernels_function(obj) if isinstance(obj, torch.nn.Module) else obj
+    return _innermost(fn)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 # ---- rebinding a layer's methods ------------------------------------------------------------------
@@ -490,54 +558,124 @@ def _methods(cls: type) -> Iterator[tuple[str, Callable]]:
                 yield name, value
 
 
-_SURVEYS: dict[type, ClassSurvey] = {}
-_REBOUND: dict[type, dict[str, Callable]] = {}
+@dataclass
+class Reach:
+    """What one function's code reaches through its module's globals, helpers followed: the primitives
+    with packed forms (global name -> (kernel name, the primitive)), the helpers that reach some
+    (global name -> (the helper's function, its reach)), what carries state with no packed form here,
+    and whether it calls transformers' attention interface."""
+
+    primitives: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    helpers: dict[str, tuple[Callable, Reach]] = field(default_factory=dict)
+    unserved: set[str] = field(default_factory=set)
+    attention_interface: bool = False
+
+    @property
+    def served(self) -> bool:
+        return bool(self.primitives or self.helpers)
 
 
-def _class_survey(cls: type) -> ClassSurvey:
-    """What a module class's own methods reach for: the primitives (served or not) and the attention
-    interface. Once per class."""
-    if cls in _SURVEYS:
-        return _SURVEYS[cls]
-    survey = _SURVEYS[cls] = ClassSurvey(cls)
-    for name, method in _methods(cls):
-        inner = _innermost(method)
-        code_names = set(inner.__code__.co_names)
-        for const in inner.__code__.co_consts:  # names read by functions defined inside the method
-            if isinstance(const, types.CodeType):
-                code_names |= set(const.co_names)
-        for global_name in code_names:
-            value = inner.__globals__.get(global_name)
-            kernel = primitive_name(value)
-            if kernel in ADAPTERS:
-                survey.rebinds.setdefault(name, {})[global_name] = (kernel, value)
-            elif kernel in UNSERVED_PRIMITIVES:
-                survey.unserved.add(UNSERVED_PRIMITIVES[kernel])
-            if global_name == "ALL_ATTENTION_FUNCTIONS":
-                survey.attention_interface = True
-    return survey
+# position-wise kernels transformers wraps like its primitives: nothing to keep apart
+POSITIONWISE_KERNELS = {"rotary_pos_emb"}
+_REACHES: dict[Callable, Reach] = {}  # by function: functions live as long as their module
+
+
+def _names_read(code: types.CodeType) -> set[str]:
+    """The global names ``code`` reads, with those of the functions defined inside it."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_read(const)
+    return names
+
+
+def _follows(helper: Callable, caller: Callable) -> bool:
+    """Helpers of a model's own code: its module's, or any of transformers' modeling files'."""
+    module = getattr(helper, "__module__", None) or ""
+    return module == getattr(caller, "__module__", None) or module.startswith("transformers.models.")
+
+
+def _reach(fn: Callable, visiting: frozenset = frozenset()) -> Reach:
+    """What ``fn`` (a plain function) reaches. Once per function."""
+    if fn in _REACHES:
+        return _REACHES[fn]
+    found = Reach()
+    for global_name in _names_read(fn.__code__):
+        if global_name == "ALL_ATTENTION_FUNCTIONS":
+            found.attention_interface = True
+        what = callee(fn.__globals__.get(global_name))
+        if what is None:
+            continue
+        if what.kind == "primitive" or (what.kind == "opaque" and what.name in ADAPTERS):
+            if what.name in ADAPTERS:
+                found.primitives[global_name] = (what.name, fn.__globals__[global_name])
+            elif what.name in UNSERVED_PRIMITIVES:
+                found.unserved.add(UNSERVED_PRIMITIVES[what.name])
+            elif what.name not in STEP_PRIMITIVES:
+                found.unserved.add(
+                    f"{what.name} (a sequence primitive of transformers {_transformers_version()} that nopad does "
+                    "not know)"
+                )
+        elif what.kind == "opaque":
+            if what.name not in STEP_PRIMITIVES and what.name not in POSITIONWISE_KERNELS:
+                found.unserved.add(f"{what.name} (a kernels function module whose code nopad cannot read)")
+        elif what.function is not None and what.function not in visiting and _follows(what.function, fn):
+            inner = _reach(what.function, visiting | {fn})
+            if inner.served:
+                found.helpers[global_name] = (what.function, inner)
+            found.unserved |= inner.unserved
+            found.attention_interface |= inner.attention_interface
+    if not visiting:  # a reach found inside a cycle may miss the cycle's head: keep only complete ones
+        _REACHES[fn] = found
+    return found
 
 
 @dataclass
 class ClassSurvey:
     cls: type
-    rebinds: dict[str, dict[str, tuple[str, Any]]] = field(default_factory=dict)  # method -> global -> primitive
+    rebinds: dict[str, Reach] = field(default_factory=dict)  # methods that reach served primitives
     unserved: set[str] = field(default_factory=set)
     attention_interface: bool = False
 
 
+_SURVEYS: dict[type, ClassSurvey] = {}
+_REBOUND: dict[type, dict[str, Callable]] = {}
+
+
+def _class_survey(cls: type) -> ClassSurvey:
+    """What a module class's own methods reach for: the primitives (served or not, directly or through
+    helpers) and the attention interface. Once per class."""
+    if cls in _SURVEYS:
+        return _SURVEYS[cls]
+    survey = _SURVEYS[cls] = ClassSurvey(cls)
+    for name, method in _methods(cls):
+        found = _reach(_innermost(method))
+        if found.served:
+            survey.rebinds[name] = found
+        survey.unserved |= found.unserved
+        survey.attention_interface |= found.attention_interface
+    return survey
+
+
+def _rebound(fn: Callable, found: Reach, owner: str) -> Callable:
+    """``fn`` reading nopad's adapters where it read served primitives, and rebound copies of the
+    helpers that reach them (the helper's kernels dispatch is not kept: its code runs)."""
+    replacements: dict[str, Any] = {
+        g: ADAPTERS[kernel](original, owner) for g, (kernel, original) in found.primitives.items()
+    }
+    replacements.update({g: _rebound(helper, inner, owner) for g, (helper, inner) in found.helpers.items()})
+    return rebind(fn, replacements)
+
+
 def _rebound_methods(cls: type) -> dict[str, Callable]:
-    """The class's methods that call served primitives, rebound to the adapters. Once per class."""
+    """The class's methods that reach served primitives, rebound to the adapters. Once per class."""
     if cls in _REBOUND:
         return _REBOUND[cls]
-    survey = _class_survey(cls)
     methods = dict(_methods(cls))
-    rebound = {}
-    for name, targets in survey.rebinds.items():
-        adapters = {g: ADAPTERS[kernel](original, cls.__name__) for g, (kernel, original) in targets.items()}
-        rebound[name] = rebind(methods[name], adapters)
-    _REBOUND[cls] = rebound
-    return rebound
+    _REBOUND[cls] = {
+        name: _rebound(methods[name], found, cls.__name__) for name, found in _class_survey(cls).rebinds.items()
+    }
+    return _REBOUND[cls]
 
 
 # ---- registered packed forms ------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nopad._layers as layers
+from nopad._routing import torch_fallback
 from nopad.diagnostics import OpCounter
 from nopad.layers import PackedRow, causal_conv1d, gated_delta_rule, ssd_scan
 
@@ -29,10 +30,11 @@ from transformers.models.bamba import modeling_bamba  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 
 TOL = 1e-5
-# transformers' reference implementations, one sequence at a time (the wrapped torch functions)
-HF_CONV = modeling_qwen3_5.causal_conv1d_fn.__wrapped__
-HF_GDN = modeling_qwen3_5.torch_chunk_gated_delta_rule.__wrapped__
-HF_SSD = modeling_bamba.mamba2_chunk_scan.__wrapped__
+# transformers' reference implementations, one sequence at a time: the torch functions behind its
+# primitives, however this release wraps them (the routing's reader of those wrappers, which is private)
+HF_CONV = torch_fallback(modeling_qwen3_5.causal_conv1d_fn)
+HF_GDN = torch_fallback(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+HF_SSD = torch_fallback(modeling_bamba.mamba2_chunk_scan)
 
 # sequences of length 1, < the conv kernel, < a chunk, exactly a chunk (64 and 16), > a chunk
 MIXED = [70, 1, 3, 64, 9, 16, 130, 2]
