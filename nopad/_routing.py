@@ -498,6 +498,7 @@ def torch_fallback(obj: Any) -> Callable:
     if found is None or found.kind != "primitive":
         raise input_error("primitive", None, "a transformers sequence primitive", repr(obj))
     fn = _kernels_function(obj) if isinstance(obj, torch.nn.Module) else obj
+    assert fn is not None  # callee read it
     return _innermost(fn)
 
 
