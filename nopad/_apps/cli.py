@@ -1,4 +1,4 @@
-"""`nopad demo | bench | pack | inspect`.
+"""`nopad demo | bench | pack | inspect | env`.
 
 Each subcommand's module adds its own arguments (``add_arguments(parser)``) and runs with
 ``run(args) -> int``; modules are imported only when their subcommand is used.
@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "bench": ("nopad._apps.bench", "benchmark the conversions against a per-row loop and a bare gather"),
     "pack": ("nopad._apps.pack", "pack a JSONL of conversations into a Parquet file of rows"),
     "inspect": ("nopad._apps.inspect_file", "validate and summarise a packed Parquet file"),
+    "env": ("nopad._apps.env", "versions, usable kernels and the model families served packed, for a bug report"),
 }
 # Integer options that may be 0 (every other integer option is a count, size or length: >= 1).
 INT_MINIMUM = {"seed": 0, "pad_token_id": 0}
