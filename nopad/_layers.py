@@ -467,9 +467,10 @@ def _gdn_kernel(q, k, v, g, beta, row, scale=None, use_qk_l2norm=True):
     return out[0]
 
 
-def _ssd_kernel(x, dt, A, B, C, row, chunk_size=16, **options):
+def _ssd_kernel(x, dt, A, B, C, row, chunk_size=16, z=None, **options):
     options.setdefault("dt_softplus", True)
-    out = _kernel("ssd_scan")(x[None], dt[None], A, B[None], C[None], chunk_size, seq_idx=row.seq_idx, **options)
+    z = None if z is None else z[None]  # mamba-ssm asserts z.shape == x.shape: batched like x
+    out = _kernel("ssd_scan")(x[None], dt[None], A, B[None], C[None], chunk_size, z=z, seq_idx=row.seq_idx, **options)
     return out[0] if isinstance(out, Tensor) else out[0][0]
 
 

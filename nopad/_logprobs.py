@@ -357,6 +357,8 @@ def head_factors(
 # the label's logit and the log-sum-exp on chip and never writes logits; it gives log-probs only, so a
 # call that asks for entropy, or whose temperature it cannot fold into its inputs, takes the tiles.
 HEAD_KERNELS = ("cut_cross_entropy", "tiles")
+# the dtypes each fused kernel's backward takes (Cut Cross-Entropy's asserts bf16 or fp16, 25.1.1 and since)
+BACKWARD_DTYPES = {"cut_cross_entropy": (torch.bfloat16, torch.float16)}
 
 
 def _load_cut_cross_entropy() -> Any:
@@ -391,6 +393,8 @@ class HeadNeeds:
     per_token_temperature: bool
     temperature_is_one: bool
     vocab_parallel: bool = False
+    dtype: torch.dtype = torch.bfloat16  # of hidden and weight
+    grad: bool = False  # a backward may follow: autograd on and an input that requires grad
 
 
 def _on_cuda(device: torch.device) -> bool:
@@ -415,16 +419,23 @@ def _head_refusal(kernel: str, device: torch.device, needs: HeadNeeds) -> str | 
         return f"this {kernel} takes no bias (its PyPI release 25.1.1 has none)"
     if needs.bias and needs.per_token_temperature:
         return f"{kernel} takes one bias: a per-token temperature cannot scale it"
+    dtype = str(needs.dtype).removeprefix("torch.")
+    if needs.dtype == torch.float64:
+        return f"{kernel} computes in float32 at most, not {dtype}"
+    if needs.grad and needs.dtype not in BACKWARD_DTYPES[kernel]:
+        takes = " or ".join(str(d).removeprefix("torch.") for d in BACKWARD_DTYPES[kernel])
+        return f"{kernel}'s backward takes {takes} only, not {dtype}"
     return _probe_failure(kernel, str(device))
 
 
 @functools.cache
 def _probe_failure(kernel: str, device: str) -> str | None:
     """Why the installed ``kernel`` failed its probe on ``device``, or None (:func:`nopad._probe.probe`:
-    once per process and device, its results read back)."""
+    once per process and device, its results read back). In bf16: its backward takes bf16 or fp16 only."""
     g = torch.Generator().manual_seed(0)
-    # Small integers: every logit is exact in any matmul precision, so the two must agree closely.
-    hidden, weight = (torch.randint(-2, 3, shape, generator=g).float() for shape in ((16, 64), (128, 64)))
+    # Small integers: every logit is exact in any matmul precision, so the log-probs must agree
+    # closely; the gradients are bf16 on both sides, a rounding apart.
+    hidden, weight = (torch.randint(-2, 3, shape, generator=g).to(torch.bfloat16) for shape in ((16, 64), (128, 64)))
     labels, k = torch.randint(0, 128, (16,), generator=g), torch.full((16, 1), 0.25)
 
     def fused(h: Tensor, w: Tensor, labels: Tensor, k: Tensor) -> list[Tensor]:
@@ -434,7 +445,14 @@ def _probe_failure(kernel: str, device: str) -> str | None:
         return [ChunkedHead.apply(h, w, None, labels, k, None, False, 16, 128, None)[0]]
 
     instead = "the head runs the tiles"
-    return probe(kernel, fused, tiles, [hidden, weight], device, constants=[labels, k], tol=1e-4, instead=instead)
+    return probe(kernel, fused, tiles, [hidden, weight], device, constants=[labels, k], tol=2e-2, instead=instead)
+
+
+def head_kernel_refusal(kernel: str, device: torch.device) -> str | None:
+    """Why ``kernel`` cannot serve a plain call on ``device`` (log-probs at temperature 1: no entropy,
+    bias or soft-capping), or None. Probes an installed kernel on CUDA (once per process and device)."""
+    plain = HeadNeeds(entropy=False, softcap=False, bias=False, per_token_temperature=False, temperature_is_one=True)
+    return _head_refusal(kernel, device, plain)
 
 
 def select_head_kernel(requested: str, device: torch.device, needs: HeadNeeds) -> str:
@@ -496,6 +514,8 @@ def run_head(
         per_token_temperature=per_token,
         temperature_is_one=not per_token and float(temperature) == 1.0,
         vocab_parallel=shard is not None,
+        dtype=hidden.dtype,
+        grad=torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias)),
     )
     chosen = select_head_kernel(kernel, hidden.device, needs)
     if chosen == "cut_cross_entropy":
@@ -678,7 +698,8 @@ def head_log_probs(
 
     ``kernel``: "auto" runs cut_cross_entropy's fused kernel (Apple's Cut Cross-Entropy, where it is
     installed, on CUDA: the label's logit and the log-sum-exp on chip) for a call it serves, log-probs
-    without entropy and a temperature it can fold in, and the tiles above for every other call;
+    without entropy and a temperature it can fold in, in bf16 or fp16 (float32 without a backward: its
+    backward takes half precision only), and the tiles above for every other call;
     "tiles" or "cut_cross_entropy" forces one (a forced kernel that cannot serve the call raises
     ValueError saying why). Nothing extra needs installing: the tiles are the reference and the fallback.
 

@@ -625,10 +625,19 @@ def _install_standin(monkeypatch, with_bias):
     calls: list[dict] = []
     monkeypatch.setitem(head._LOADERS, "cut_cross_entropy", lambda: _cut_cross_entropy_standin(calls, with_bias))
     monkeypatch.setattr(head, "_on_cuda", lambda device: True)
+    _backward_in_float32(monkeypatch)
     _clear_kernel_caches()
     head._probe_failure("cut_cross_entropy", "cpu")  # the once-per-process probe, run and passed now
     calls.clear()
     return calls
+
+
+def _backward_in_float32(monkeypatch):
+    """The stand-ins are plain torch: their backward takes float32 too (the real kernel's, bf16 or fp16
+    only: tests/test_kernels_triton.py)."""
+    import nopad._logprobs as head
+
+    monkeypatch.setitem(head.BACKWARD_DTYPES, "cut_cross_entropy", (torch.float32, torch.bfloat16, torch.float16))
 
 
 def _clear_kernel_caches():
@@ -746,6 +755,7 @@ def test_an_install_that_fails_its_probe_is_never_used_and_says_why(monkeypatch,
 
     monkeypatch.setitem(head._LOADERS, "cut_cross_entropy", lambda: _broken(kind))
     monkeypatch.setattr(head, "_on_cuda", lambda device: True)
+    _backward_in_float32(monkeypatch)
     _clear_kernel_caches()
     try:
         hidden, weight, _, labels, temperature, _ = _case(5, 11, 4, 3)

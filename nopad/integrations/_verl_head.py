@@ -157,12 +157,15 @@ def _verl_probe(original: Any, device: str) -> str | None:
     # small integers in bf16: every logit is exact, so the two must agree to rounding
     hidden, weight = (torch.randint(-2, 3, shape, generator=g).to(torch.bfloat16) for shape in ((16, 128), (256, 128)))
     labels = torch.randint(0, 256, (16,), generator=g)
+    # a temperature of 2, not below 1: at 0.5 the bf16 gradients reach 8, where one rounding is 0.03,
+    # beyond the 2e-2 a correct kernel is held to (its Triton code under the interpreter failed 3 seeds of 4)
+    temperature = 2.0
 
     def verls(h: Tensor, w: Tensor, labels: Tensor) -> list[Tensor]:
-        return list(original(h, w, labels, 0.5, "none", None))
+        return list(original(h, w, labels, temperature, "none", None))
 
     def tiles(h: Tensor, w: Tensor, labels: Tensor) -> list[Tensor]:
-        log_probs, entropy = checked_head(h, w, labels, 0.5, True)
+        log_probs, entropy = checked_head(h, w, labels, temperature, True)
         assert entropy is not None
         return [log_probs, entropy]
 
