@@ -52,7 +52,7 @@ from nopad._layout import (
     to_host,
 )
 from nopad._memo import memo
-from nopad._routing import ROUTED_CONFIGS, checkpointed, route, route_of
+from nopad._routing import ROUTED_CONFIGS, checkpointed, packed_forward_boundaries, route, route_of
 from nopad.parallel._ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
 
 IMPLEMENTATION = "nopad_varlen"
@@ -183,6 +183,13 @@ def available_kernels(device: torch.device | str = "cpu", dtype: torch.dtype = t
     """The kernels that can run on ``device`` at ``dtype``, in the order ``"auto"`` tries them."""
     device_type = torch.device(device).type
     return [k for k in KERNELS if _unavailable(k, device_type, dtype) is None]
+
+
+def unavailable_kernels(device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
+    """The kernels that cannot run on ``device`` at ``dtype``, each with why (the rest: :func:`available_kernels`)."""
+    device_type = torch.device(device).type
+    found = {k: _unavailable(k, device_type, dtype) for k in KERNELS}
+    return {k: why for k, why in found.items() if why is not None}
 
 
 @functools.lru_cache(maxsize=256)
@@ -378,6 +385,16 @@ def _boundaries(batch: int, length: int, device: torch.device, kwargs: dict) -> 
     if position_ids is not None and position_ids.shape[-1] == length and position_ids.numel() == batch * length:
         plan = memo(position_ids, "position_plan", lambda: IndexPlan.from_position_ids(position_ids))
         return plan.cu_seqlens.to(device), plan.max_seqlen
+    forward = packed_forward_boundaries()
+    if forward is not None and batch == 1:
+        # inside a routed packed forward whose decoder hands its layers neither the boundaries nor the
+        # position ids (Moshi on transformers 5.20): the forward's row, checked as if it were given
+        row, longest = forward
+        return memo(
+            row,
+            ("boundaries", length, str(device), None, longest),
+            lambda: _given_boundaries(row, None, longest, length, device),
+        )
     # no boundaries given: every row is one sequence
     cu = torch.arange(0, (batch + 1) * length, length, device=device, dtype=torch.int32)
     return cu, length
@@ -430,6 +447,8 @@ def nopad_varlen_attention(
                 "no per-score tensor beyond what nopad_varlen applies per sequence (sinks, windows, soft-capping)",
                 f"a {tuple(given.shape)} tensor it would have to ignore, spanning the packed row",
             )
+    if sliding_window is None:  # a layer whose window only its mask carries: the mask is not built here
+        sliding_window = _mask_window(module)
     if sliding_window is not None:  # a window of 0 masks every score: NaN attention, not an error
         sliding_window = check_int(sliding_window, "sliding_window", low=1)
     sinks = kwargs.get("s_aux")
@@ -518,6 +537,23 @@ def _attention_chunk(module: torch.nn.Module) -> int | None:
     if not types or index is None or index >= len(types) or types[index] != "chunked_attention":
         return None
     return getattr(config, "attention_chunk_size", None)
+
+
+def _mask_window(module: torch.nn.Module) -> int | None:
+    """The sliding window transformers' mask gives this layer, for a call that passes no ``sliding_window``.
+
+    A layer whose ``config.layer_types`` entry is "sliding_attention" gets the mask of
+    ``create_sliding_window_causal_mask``, which reads ``config.sliding_window``. Most models hand
+    that window to the attention function too; Qwen2-MoE applies it only through the mask, which
+    nopad_varlen never builds (a packed row has none), so without this the window would be dropped
+    inside every sequence. A model that keeps its window out of ``layer_types`` and out of the call
+    (PhiMoE: one window for every layer, in the mask only) is refused by the guard instead."""
+    config = getattr(module, "config", None)
+    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if not types or not isinstance(index, int) or not 0 <= index < len(types) or types[index] != "sliding_attention":
+        return None
+    window = getattr(config, "sliding_window", None)
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
 
 
 def _split(cu_seqlens: Tensor, chunk: int) -> tuple[Tensor, int]:

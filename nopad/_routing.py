@@ -58,9 +58,17 @@ class _Forward:
     cu_seqlens: Tensor
     group: Any
     checkpointed: bool
+    longest: int | None = None  # the longest sequence, where the caller or the position ids told it
 
 
 _PACKED_FORWARD: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("nopad_packed_forward", default=None)
+
+
+def packed_forward_boundaries() -> tuple[Tensor, int | None] | None:
+    """(cu_seqlens, longest or None) of the routed packed forward running now, or None outside one: what
+    a layer that is not handed the boundaries (a decoder that drops its kwargs) must still keep apart."""
+    forward = _PACKED_FORWARD.get()
+    return None if forward is None else (forward.cu_seqlens, forward.longest)
 
 
 def packed_row_of(cu_seqlens: Tensor) -> PackedRow:
@@ -470,6 +478,8 @@ class Callee:
 
 def callee(obj: Any) -> Callee | None:
     """What ``obj`` (a module global) is to the routing, or None for anything that is not a function."""
+    if isinstance(obj, torch.nn.Module) and not getattr(type(obj).forward, "__module__", "").startswith("kernels"):
+        return None  # a layer instance kept as a global (an activation): per token, and not a function
     layer_name = getattr(type(obj), "kernel_layer_name", None) if isinstance(obj, torch.nn.Module) else None
     if isinstance(layer_name, str):
         func = _kernels_function(obj)
@@ -775,6 +785,7 @@ class Survey:
 def survey(model: torch.nn.Module) -> Survey:
     """Classify every module of ``model`` (no change is made; host work only)."""
     result = Survey([], [], [], [])
+    windowed = _builds_window_mask(model)
     attends: dict[int, bool] = {}
     served: set[int] = set()  # modules inside a served one: its packed form covers them
     for name, module in model.named_modules():  # parents before children
@@ -798,6 +809,8 @@ def survey(model: torch.nn.Module) -> Survey:
             attends[id(module)] = True
             continue
         why = _refusal(module, children_attend)
+        if why is None and windowed and class_survey.attention_interface:
+            why = _dropped_window(module)
         if why is not None:
             result.refused.append((name, cls.__name__, why))
         elif class_survey.rebinds:
@@ -817,6 +830,60 @@ def survey(model: torch.nn.Module) -> Survey:
             ),
         )
     return result
+
+
+# transformers' mask builder that carries a sliding window. A packed row has no mask, so an attention
+# layer of a model that builds it must hand the window to the attention function (``sliding_window=``)
+# or be a "sliding_attention" layer of ``config.layer_types`` (nopad_varlen reads that window itself)
+_WINDOW_MASK = "create_sliding_window_causal_mask"
+
+
+def _builds_window_mask(model: torch.nn.Module) -> bool:
+    """Whether some module of ``model`` builds transformers' sliding-window mask (its decoder's forward)."""
+    classes = {type(m) for m in model.modules()}
+    return any(_WINDOW_MASK in _names_read(_innermost(fn).__code__) for cls in classes for _, fn in _methods(cls))
+
+
+def _mentions(code: types.CodeType, name: str) -> bool:
+    """Whether ``code`` (or a function defined inside it) reads ``name`` or passes it as a keyword."""
+    if name in code.co_names:
+        return True
+    for const in code.co_consts:
+        if const == name or (isinstance(const, tuple) and name in const):
+            return True
+        if isinstance(const, types.CodeType) and _mentions(const, name):
+            return True
+    return False
+
+
+def _passes_window(cls: type) -> bool:
+    """Whether the class's code that calls the attention interface hands it a ``sliding_window``."""
+    for _, method in _methods(cls):
+        code = _innermost(method).__code__
+        if "ALL_ATTENTION_FUNCTIONS" in _names_read(code) and _mentions(code, "sliding_window"):
+            return True
+    return False
+
+
+def _dropped_window(module: torch.nn.Module) -> str | None:
+    """Why the sliding window of this attention module (of a model that builds a sliding-window mask)
+    would be dropped inside each sequence of a packed row, or None. Dropped: a window that bites, not
+    handed to the attention function and not named by the layer's type (PhiMoE's, one window for
+    every layer, applied through the mask only)."""
+    config = getattr(module, "config", None)
+    window, longest = getattr(config, "sliding_window", None), getattr(config, "max_position_embeddings", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0 or _passes_window(type(module)):
+        return None
+    if isinstance(longest, int) and window >= longest:
+        return None  # no sequence the model takes is longer than its window: dropping it changes nothing
+    kinds, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if kinds and (isinstance(index, int) and 0 <= index < len(kinds) or "sliding_attention" not in kinds):
+        return None  # its layer's type says: nopad_varlen gives a "sliding_attention" layer its window
+    return (
+        f"applies the model's {window}-token sliding window only through the attention mask (its call to "
+        "the attention interface passes no sliding_window=), and a packed row has no mask: each sequence "
+        "would attend past its window"
+    )
 
 
 def _reads_positions(model: torch.nn.Module) -> bool:
@@ -884,7 +951,8 @@ class Route:
         owner = type(module).__name__
         forward = None
         if boundaries is not None:
-            forward = _Forward(owner, boundaries[0], kwargs.get(SP_GROUP_KWARG), checkpointed(module))
+            cu, longest = boundaries
+            forward = _Forward(owner, cu, kwargs.get(SP_GROUP_KWARG), checkpointed(module), longest or None)
         self._tokens.append(_PACKED_FORWARD.set(forward))
         if boundaries is None:
             return None

@@ -270,6 +270,13 @@ CATALOGUE = [
         r"config.loss_scale_factor: expected a number > 0",
     ),
     ("range", "leak-atol-nan", lambda: check_isolation(None, atol=NAN), r"atol: expected a finite number >= 0"),
+    (
+        "range",
+        "leak-alone-atol-negative",
+        lambda: check_isolation(None, alone_atol=-1.0),
+        r"alone_atol: expected a number >= 0, got -1.0",
+    ),
+    ("args", "leak-alone-not-bool", lambda: check_isolation(None, alone="yes"), r"alone: expected True or False"),
     # -- shapes and dtypes
     (
         "shape",
