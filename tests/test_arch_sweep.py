@@ -58,8 +58,9 @@ def test_every_architecture_is_exact_or_refused_never_silently_different(results
     counts = {s: [r.model_type for r in results if r.status == s] for s in ("exact", "different", "error")}
     assert not counts["different"], f"silently different: {counts['different']}"
     assert not counts["error"], [f"{r.model_type}: {r.detail}" for r in results if r.status == "error"]
-    assert len(counts["exact"]) >= 140, f"only {len(counts['exact'])} exact"
-    # every family nopad has a packed form for is among the exact ones
+    # most of what this release ships runs packed (transformers 5.25: 149 of 200 exact; 5.10.4: 99 of 163)
+    assert len(counts["exact"]) >= 0.6 * len(results), f"only {len(counts['exact'])} of {len(results)} exact"
+    # every family nopad has a packed form for is among the exact ones, where this release ships it
     served = {
         "qwen3_5",
         "qwen3_next",
@@ -85,7 +86,22 @@ def test_every_architecture_is_exact_or_refused_never_silently_different(results
         "opt",
         "llama4",
     }
-    assert served <= set(counts["exact"]), served - set(counts["exact"])
+    shipped = served & {r.model_type for r in results}
+    assert {"qwen3_5", "bamba", "lfm2", "gpt_oss"} <= shipped, shipped
+    if _reads_primitives():
+        assert shipped <= set(counts["exact"]), shipped - set(counts["exact"])
+    else:  # transformers 5.10's layers call their torch fallbacks directly: the state layers are refused by name
+        refused = {r.model_type for r in results if r.status == "refused"}
+        assert shipped <= set(counts["exact"]) | refused, shipped - set(counts["exact"]) - refused
+        assert "qwen3_5" in refused and "gpt_oss" in counts["exact"]
+
+
+def _reads_primitives() -> bool:
+    """Whether this transformers wraps its sequence primitives (``use_kernel_func_from_hub_with_fallback``,
+    5.20 on), the seam through which nopad gives state-carrying layers their packed forms."""
+    import transformers.integrations
+
+    return hasattr(transformers.integrations, "use_kernel_func_from_hub_with_fallback")
 
 
 @pytest.mark.slow
@@ -98,3 +114,22 @@ def test_the_refused_architectures_and_why_are_listed_in_the_docs(results):
     if os.environ.get("NOPAD_WRITE_DOCS"):
         DOCS.write_text(generated)
     assert text == generated, "docs/integrations/layers.md's refused list is stale: NOPAD_WRITE_DOCS=1 regenerates it"
+
+
+@pytest.mark.slow
+def test_with_every_window_shrunk_every_architecture_is_exact_or_refused_never_silently_different():
+    """The same sweep with every window, chunk and attention span switched on at 16 tokens
+    (tests/arch_windows.py): a window a model applies only through its mask is found, not dropped."""
+    from tests import arch_windows
+
+    with arch_windows.windows_on():
+        windowed = archs.sweep()
+    assert arch_windows.ENABLED, "no config had a window to switch on"
+    different = [f"{r.model_type}: {r.max_abs_diff:.3g}" for r in windowed if r.status == "different"]
+    assert not different, f"silently different with windows on: {different}"
+    assert not [r for r in windowed if r.status == "error"], [
+        f"{r.model_type}: {r.detail}" for r in windowed if r.status == "error"
+    ]
+    refused = {r.model_type for r in windowed if r.status == "refused"}
+    assert "phimoe" in refused  # its window lives only in the mask
+    assert "qwen2_moe" not in refused and "qwen2_moe" in {r.model_type for r in windowed if r.status == "exact"}

@@ -186,6 +186,9 @@ def _gdn_inputs(T, Hk, H, Dk, Dv, seed=0):
 
 
 def _hf_gdn(q, k, v, g, beta, lengths, **options):
+    # one key head per value head, as the layer hands them to the reference before transformers 5.2x
+    # (whose reference takes fewer key heads itself, the same math)
+    q, k = (x.repeat_interleave(v.shape[1] // x.shape[1], dim=1) for x in (q, k))
     pieces = [HF_GDN(*(x[None, s:e] for x in (q, k, v, g, beta)), **options)[0][0] for s, e in _bounds(lengths)]
     return torch.cat(pieces)
 

@@ -49,8 +49,13 @@ def test_wrap_jagged_equals_torchs_public_constructor(path, shape, ragged_dim, s
 
 
 def test_the_fast_jagged_constructor_is_taken_on_this_torch():
-    """The constructor check passes on the torch nopad is tested with, so the tests above exercise
-    nopad's own constructor and not only torch's fallback."""
+    """The constructor check passes on the torches of CI's main leg (2.13) and vLLM's (2.14), so the
+    tests above exercise nopad's own constructor and not only torch's fallback. On the declared floor
+    (torch 2.9) the check finds a difference and torch's constructor is taken: the tests above then
+    prove the fallback."""
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13):
+        assert not internals._constructor_agrees.__wrapped__()
+        return
     assert internals._constructor_agrees.__wrapped__()
 
 
