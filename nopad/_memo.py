@@ -9,6 +9,7 @@ A pickled or copied object arrives with an empty memo (the receiver derives agai
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -57,3 +58,21 @@ def memo(obj: Any, key: Hashable, make: Callable[[], Any]) -> Any:
     """``recall(obj, key)``, made by ``make()`` and remembered the first time."""
     value = recall(obj, key, _MISSING)
     return remember(obj, key, make()) if value is _MISSING else value
+
+
+def memo_with(obj: Any, key: Hashable, others: tuple, make: Callable[[], Any]) -> Any:
+    """``memo(obj, key, make)`` for a fact that also depends on ``others`` (objects, or None): kept
+    with weak references to them and their versions, so it holds for these very objects, unedited,
+    and never for another made at a freed one's address (no ``id()`` outlives the call). One fact
+    per key: other ``others`` make it again and replace it."""
+    entry = recall(obj, key)
+    if entry is not None and all(_same(mark, other) for mark, other in zip(entry[0], others, strict=True)):
+        return entry[1]
+    marks = tuple(None if other is None else (weakref.ref(other), _version(other)) for other in others)
+    return remember(obj, key, (marks, make()))[1]
+
+
+def _same(mark: tuple | None, other: Any) -> bool:
+    if mark is None or other is None:
+        return mark is None and other is None
+    return mark[0]() is other and mark[1] == _version(other)

@@ -8,7 +8,6 @@ the last ``R`` columns, right-padded, so each row's real tokens are one run that
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -206,17 +205,15 @@ def _plan_left_right(
         raise input_error(field, row, expected, f"attention_mask {attention_mask[row].tolist()}")
     lengths, starts = facts[:, 0], (S - R) - facts[:, 1]
     target = attention_mask.device if device is None else torch.device(device)
-    plan = IndexPlan.from_runs(lengths, starts, width=S, device=target, response_width=R)
-    plan._source_mask = (weakref.ref(attention_mask), attention_mask._version)  # known as this mask's for free
-    return plan
+    # known as this mask's for free
+    return IndexPlan.from_runs(lengths, starts, width=S, device=target, response_width=R, mask=attention_mask)
 
 
 def _check_plan_of(plan: IndexPlan, attention_mask: Tensor) -> None:
     """Refuse a plan that is not ``attention_mask``'s, where that is free: made from this very mask
     (identity and version: nothing to read), or the mask lives on the CPU (its ones are compared with
     the plan's, a read of host memory). A device mask is not read: the caller vouches for the plan."""
-    source = plan._source_mask
-    if source is not None and source[0]() is attention_mask and source[1] == attention_mask._version:
+    if plan.made_from(attention_mask):
         return
     if not free_to_read(attention_mask, plan.indices):
         return

@@ -43,7 +43,7 @@ from nopad._layers import (
     torch_causal_conv1d,
 )
 from nopad._layout import IndexPlan, known_host_lengths, remember_host_lengths
-from nopad._memo import memo
+from nopad._memo import memo, recall, remember
 from nopad.parallel._ulysses import SP_GROUP_KWARG, all_to_all, gather_seq
 
 # ---- the packed row of a forward -------------------------------------------------------------------
@@ -920,8 +920,11 @@ class Route:
             elif name in names:
                 for method, fn in _rebound_methods(type(module)).items():
                     self._patch(module, method, types.MethodType(fn, module))
-        self._configs = {id(m.config) for m in model.modules() if getattr(m, "config", None) is not None}
-        ROUTED_CONFIGS.update(self._configs)
+        self.removed = False
+        mark = weakref.ref(self)  # weak: the model holds its route, never the other way round
+        for module in model.modules():  # the layers that read a config (attention among them): see routed
+            if getattr(module, "config", None) is not None:
+                remember(module, "routed by", mark)
         self._hooks = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, always_call=True),
@@ -933,7 +936,7 @@ class Route:
         setattr(module, name, value)
 
     def remove(self) -> None:
-        ROUTED_CONFIGS.difference_update(self._configs)
+        self.removed = True
         for hook in self._hooks:
             hook.remove()
         for module, name, own in reversed(self._patched):
@@ -943,8 +946,8 @@ class Route:
                 setattr(module, name, own)
         self._patched.clear()
         model = self.model()
-        if model is not None and _ROUTES.get(model) is self:
-            del _ROUTES[model]
+        if model is not None and recall(model, "route") is self:
+            remember(model, "route", None)
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         boundaries = _row_boundaries(args, kwargs)
@@ -981,10 +984,16 @@ def checkpointed(model: torch.nn.Module) -> bool:
 
 
 _MISSING = object()
-# the configs of routed models: their attention layers are reached by routed forwards (and by the
-# recomputations of checkpointed layers, which run outside any forward)
-ROUTED_CONFIGS: set[int] = set()
-_ROUTES: weakref.WeakKeyDictionary[torch.nn.Module, Route] = weakref.WeakKeyDictionary()
+
+
+def routed(module: Any) -> bool:
+    """Whether ``module`` (or the module a view stands for: its memo is read through the view) is a
+    layer of a model given to :func:`route`, not removed since: its attention is reached by routed
+    forwards (and by the recomputations of checkpointed layers, which run outside any forward).
+    Kept on the layer (nopad._memo), so a layer freed and another made at its address is not."""
+    mark = recall(module, "routed by")
+    found = None if mark is None else mark()
+    return found is not None and not found.removed
 
 
 def _without_cache(kwargs: dict, owner: str, takes_it: bool) -> dict:
@@ -1054,16 +1063,16 @@ def route(model: torch.nn.Module) -> Route:
     apart: see :func:`survey`. The attention implementation is the caller's to switch
     (:func:`nopad._attention.use_packed_attention` does both).
     """
-    existing = _ROUTES.get(model)
+    existing = route_of(model)
     if existing is not None:
         return existing
     found = survey(model)
     error = found.error(model)
     if error is not None:
         raise error
-    _ROUTES[model] = created = Route(model, found)
-    return created
+    return remember(model, "route", Route(model, found))  # kept on the model (nopad._memo)
 
 
 def route_of(model: torch.nn.Module) -> Route | None:
-    return _ROUTES.get(model)
+    """The route of ``model`` made by :func:`route` and not removed since, else None."""
+    return recall(model, "route")

@@ -18,7 +18,6 @@ out itself (a conversion, or an earlier call here), since it keeps their host co
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -122,6 +121,9 @@ class RowRestore:
     def __init__(self, partitions: list[list[int]]) -> None:
         self.partitions = partitions
         self._lengths: list[np.ndarray | None] = [None] * len(partitions)  # each micro-batch's row lengths
+        # the memo key of "micro-batch i of this restore" on its outputs' offsets: a token of its own,
+        # never another restore's (an id would be, once this restore is freed and its address reused)
+        self._mark = ("micro-batch of", object())
         self.order = np.array([row for p in partitions for row in p], dtype=np.int64)
         _check_permutation(self.order)
         self.inverse = np.empty_like(self.order)
@@ -195,8 +197,7 @@ class RowRestore:
     def _check_owner(self, i: int, offsets: Tensor | None) -> None:
         """The offsets of micro-batch ``i``'s first nested output are not another one's (one field
         tells: a part's outputs come from one micro-batch; each further field costs)."""
-        mark = None if offsets is None else recall(offsets, ("micro-batch of", id(self)))
-        owner = mark[1] if mark is not None and mark[0]() is self else None  # (a dead restore's id reused: not ours)
+        owner = None if offsets is None else recall(offsets, self._mark)
         if owner is not None and owner != i:
             got = f"the rows of micro-batch {owner} (outputs out of order?)"
             raise input_error(f"outputs[{i}]", None, f"the rows of micro-batch {i}", got)
@@ -217,7 +218,7 @@ class RowRestore:
             for value in part.values():
                 if isinstance(value, Tensor) and kind_of(value) == NESTED:
                     offsets = nested_offsets(value)
-                    remember(offsets, ("micro-batch of", id(self)), (weakref.ref(self), i))
+                    remember(offsets, self._mark, i)
                     if self._lengths[i] is None:
                         self._lengths[i] = known_host_lengths(offsets)
 

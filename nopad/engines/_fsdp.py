@@ -69,7 +69,7 @@ class OutputArgs:
     micro_batch: Any = None
     input_ids: Tensor | None = None
     model_input_ids: Tensor | None = None
-    _scored: dict = field(default_factory=dict, repr=False)
+    _scored: list = field(default_factory=list, repr=False)  # (choice, its object, what it gave), found by identity
 
     @property
     def real_tokens(self) -> int:
@@ -81,23 +81,24 @@ class OutputArgs:
         """The positions of the row (its T real tokens) to score, or None for all (see
         :func:`nopad._logprobs.scored_tokens`); worked out once per choice, so the head and the
         outputs of one forward share them."""
-        key = (tokens, id(score_mask))
-        if key not in self._scored:
-            found = (
-                None if self.input_ids is None else scored_tokens(tokens, score_mask, self.micro_batch, self.input_ids)
-            )
-            self._scored[key] = (score_mask, found)  # the mask is kept so that its id stays its own
-        return self._scored[key][1]
+        for choice, given, found in self._scored:
+            if given is score_mask and isinstance(tokens, str) and choice == tokens:
+                return found
+        found = None if self.input_ids is None else scored_tokens(tokens, score_mask, self.micro_batch, self.input_ids)
+        self._scored.append((tokens, score_mask, found))
+        return found
 
     def local_scored(self, scored: ScoredTokens | None) -> ScoredTokens | None:
         """``scored`` on this rank's L slots of the padded row (None: every real slot); one object per choice."""
         if scored is None or self.sp_size == 1:
             return scored
-        key = ("local", id(scored))
-        if key not in self._scored:
-            local = self.labels.shape[0]
-            self._scored[key] = (scored, scored.shifted(self.sp_rank * local, local))
-        return self._scored[key][1]
+        for choice, given, found in self._scored:
+            if choice == "local" and given is scored:
+                return found
+        local = self.labels.shape[0]
+        found = scored.shifted(self.sp_rank * local, local)
+        self._scored.append(("local", scored, found))
+        return found
 
 
 def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
@@ -555,7 +556,9 @@ def packed_logprobs(
     ``attention``: "auto" runs a CUDA model whose attention does not read packed boundaries (sdpa,
     eager) through ``nopad_varlen`` for this forward (HF's own packed sdpa builds a dense block
     mask and is slower than padding); a kernel name (:data:`nopad._attention.KERNELS`) forces that
-    kernel on any device; None runs the model's attention as it is. The model is restored after.
+    kernel on any device; None runs the model's attention implementation as it is, which must read
+    packed boundaries itself (flash-attn's, ``nopad_varlen``; sdpa or eager is a ValueError, see
+    :func:`nopad.attention.packed_attention`). The model is restored after.
     ``head``: "auto" computes log-probs (and entropy) with the chunked head wherever it serves the
     model, never holding (L, V) logits (see :func:`chunked_head`); "chunked" requires it; "logits"
     takes the model's logits. ``chunk_size``: the head's tokens per tile. ``tokens`` / ``score_mask``:

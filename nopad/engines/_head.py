@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from torch import Tensor
 
 from nopad._errors import free_to_read, input_error
 from nopad._logprobs import ScoredTokens, check_label_range, run_head
+from nopad._memo import recall, remember
 
 # ---- a model's output layer ------------------------------------------------------------------
 
@@ -123,18 +123,12 @@ class HeadOutput:
     scored: ScoredTokens | None = None
 
 
-# model -> why the chunked head does not serve it (learnt on a forward); absent: not known to fail
-_REFUSED: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-# model -> its post-processing was checked against its HeadSpec once (a host sync) and matched
-_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
-
-
 def refusal(model: torch.nn.Module) -> tuple[HeadSpec | None, str | None]:
     """(the model's spec, None) when the chunked head may serve it, else (None, why not)."""
     spec = head_spec(model)
     if isinstance(spec, str):
         return None, spec
-    reason = _REFUSED.get(model)
+    reason = recall(model, "head refused")  # learnt on a forward, kept on the model
     return (None, reason) if reason is not None else (spec, None)
 
 
@@ -235,7 +229,7 @@ class _Call:
             return None
         if not isinstance(logits, Tensor) or logits.shape != self.stand_in.shape:
             return "its forward returns something other than its output layer's result as logits"
-        if _CHECKED.get(model):
+        if recall(model, "head checked"):  # kept on the model: its post-processing matched its spec
             return None
         probe = self.stand_in[..., 2].detach()  # one host sync, on a model's first forward only
         if not torch.allclose(logits[..., 2].detach().to(probe.dtype), spec.expected(probe), rtol=1e-3, atol=1e-3):
@@ -244,7 +238,7 @@ class _Call:
                 f"its forward changes its output layer's result in a way nopad does not know "
                 f"(expected {said} from its config; use head='logits')"
             )
-        _CHECKED[model] = True
+        remember(model, "head checked", True)
         return None
 
 
@@ -299,7 +293,7 @@ def head_forward(
         if why is None:
             return call.result()
         if not call.transient:
-            _REFUSED[model] = why
+            remember(model, "head refused", why)
         if required:
             raise input_error("head", None, "a model the chunked head can serve (or head='logits')", why)
         # the probe reached the output only if the stand-in ran: then the logits must be computed again
