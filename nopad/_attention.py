@@ -51,8 +51,8 @@ from nopad._layout import (
     remember_host_lengths,
     to_host,
 )
-from nopad._memo import memo
-from nopad._routing import ROUTED_CONFIGS, checkpointed, packed_forward_boundaries, route, route_of
+from nopad._memo import memo, memo_with, recall, remember
+from nopad._routing import checkpointed, packed_forward_boundaries, route, route_of, routed
 from nopad.parallel._ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
 
 IMPLEMENTATION = "nopad_varlen"
@@ -140,8 +140,6 @@ def _unavailable(kernel: str, device_type: str, dtype: torch.dtype) -> str | Non
     spec = SPECS[kernel]
     if device_type not in spec.devices:
         return f"needs a {' or '.join(spec.devices)} device, the model is on {device_type}"
-    if device_type == "cuda" and "cpu" not in spec.devices and not torch.cuda.is_available():
-        return "needs a CUDA device, and this machine has none"
     if spec.dtypes is not None and dtype not in spec.dtypes:
         return f"takes {' or '.join(str(d) for d in spec.dtypes)}, the model runs {dtype}"
     if not spec.present():
@@ -180,16 +178,25 @@ def _copies_kv(kernel: str, needs: Needs) -> bool:
 
 
 def available_kernels(device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """The kernels that can run on ``device`` at ``dtype``, in the order ``"auto"`` tries them."""
-    device_type = torch.device(device).type
+    """The kernels that can run on ``device`` at ``dtype``, in the order ``"auto"`` tries them. A CUDA
+    device on a machine without one is a ValueError (no kernel runs there), not an answer."""
+    device_type = _present_device_type(device)
     return [k for k in KERNELS if _unavailable(k, device_type, dtype) is None]
 
 
 def unavailable_kernels(device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
     """The kernels that cannot run on ``device`` at ``dtype``, each with why (the rest: :func:`available_kernels`)."""
-    device_type = torch.device(device).type
+    device_type = _present_device_type(device)
     found = {k: _unavailable(k, device_type, dtype) for k in KERNELS}
     return {k: why for k, why in found.items() if why is not None}
+
+
+def _present_device_type(device: torch.device | str) -> str:
+    """``device``'s type, refused when it is CUDA on a machine that has no CUDA device."""
+    device_type = torch.device(device).type
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise input_error("device", None, "a device this machine has", f"{device!r}: this machine has no CUDA device")
+    return device_type
 
 
 @functools.lru_cache(maxsize=256)
@@ -374,13 +381,11 @@ def _boundaries(batch: int, length: int, device: torch.device, kwargs: dict) -> 
         cu_k, max_length = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_q")
         given: Tensor = cu
         total = batch * length
-        # one check per forward (every layer passes these same tensors): kept on the boundaries
-        others = tuple(
-            None if x is None or x is cu or not isinstance(x, Tensor) else (id(x), x._version)
-            for x in (cu_k, max_length)
-        )
-        key = ("boundaries", total, str(device), others, max_length if not isinstance(max_length, Tensor) else None)
-        return memo(cu, key, lambda: _given_boundaries(given, cu_k, max_length, total, device))
+        # one check per forward (every layer passes these same tensors): kept on the boundaries, with
+        # the other tensors it was made with (weakly: never taken for another tensor at a freed address)
+        others = tuple(x if isinstance(x, Tensor) and x is not cu else None for x in (cu_k, max_length))
+        key = ("boundaries", total, str(device), max_length if not isinstance(max_length, Tensor) else None)
+        return memo_with(cu, key, others, lambda: _given_boundaries(given, cu_k, max_length, total, device))
     position_ids = kwargs.get("position_ids")
     if position_ids is not None and position_ids.shape[-1] == length and position_ids.numel() == batch * length:
         plan = memo(position_ids, "position_plan", lambda: IndexPlan.from_position_ids(position_ids))
@@ -498,17 +503,12 @@ _STATE_LAYER_TYPES = re.compile(r"linear|mamba|conv|recurrent|rwkv|delta|ssm|^m$
 def _refuse_unrouted(module: torch.nn.Module) -> None:
     """A packed forward reached nopad_varlen outside a routed model (loaded with the implementation
     but never given to :func:`use_packed_attention`): if its config has layers that carry state
-    along the sequence, they ran the row as one sequence already. Checked once per config."""
-    config = getattr(module, "config", None)
-    config = getattr(config, "_target", config)  # under Ulysses the kernel sees a view of the module's config
-    if config is None or id(config) in ROUTED_CONFIGS or id(config) in _CHECKED_CONFIGS:
+    along the sequence, they ran the row as one sequence already. Checked once per layer, the verdict
+    kept on it (nopad._memo; under Ulysses the kernel sees a view of the module, which reads it through)."""
+    if routed(module) or recall(module, "unrouted checked"):
         return
-    kinds = [
-        kind
-        for name in ("layer_types", "layers_block_type")
-        for kind in (getattr(config, name, None) or [])
-        if isinstance(kind, str) and _STATE_LAYER_TYPES.search(kind)
-    ]
+    config = getattr(module, "config", None)
+    kinds = [] if config is None else _state_layer_kinds(config)
     if kinds:
         raise input_error(
             f"{getattr(config, 'model_type', type(config).__name__)} model",
@@ -517,10 +517,18 @@ def _refuse_unrouted(module: torch.nn.Module) -> None:
             f"one loaded with nopad_varlen alone: its {sorted(set(kinds))} layers carry state along the sequence "
             "and have just run the packed row as one sequence",
         )
-    _CHECKED_CONFIGS.add(id(config))
+    remember(getattr(module, "_target", module), "unrouted checked", True)  # the module, not a view of it
 
 
-_CHECKED_CONFIGS: set[int] = set()
+def _state_layer_kinds(config: Any) -> list[str]:
+    """The layer kinds ``config`` names (transformers' ``layer_types`` and the like) that carry state
+    along the sequence: what :func:`_refuse_unrouted` checks, once per layer of an unrouted model."""
+    return [
+        kind
+        for name in ("layer_types", "layers_block_type")
+        for kind in (getattr(config, name, None) or [])
+        if isinstance(kind, str) and _STATE_LAYER_TYPES.search(kind)
+    ]
 
 
 # kwargs nopad_varlen reads or that carry no scores; any other tensor is refused, never ignored
@@ -670,8 +678,11 @@ def packed_attention(model: torch.nn.Module, kernel: str | None = "auto") -> Ite
 
     ``kernel="auto"`` keeps an attention that already reads packed boundaries (flash-attn's,
     ``nopad_varlen``'s) and switches any other (sdpa, eager, flex) to ``nopad_varlen``; a kernel
-    name forces that kernel; ``None`` keeps the model's attention, which must read the boundaries
-    (else ValueError, before anything runs).
+    name forces that kernel; ``None`` keeps the model's own attention implementation, which must read
+    the packed boundaries itself (flash-attn's, ``nopad_varlen``): one that builds masks (sdpa, eager,
+    flex) is a ValueError before anything runs, since whether its masks keep the sequences apart
+    depends on how each model builds them (Moshi's decoder on transformers 5.20 hands its layers no
+    positions, and one mask spans the row), which nopad cannot vouch for.
     """
     _check_configured(model)
     current = current_implementation(model)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nopad._errors import input_error
-from nopad._layout import IndexPlan, device_to_host, host_to_device, prepare_position_ids, spread_over_tokens
+from nopad._layout import IndexPlan, device_to_host, host_to_device, position_ids_of, spread_over_tokens
 from nopad._probe import probe
 
 
@@ -54,7 +54,7 @@ class PackedRow:
         self.cu_seqlens = cu_seqlens.to(torch.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.total = int(self.lengths.sum())
-        self.position_ids = prepare_position_ids(self.cu_seqlens, self.total)
+        self.position_ids = position_ids_of(self.cu_seqlens, self.total)
         self._layouts: dict[int, ChunkLayout] = {}
         self._padded: IndexPlan | None = None
 

@@ -9,6 +9,7 @@ Host syncs are named in each docstring; everything else stays on the device.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,14 +134,44 @@ def spread_over_tokens(per_row: Tensor, offsets: Tensor, total: int, *, plus_pos
 
 
 def prepare_row_ids(lengths: Tensor, total: int) -> Tensor:
-    """(total,) index of the row each packed token belongs to. No sync (``total`` is given)."""
-    rows = torch.arange(lengths.shape[0], device=lengths.device)
-    return spread_over_tokens(rows, prepare_offsets(lengths), total)
+    """(total,) index of the row each packed token belongs to. No sync (``total`` is given).
+
+    ``total`` must be the lengths' sum (tokens past it would be given the last row, or cut):
+    checked where that is free (lengths in host memory); on a device the caller vouches for it."""
+    offsets = prepare_offsets(lengths)
+    _check_ends_at(offsets, total, "the sum of the lengths")
+    return row_ids_of(offsets, total)
 
 
 def prepare_position_ids(offsets: Tensor, total: int) -> Tensor:
-    """(total,) position of each packed token inside its own sequence, restarting at 0. No sync."""
+    """(total,) position of each packed token inside its own sequence, restarting at 0. No sync.
+
+    ``offsets`` must run from 0 to ``total``: checked where free (host memory), as in
+    :func:`prepare_row_ids`."""
+    _check_ends_at(offsets, total, "the last offset")
+    return position_ids_of(offsets, total)
+
+
+def row_ids_of(offsets: Tensor, total: int) -> Tensor:
+    """:func:`prepare_row_ids` of (B+1,) offsets the caller vouches for: nothing checked or read."""
+    return spread_over_tokens(torch.arange(offsets.shape[0] - 1, device=offsets.device), offsets, total)
+
+
+def position_ids_of(offsets: Tensor, total: int) -> Tensor:
+    """:func:`prepare_position_ids` of offsets the caller vouches for: nothing checked or read."""
     return spread_over_tokens(-offsets[:-1], offsets, total, plus_position=True)
+
+
+def _check_ends_at(offsets: Tensor, total: Any, words: str) -> None:
+    """``offsets`` run from 0 to ``total``, read where free (host memory, one read); else a ValueError.
+    Offsets on a device are not read (a sync): the caller vouches for them."""
+    total = check_int(total, "total", low=0)
+    if free_to_read(offsets) and offsets.numel():
+        first, last = offsets[[0, -1]].tolist()
+        if first != 0:
+            raise input_error("offsets", None, f"boundaries from 0 to total {total}", f"{first}..{last}")
+        if last != total:
+            raise input_error("total", None, f"{words}, {last}", f"{total}")
 
 
 def range_steps(firsts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -215,7 +246,7 @@ def block_causal_mask(
     Boolean (True = attend) for sdpa; with ``additive_dtype``, 0 / dtype-min for eager attention.
     ``cu_seqlens`` must end at ``total`` (fold any tail padding into a last segment). No sync.
     """
-    segment = prepare_row_ids(cu_seqlens.to(torch.int64).diff(), total)
+    segment = row_ids_of(cu_seqlens.to(torch.int64), total)
     positions = torch.arange(total, device=cu_seqlens.device)
     distance = positions.unsqueeze(1) - positions.unsqueeze(0)  # query minus key
     allowed = segment.unsqueeze(1) == segment.unsqueeze(0)
@@ -293,7 +324,7 @@ class IndexPlan:
         # right-padded plans know it as their max length
         self._end: int | None = max_seqlen if starts is None or max_seqlen is None else None
         self._nested_offsets: Tensor | None = None  # the offsets of the nested tensor this plan was read from
-        self._source_mask: Any = None  # (weakref to the mask, its version) of plan_left_right
+        self._source_mask: Any = None  # (weakref to the mask, its version) of from_runs' mask: see made_from
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
@@ -320,6 +351,7 @@ class IndexPlan:
         width: int,
         device: torch.device | str,
         response_width: int | None = None,
+        mask: Tensor | None = None,
     ) -> IndexPlan:
         """Rows whose real tokens are one run at ``starts`` (host int64 arrays, already validated).
 
@@ -327,7 +359,8 @@ class IndexPlan:
         gather indices from one pass (:func:`expand_ranges`). No sync. With ``response_width`` R,
         the last R columns are each row's response, and the plan also carries its way back
         (:class:`ResponseGather`: where each response log-prob is read, token t's from position
-        t - 1, and where it is written in the (B, R) output).
+        t - 1, and where it is written in the (B, R) output). ``mask``: the attention mask the runs were
+        read from; the plan (and its copies by :meth:`to`) is then known as its own (:meth:`made_from`).
         """
         device = torch.device(device)
         rows = np.arange(len(lengths), dtype=np.int64)
@@ -361,6 +394,8 @@ class IndexPlan:
             min_seqlen=int(lengths.min()),
         )
         plan._host = (lengths, starts, response_width)
+        if mask is not None:
+            plan._source_mask = (weakref.ref(mask), mask._version)
         if response_width is not None and source is not None and slot is not None:
             plan.responses = ResponseGather(len(lengths), response_width, total, source, slot, response_lens)
         remember(offsets_d, "lengths", lengths)
@@ -564,7 +599,7 @@ class IndexPlan:
     @property
     def position_ids(self) -> Tensor:
         """(total,) position of each packed token in its own sequence, from 0. No sync."""
-        return prepare_position_ids(self.offsets, self.total)
+        return position_ids_of(self.offsets, self.total)
 
     @property
     def last_token_mask(self) -> Tensor:
@@ -610,6 +645,11 @@ class IndexPlan:
     @property
     def device(self) -> torch.device:
         return self.offsets.device
+
+    def made_from(self, mask: Tensor) -> bool:
+        """Whether this plan was made from this very ``mask`` (:meth:`from_runs`' ``mask``), not edited since."""
+        source = self._source_mask
+        return source is not None and source[0]() is mask and source[1] == mask._version
 
     def to(self, device: torch.device | str, *, non_blocking: bool = True) -> IndexPlan:
         """The same plan on ``device``: lengths, offsets, starts and gather indices in ONE copy.

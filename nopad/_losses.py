@@ -511,6 +511,11 @@ def ppo_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
     value: on the CPU at once (a host read of CPU memory, never a device sync), with a ValueError
     naming both; on a device without reading them, the comparison turning the loss NaN when they
     differ. The metadata figures read as :func:`nopad._batch.get_field` unwraps them.
+
+    ``response_mask`` must be 0/1 and mark no padding (a 1 where ``data``'s padded attention_mask has
+    none in its response columns, when it carries one): on the CPU a ValueError naming the row; on a
+    device not read (no sync), the loss and metrics turning NaN instead. :func:`value_loss` and the
+    padded :func:`sft_loss` check it alike.
     """
     cfg = LossConfig.from_any(config)  # the config's one check in this call
     _check_inputs(model_output, data)
@@ -765,8 +770,9 @@ def _figures(data: TensorDict, cfg: LossConfig, loss_agg_mode: str) -> dict[str,
 
 
 def _response_mask(data: TensorDict) -> tuple[Tensor, Tensor | None]:
-    """The micro batch's (B, R) response mask as bools, checked to be a 0/1 mask: on the CPU now; on a
-    device as the returned 0-d flag, which the loss folds in (NaN when it is not)."""
+    """The micro batch's (B, R) response mask as bools, checked to be a 0/1 mask that marks no padding
+    (:func:`_marks_no_padding`): on the CPU now; on a device as the returned 0-d flag, which the loss
+    folds in (NaN when it is not): no sync."""
     mask = data.get("response_mask", None)
     if _is_nested(mask):  # verl also keeps rollout fields nested (B, j_r); they are padded to R here
         width = check_optional_int(get_field(data, "max_response_len"), "data['max_response_len']", low=0)
@@ -774,7 +780,30 @@ def _response_mask(data: TensorDict) -> tuple[Tensor, Tensor | None]:
     if not isinstance(mask, Tensor) or _is_nested(mask) or mask.dim() != 2:
         actual = "missing" if mask is None else f"{type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}"
         raise input_error("data['response_mask']", None, "a padded (batch, response_len) tensor", actual)
-    return mask.bool(), check_mask(mask, "data['response_mask']")
+    picked = mask.bool()
+    return picked, _and_flags(check_mask(mask, "data['response_mask']"), _marks_no_padding(data, picked))
+
+
+def _marks_no_padding(data: TensorDict, picked: Tensor) -> Tensor | None:
+    """No 1 of the (B, R) response mask where the batch's padded (B, S) attention_mask has padding in
+    its last R columns (the responses of a left/right padded batch): a 1 there would count a padded
+    slot's output (0) as a token. Three (B, R) ops; read at once on the CPU (ValueError naming the
+    row), else the 0-d device flag "no padding marked" (no sync). None where ``data`` has no such
+    attention_mask to tell padding by."""
+    attention = data.get("attention_mask", None)
+    if not isinstance(attention, Tensor) or _is_nested(attention) or attention.dim() != 2:
+        return None
+    (B, R), S = picked.shape, attention.shape[1]
+    if attention.shape[0] != B or S < R:
+        return None
+    on_padding = picked & (attention[:, S - R :] == 0).to(picked.device)
+    if not free_to_read(on_padding):
+        return on_padding.any().logical_not_()
+    if bool(on_padding.any()):
+        row = int(on_padding.any(1).nonzero()[0])
+        got = f"a 1 at response position {int(on_padding[row].nonzero()[0])}, where attention_mask has padding"
+        raise input_error("data['response_mask']", row, "1s on response tokens only (not on padding)", got)
+    return None
 
 
 def _field(data: TensorDict, key: str, response_mask: Tensor) -> Tensor:

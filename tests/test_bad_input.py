@@ -731,6 +731,35 @@ CASES_MORE = [
         lambda *args: nopad._layout.gather_rows(*args, -1),
         r"width: expected an int >= 0, got -1",
     ),
+    # issue 36: a total past the lengths' sum gave the tokens past them the last row (or position)
+    Case(
+        "reading past a row",
+        "prepare_row_ids with a total larger than the lengths' sum",
+        lambda: (torch.tensor([2, 3]), 7),
+        nopad.layout.prepare_row_ids,
+        r"total: expected the sum of the lengths, 5, got 7",
+    ),
+    Case(
+        "reading past a row",
+        "prepare_row_ids with a total short of the lengths' sum",
+        lambda: (torch.tensor([2, 3]), 4),
+        nopad.layout.prepare_row_ids,
+        r"total: expected the sum of the lengths, 5, got 4",
+    ),
+    Case(
+        "reading past a row",
+        "prepare_position_ids with a total past the last offset",
+        lambda: (torch.tensor([0, 2, 5]), 7),
+        nopad.layout.prepare_position_ids,
+        r"total: expected the last offset, 5, got 7",
+    ),
+    Case(
+        "reading past a row",
+        "prepare_position_ids with offsets not from 0",
+        lambda: (torch.tensor([1, 2, 5]), 5),
+        nopad.layout.prepare_position_ids,
+        r"offsets: expected boundaries from 0 to total 5, got 1..5",
+    ),
     Case(
         "mask not 0/1",
         "embeds with a float mask of halves, named",
@@ -750,6 +779,12 @@ def test_more_bad_input_is_refused_with_what_to_fix(case):
     with pytest.raises(ValueError, match=case.words):
         case.call(*args)
     assert all(_same(b, a) for b, a in zip(before, args))
+
+
+def test_row_ids_and_positions_of_a_right_total_are_served_and_on_a_device_not_read(device_path):
+    assert nopad.layout.prepare_row_ids(torch.tensor([2, 0, 3]), 5).tolist() == [0, 0, 2, 2, 2]
+    assert nopad.layout.prepare_position_ids(torch.tensor([0, 2, 2, 5]), 5).tolist() == [0, 1, 0, 1, 2]
+    assert nopad.layout.prepare_row_ids(torch.tensor([2, 3]), 7).shape == (7,)  # a device's: the caller vouches
 
 
 def test_an_integer_mask_selects_its_nonzero_entries_as_the_gathers_read_it():

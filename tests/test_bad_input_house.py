@@ -97,10 +97,16 @@ def test_use_packed_attention_refuses_what_is_not_a_transformers_model():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
-def test_available_kernels_on_a_machine_without_cuda_lists_only_what_runs():
+def test_available_kernels_on_a_machine_without_cuda_says_so():
+    """Issue 36: it answered ["sdpa"], a kernel that cannot run on a device this machine lacks."""
+    from nopad._attention import unavailable_kernels
     from nopad.attention import available_kernels
 
-    assert available_kernels("cuda") == ["sdpa"]
+    words = r"device: expected a device this machine has, got 'cuda': this machine has no CUDA device"
+    for call in (available_kernels, unavailable_kernels):
+        with pytest.raises(ValueError, match=words):
+            call("cuda")
+    assert available_kernels("cpu") == ["sdpa"]  # the devices it has are answered
 
 
 def test_an_embeds_mask_of_twos_selects_as_verl_reads_it():

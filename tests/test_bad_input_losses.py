@@ -435,6 +435,20 @@ def _ppo_mask(times):
     return lambda: L.ppo_loss(None, {"log_probs": out}, data)
 
 
+def _mask_on_padding(loss):
+    """Every response slot marked, padding included (row 1 holds one response token of 4)."""
+    data, out = _batch()
+    data["response_mask"] = torch.ones_like(data["response_mask"])
+    data["values"] = data["returns"] = torch.zeros(data["response_mask"].shape)
+    return lambda: loss(None, {"log_probs": out, "values": out}, data)
+
+
+PADDING_MARKED = (
+    r"data\['response_mask'\] row 1: expected 1s on response tokens only \(not on padding\), got a 1 at "
+    r"response position 1, where attention_mask has padding"
+)
+
+
 def _sft_mask_of_twos():
     data, out = _batch()
     data["loss_mask"] = _on_batch_offsets(data, torch.full((out.values().shape[0],), 2))
@@ -512,6 +526,10 @@ CATALOGUE += [
     ("mask", "ppo-response-mask-2", _ppo_mask(2), r"data\['response_mask'\] row 0: expected a 0/1 mask .*got 2"),
     ("mask", "ppo-response-mask-minus", _ppo_mask(-1), r"data\['response_mask'\] row 0: expected a 0/1 mask"),
     ("mask", "sft-loss-mask-2", _sft_mask_of_twos(), r"data\['loss_mask'\]: expected a 0/1 mask .*got 2"),
+    # issue 36: a response mask marking padding counted the padded slots' 0 log-probs as tokens
+    ("mask", "ppo-response-mask-on-padding", _mask_on_padding(L.ppo_loss), PADDING_MARKED),
+    ("mask", "value-response-mask-on-padding", _mask_on_padding(L.value_loss), PADDING_MARKED),
+    ("mask", "sft-response-mask-on-padding", _mask_on_padding(L.sft_loss), PADDING_MARKED),
     (
         "mask",
         "shifted-loss-mask-2",
@@ -838,6 +856,17 @@ def test_on_a_device_a_mask_that_is_not_0_1_turns_the_loss_nan_and_is_never_read
     assert all(v.isnan().all() for v in bad_metrics.values()) and not good[0].isnan()
 
 
+def test_on_a_device_a_response_mask_marking_padding_turns_the_loss_nan_unread(device_path):
+    """The padding check costs no sync on a device: folded into the loss (NaN), as the 0/1 check is."""
+    data, out = _batch()
+    good = L.ppo_loss(None, {"log_probs": out}, data)[0]
+    data["response_mask"] = torch.ones_like(data["response_mask"])
+    with OpCounter() as counter:
+        bad_loss, bad_metrics = L.ppo_loss(None, {"log_probs": out}, data)
+    assert counter.syncs == 0 and not good.isnan()
+    assert bad_loss.isnan() and all(v.isnan().all() for v in bad_metrics.values())
+
+
 def test_verl_like_configs_with_other_keys_are_accepted_and_exact():
     data, out = _batch()
     want = L.ppo_loss({"clip_ratio_high": 0.3}, {"log_probs": out}, data)[0]
@@ -887,6 +916,26 @@ def test_packed_logprobs_reads_the_micro_batch_temperature_as_prepare_model_inpu
     assert torch.equal(from_batch.values(), explicit.values())
     assert not torch.equal(plain.values(), explicit.values())
     assert (no_padding_2_padding(from_batch, micro) - reference).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_packed_logprobs_with_attention_none_refuses_an_attention_that_builds_masks(implementation):
+    """attention=None keeps the model's own attention, which must read packed boundaries: a mask-building
+    one keeps sequences apart only where the model builds its masks from the restarting positions, which
+    nopad cannot vouch for (Moshi on transformers 5.20 did not), so it is named before any forward."""
+    from nopad._padding import left_right_2_no_padding
+    from tests.models import tiny_llama
+
+    model = tiny_llama()
+    model.config._attn_implementation = implementation
+    micro = left_right_2_no_padding(make_padded_batch(3, 4, 3, seed=2))
+    with pytest.raises(
+        ValueError,
+        match=rf"attention: expected an attention implementation that reads packed "
+        rf"boundaries for attention=None .*got '{implementation}'",
+    ):
+        packed_logprobs(model, micro, attention=None)
+    assert model.config._attn_implementation == implementation
 
 
 @pytest.mark.parametrize(

@@ -493,6 +493,25 @@ def test_an_edited_metadata_key_is_refused_by_read_packed_and_inspect(tmp_path, 
     assert re.search(r"\n  - .*" + match, out), out
 
 
+def test_a_pad_id_edited_with_its_checksum_recomputed_is_refused_by_the_rows(tmp_path):
+    """Issue 36: the checksum covers the metadata as written, not an edit that recomputes it. The rows
+    tell: every conversation's last label is the pad id the file was packed with (256 here)."""
+    path = small_file(tmp_path)
+
+    def edit(meta):
+        meta["pad_token_id"] = 5
+        meta["metadata_checksum"] = metadata_checksum(meta)
+
+    edit_metadata(path, edit)
+    words = r"target_ids row 0: expected pad_token_id 5 as the label of every conversation's last token"
+    with pytest.raises(ValueError, match=words):
+        read_packed(path)
+    rows, _ = pack_conversations([([1, 2, 3], [0, 1, 1]), ([4, 5], [1, 1])], 8, pad_token_id=0)
+    with pytest.raises(ValueError, match=words.replace("5", "7")):  # the writer refuses the same mismatch
+        write_packed(tmp_path / "w.parquet", rows, pack_length=8, tokenizer=BYTES.identity, pad_token_id=7)
+    assert len(read_packed(small_file(tmp_path, "same.parquet"))) == 2  # the pad id it was packed with opens
+
+
 @pytest.mark.parametrize(("raw", "match"), [pytest.param(r, m, id=i) for i, r, m in BAD_RAW_METADATA])
 def test_unreadable_metadata_is_refused(tmp_path, raw, match):
     path = small_file(tmp_path)
@@ -744,6 +763,22 @@ BAD_ONLINE = [
         "dense ids",
         {"input_ids": torch.zeros(2, 3, dtype=torch.int64), "loss_mask": None},
         r"input_ids: expected a jagged nested tensor",
+    ),
+    (  # issue 36: values before the first offset belong to no row, and were packed as the first row's
+        "offsets not from 0",
+        {
+            "input_ids": torch.nested.nested_tensor_from_jagged(torch.arange(1, 10), torch.tensor([2, 5, 9])),
+            "loss_mask": None,
+        },
+        r"input_ids: expected offsets from 0 to its 9 values \(each value in a row\), got offsets 2..9",
+    ),
+    (
+        "offsets short of the values",
+        {
+            "input_ids": torch.nested.nested_tensor_from_jagged(torch.arange(1, 10), torch.tensor([0, 3, 5])),
+            "loss_mask": None,
+        },
+        r"input_ids: expected offsets from 0 to its 9 values \(each value in a row\), got offsets 0..5",
     ),
     ("pack_length True", {"pack_length": True}, r"pack_length: expected an int >= 1, got True"),
     ("pack_length 0", {"pack_length": 0}, r"pack_length: expected an int >= 1, got 0"),

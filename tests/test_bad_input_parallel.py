@@ -13,6 +13,7 @@ from nopad._attention import nopad_varlen_attention
 from nopad.engines._megatron import postprocess_thd, preprocess_thd
 from nopad.parallel import _cp as cp_module
 from nopad.parallel import _thd as thd_module
+from nopad.parallel import shard_index, unshard_index
 from nopad.parallel._cp import check_cp_args, cp_alignment, prepare_padded_lengths
 from nopad.parallel._thd import ThdPlan
 from nopad.parallel._ulysses import padded_length
@@ -92,6 +93,37 @@ CATALOGUE = [
         "varlen-boundaries-past-the-row",
         _attention([0, 3, 9], 6),
         r"cu_seq_lens_q: expected boundaries rising from 0 to the row's 7 tokens, got \[0, 3, 9\]",
+    ),
+    # issue 36: the public shard math took boundaries it cannot split and local lengths of another batch
+    (
+        "not the batch's",
+        "zigzag-shard-segments-not-multiples-of-2-cp",
+        lambda: shard_index(torch.tensor([0, 6, 10]), 5, 2, 0, "zigzag"),
+        r"cu_seqlens_padded row 0: expected a padded segment of >= 0 slots, a multiple of 4, got 6",
+    ),
+    (
+        "not the batch's",
+        "zigzag-shard-local-length-of-another-batch",
+        lambda: shard_index(torch.tensor([0, 8, 12]), 5, 2, 0, "zigzag"),
+        r"cu_seqlens_padded: expected boundaries from 0 to 10 \(cp_size 2 x local_len\), got 0..12",
+    ),
+    (
+        "not the batch's",
+        "unshard-local-length-of-another-batch",
+        lambda: unshard_index(torch.tensor([0, 8, 12]), torch.tensor([7, 3]), 10, 5, 2, "zigzag"),
+        r"cu_seqlens_padded: expected boundaries from 0 to 10 \(cp_size 2 x local_len\), got 0..12",
+    ),
+    (
+        "not the batch's",
+        "unshard-a-segment-short-of-its-sequence",
+        lambda: unshard_index(torch.tensor([0, 8, 12]), torch.tensor([9, 1]), 10, 6, 2, "zigzag"),
+        r"cu_seqlens_padded row 0: expected a padded segment holding the sequence's 9 tokens, a multiple of 4, got 8",
+    ),
+    (
+        "not the batch's",
+        "unshard-total-not-the-lengths-sum",
+        lambda: unshard_index(torch.tensor([0, 8, 12]), torch.tensor([7, 3]), 11, 6, 2, "zigzag"),
+        r"total: expected the sum of the lengths, 10, got 11",
     ),
     ("not the batch's", "varlen-boundaries-down", _attention([0, 5, 3, 7]), r"got \[0, 5, 3, 7\]"),
     ("not the batch's", "varlen-boundaries-not-from-0", _attention([1, 3, 7], 4), r"got \[1, 3, 7\]"),
@@ -230,6 +262,21 @@ def test_a_plan_and_params_of_this_batch_in_other_tensors_are_accepted_and_exact
     plan = ThdPlan.from_nested(same, tp_size=2)
     assert torch.equal(postprocess_thd(tokens.float(), params, ids, plan=plan).values(), want.values())
     assert torch.equal(plan.shard(ids), tokens)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_the_public_shard_math_of_a_plans_batch_is_the_plans_and_on_a_device_not_read(layout, device_path):
+    """shard_index / unshard_index of boundaries the plan made: accepted, the plan's own indices; on the
+    device's path bad boundaries are not read (the caller's contract), as the docstrings say."""
+    ids = _ids(5, 3, 8)
+    plan = ThdPlan.from_nested(ids, cp_size=2, cp_rank=1, cp_layout=layout)
+    cu, local = torch.from_numpy(plan.host_cu_seqlens), plan.local_len
+    padded = torch.zeros(int(cu[-1]), dtype=torch.long)  # every sequence at its padded segment's start
+    for start, values in zip(cu[:-1].tolist(), ids.unbind()):
+        padded[start : start + len(values)] = values
+    assert torch.equal(padded[shard_index(cu, local, 2, 1, layout)], plan.shard(ids)[0])
+    assert torch.equal(unshard_index(cu, torch.tensor([5, 3, 8]), 16, local, 2, layout), plan.unshard_index())
+    shard_index(torch.tensor([0, 6, 10]), 5, 2, 0, layout)  # on a device's path: not read
 
 
 def test_valid_varlen_boundaries_are_accepted_and_on_a_device_with_a_max_length_not_read(device_path):

@@ -74,6 +74,12 @@ VERL_CANNOT = (
 )
 
 
+# Routes that give verl's own function every input nopad does not serve (a divisor < 1, a pad size
+# outside [0, rows], partitions nopad's arrays do not take): their refusals are verl's, exception type
+# included (issue 36: nopad's routes had answered a negative pad size and more parts than items).
+VERLS_REFUSALS = ("pad_to_divisor", "unpad", "karmarkar_karp", "get_seqlen_balanced_partitions")
+
+
 def differential(name: str, call, reference=None):
     """``call()`` under install() and alone (each builds its own inputs): the same outcome, compared.
     ``reference()``: what verl means where it cannot (``VERL_CANNOT``), computed with verl alone."""
@@ -87,6 +93,8 @@ def differential(name: str, call, reference=None):
     elif ours[0] == "error":
         for who, exc in (("verl", theirs[1]), ("nopad", ours[1])):  # a refusal, not this test's own error
             assert not raised_here(exc), f"{name}: {who}'s call failed in the test itself: {exc!r}"
+        if name in VERLS_REFUSALS:
+            assert type(ours[1]) is type(theirs[1]), f"{name}: verl raised {theirs[1]!r}, nopad {ours[1]!r}"
         CASES[name, f"both refuse ({type(theirs[1]).__name__})"] += 1
     else:
         message = str(theirs[1])
@@ -176,9 +184,28 @@ def _verl_with_nested_rows(td, verl_result, rows):
     return out
 
 
+def _verl_with_no_rows(td, verl_result):
+    """What verl means by ``data[:0]`` where it cannot slice nested fields (its index_select cannot
+    build none): its own result for every other field, each nested field's first 0 rows."""
+    out = TensorDict({}, batch_size=verl_result.batch_size, device=verl_result.device)
+    for key in td.keys():
+        value = td.get(key)
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            ragged = value._ragged_idx
+            none = value.values().narrow(ragged - 1, 0, 0)
+            value = torch.nested.nested_tensor_from_jagged(none, value.offsets()[:1], jagged_dim=ragged)
+        else:
+            value = verl_result.get(key)
+        out.set(key, value)
+    return out
+
+
 @EXAMPLES
-@given(part=parts(rows=st.integers(0, 6)), divisor=st.integers(1, 13), cut=st.integers(-2, 7))
+@given(part=parts(rows=st.integers(0, 6)), divisor=st.integers(-3, 13), cut=st.integers(-2, 7))
 def test_pad_to_divisor_and_unpad(part, divisor, cut):
+    """Every row unpadded is served as verl's slice means it (issue 36: refused before); a divisor
+    below 1 and a pad size outside [0, rows] are refused as verl refuses them."""
+
     def reference_pad():
         td = build(part)
         rest, pad = tu.pad_to_divisor(td.exclude(*_nested_keys(td)), divisor)
@@ -187,10 +214,25 @@ def test_pad_to_divisor_and_unpad(part, divisor, cut):
 
     def reference_unpad():
         td = build(part)
-        return _verl_with_nested_rows(td, tu.unpad(td.exclude(*_nested_keys(td)), cut), list(range(len(td)))[:-cut])
+        rest = tu.unpad(td.exclude(*_nested_keys(td)), cut)
+        if cut == len(td):
+            return _verl_with_no_rows(td, rest)
+        return _verl_with_nested_rows(td, rest, list(range(len(td)))[:-cut])
 
     differential("pad_to_divisor", lambda: tu.pad_to_divisor(build(part), divisor), reference=reference_pad)
     differential("unpad", lambda: tu.unpad(build(part), cut), reference=reference_unpad)
+
+
+def test_unpad_of_every_row_is_a_batch_of_none_as_verls_slice_means():
+    def batch():
+        ids = torch.nested.nested_tensor_from_jagged(torch.arange(6), torch.tensor([0, 2, 5, 6]))
+        return TensorDict({"input_ids": ids, "x": torch.ones(3, 2)}, [3])
+
+    def reference():
+        return _verl_with_no_rows(batch(), tu.unpad(batch().exclude("input_ids"), 3))
+
+    _, ours = differential("unpad", lambda: tu.unpad(batch(), 3), reference=reference)
+    assert ours[0] == "ok" and len(ours[1]) == 0 and ours[1]["input_ids"].offsets().tolist() == [0]
 
 
 @EXAMPLES
@@ -469,10 +511,13 @@ def test_preprocess_and_postprocess_thd_engine(lengths, trailing, grid, need_rol
     data=st.data(),
 )
 def test_partitions(values, data):
-    k = data.draw(st.integers(1, len(values) + 1))
-    equal = data.draw(st.booleans())
-    differential("karmarkar_karp", lambda: sb.karmarkar_karp(list(values), k, equal))
-    differential("get_seqlen_balanced_partitions", lambda: sb.get_seqlen_balanced_partitions(list(values), k, equal))
+    """Lists, tensors and arrays; k up to one more than the items (issue 36: a tensor's k > n was
+    refused by nopad where verl answers), sometimes a bool k or flag, as verl takes them."""
+    k = data.draw(st.integers(1, len(values) + 1) | st.just(True))
+    equal = data.draw(st.booleans() | st.sampled_from([0, 1]))
+    form = data.draw(st.sampled_from([list, list, torch.tensor, np.array]))
+    differential("karmarkar_karp", lambda: sb.karmarkar_karp(form(values), k, equal))
+    differential("get_seqlen_balanced_partitions", lambda: sb.get_seqlen_balanced_partitions(form(values), k, equal))
 
 
 # ---- what the cases covered --------------------------------------------------------------------------

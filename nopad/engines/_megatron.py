@@ -31,7 +31,7 @@ from nopad._errors import check_flag, free_to_read, input_error
 from nopad._layout import check_nested, is_nested, jagged_values, nested_offsets, wrap_jagged
 from nopad._logprobs import check_temperature, head_log_probs, temperature_tensor
 from nopad._torch_internals import cached_seqlens
-from nopad.parallel._cp import CpLayout, check_cp_args, gather_cp_flat, unshard_index
+from nopad.parallel._cp import CpLayout, check_cp_args, check_padded_boundaries, gather_cp_flat, real_tokens_index
 from nopad.parallel._thd import (
     ThdPlan,
 )
@@ -75,6 +75,9 @@ def preprocess_thd(
         pad_to_length_bucket=pad_to_length_bucket,
     )
     return plan.shard(input_ids_nested, need_roll=need_roll), plan.packed_seq_params(), plan.position_ids
+
+
+CU_FIELD = "packed_seq_params.cu_seqlens_q_padded"
 
 
 def postprocess_thd(
@@ -124,7 +127,7 @@ def postprocess_thd(
         got = type(packed_seq_params).__name__ if cu is None else f"cu_seqlens_q_padded of type {type(cu).__name__}"
         raise input_error("packed_seq_params", None, "the PackedSeqParams of preprocess_thd (padded cu_seqlens)", got)
     if cu.dim() != 1 or cu.shape[0] != batch + 1:
-        raise input_error("packed_seq_params.cu_seqlens_q_padded", None, f"shape ({batch + 1},)", f"{tuple(cu.shape)}")
+        raise input_error(CU_FIELD, None, f"shape ({batch + 1},)", f"{tuple(cu.shape)}")
     if output.dim() < 2 or output.shape[0] != 1:
         raise input_error("output", None, "shape (1, T/cp, ...)", f"{tuple(output.shape)}")
     local_len = output.shape[1]
@@ -132,12 +135,13 @@ def postprocess_thd(
     if plan is not None:
         _check_plan(plan, cu, input_ids_nested, batch, total, local_len)
     elif free_to_read(cu, offsets):
-        _check_padded_boundaries(cu, offsets, cp_size * local_len, cp_size, layout)
+        words = {"slots": "the output's slots", "hint": " (the params of another batch?)"}
+        check_padded_boundaries(cu, offsets.diff(), local_len, cp_size, layout, field=CU_FIELD, **words)
     gathered = gather_cp_flat(output[0], cp_size, cp_rank, cp_group)
     if plan is not None:
         index = plan.unshard_index()  # the plan's own inverse, computed once
     else:
-        index = unshard_index(cu, offsets.diff(), total, local_len, cp_size, layout)
+        index = real_tokens_index(cu, offsets.diff(), total, local_len, cp_size, layout)
     values = gathered.index_select(0, index)
     low, high = cached_seqlens(input_ids_nested)
     return wrap_jagged(values, offsets, min_seqlen=low, max_seqlen=high)
@@ -155,24 +159,7 @@ def _check_plan(plan: ThdPlan, cu: Tensor, input_ids: Tensor, batch: int, total:
     theirs = cu.numpy().astype(np.int64)
     if not np.array_equal(theirs, plan.host_cu_seqlens):
         expected = f"the plan's padded boundaries {plan.host_cu_seqlens.tolist()[:9]}"
-        raise input_error("packed_seq_params.cu_seqlens_q_padded", None, expected, f"{theirs.tolist()[:9]}")
-
-
-def _check_padded_boundaries(cu: Tensor, offsets: Tensor, padded_total: int, cp_size: int, layout: str) -> None:
-    """CPU boundaries: each padded segment holds its sequence (and, under zigzag CP, splits into 2 x cp
-    chunks), and the last ends at cp_size x the output's slots. A read of host memory."""
-    bounds, starts = cu.numpy().astype(np.int64), offsets.numpy().astype(np.int64)
-    segments, lengths = np.diff(bounds), np.diff(starts)
-    field = "packed_seq_params.cu_seqlens_q_padded"
-    if bounds[0] != 0 or bounds[-1] != padded_total:
-        expected = f"boundaries from 0 to {padded_total} (cp_size {cp_size} x the output's slots)"
-        raise input_error(field, None, expected, f"{bounds[0]}..{bounds[-1]} (the params of another batch?)")
-    multiple = 2 * cp_size if layout == "zigzag" and cp_size > 1 else 1
-    bad = np.flatnonzero((segments < lengths) | (segments % multiple != 0))
-    if bad.size:
-        i = int(bad[0])
-        expected = f"a padded segment holding the sequence's {int(lengths[i])} tokens, a multiple of {multiple}"
-        raise input_error(field, i, expected, f"{int(segments[i])} (the params of another batch?)")
+        raise input_error(CU_FIELD, None, expected, f"{theirs.tolist()[:9]}")
 
 
 # ---- the output head -------------------------------------------------------------------------------

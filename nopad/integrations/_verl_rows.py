@@ -21,7 +21,7 @@ from torch import Tensor
 
 from nopad._batch import get_field
 from nopad._errors import input_error
-from nopad._layout import is_nested, nested_offsets, ragged_dim
+from nopad._layout import device_to_host, is_nested, nested_offsets, ragged_dim
 from nopad._rows import RowPlan, batch_lengths, row_index, take, take_nested
 from nopad._torch_internals import is_jagged, put_checked
 from nopad.balance import balanced_partitions, micro_batch_partitions
@@ -188,13 +188,20 @@ def concat_tensordict(data: list[TensorDict], original: Original) -> Any:
     return rest
 
 
+def _count(value: Any, low: int, high: int | None = None) -> bool:
+    """An int (not a bool) in [low, high]: a count nopad's route serves. verl's own function gets any
+    other, and refuses it on a nested batch as verl alone does (its exception, its message)."""
+    integer = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    return integer and low <= value and (high is None or value <= high)
+
+
 def pad_to_divisor(data: TensorDict, size_divisor: int, original: Original) -> Any:
     """verl's ``pad_to_divisor``: rows repeated from the start to a multiple of ``size_divisor``.
     verl's own cannot slice a TensorDict with nested fields (tensordict 0.10); this one repeats them
-    with one gather each."""
+    with one gather each. A divisor < 1 is verl's own (a negative pad size is no padding)."""
     verls = original(TENSORDICT_UTILS, "pad_to_divisor")
     nested = _nested_keys(data)
-    if nested is None:
+    if nested is None or not _count(size_divisor, 1):
         return verls(data, size_divisor)
     rest, pad = verls(data.exclude(*nested), size_divisor)
     if pad == 0:
@@ -205,45 +212,54 @@ def pad_to_divisor(data: TensorDict, size_divisor: int, original: Original) -> A
 
 
 def unpad(data: TensorDict, pad_size: int, original: Original) -> Any:
-    """verl's ``unpad``: ``data[:-pad_size]`` (``data`` itself for 0); nested fields as views."""
+    """verl's ``unpad``: ``data[:-pad_size]`` (``data`` itself for 0; a batch of no rows when every
+    row goes), nested fields in one gather each. A pad size outside [0, rows] is verl's own (a
+    negative one would keep rows from the start)."""
     verls = original(TENSORDICT_UTILS, "unpad")
     nested = _nested_keys(data)
-    if nested is None:
+    if nested is None or not _count(pad_size, 0, len(data)):
         return verls(data, pad_size)
     without = data.exclude(*nested)
     rest = verls(without, pad_size)
     if rest is without:
         return data
-    rows = np.arange(len(data), dtype=np.int64)[:-pad_size]  # verl's slice, read the way Python reads it
-    _refuse_no_rows(len(rows), nested)
-    return _merge([str(k) for k in data.keys()], rest, _nested_rows(data, nested, rows))
+    kept = np.arange(len(data) - pad_size, dtype=np.int64)  # verl's slice; none left is a batch of none
+    rows = take([data.select(*nested)], RowPlan.of(kept, [len(kept)], len(data)), reindex=False)[0]
+    return _merge([str(k) for k in data.keys()], rest, rows)
 
 
-def _nopad_partitions(seqlen_list: Any, k_partitions: Any) -> bool:
-    """Whether nopad's array Karmarkar-Karp takes these: integers >= 0, at least k of them. verl's
-    own takes any numbers and more parts than items (some left empty): those go to verl's."""
-    if isinstance(seqlen_list, Tensor):
-        return not (seqlen_list.dtype.is_floating_point or seqlen_list.dtype.is_complex)
-    array = np.asarray(seqlen_list)
+def _nopad_partitions(seqlen_list: Any, k_partitions: Any, equal_size: Any) -> np.ndarray | None:
+    """The values as a host array where nopad's array Karmarkar-Karp takes them: a 1-D list, array or
+    tensor of integers >= 0, an int k from 1 to their number (dividing it with a bool ``equal_size``
+    True); None otherwise. verl's own takes any numbers, more parts than items (some left empty), a
+    2-D tensor, truthy flags, and refuses the rest with its AssertionError: those go to verl's."""
+    try:
+        array = np.asarray(device_to_host(seqlen_list) if isinstance(seqlen_list, Tensor) else seqlen_list)
+    except (TypeError, ValueError):  # ragged lists, dtypes numpy has not: verl's to read
+        return None
     if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
-        return False
-    return bool((array >= 0).all()) and isinstance(k_partitions, int) and k_partitions <= array.size
+        return None
+    if not (_count(k_partitions, 1, array.size) and isinstance(equal_size, bool)) or (array < 0).any():
+        return None
+    return None if equal_size and array.size % k_partitions else array
 
 
 def karmarkar_karp(seqlen_list: list[int], k_partitions: int, equal_size: bool, original: Original) -> list[list[int]]:
     """verl's ``karmarkar_karp``: the same partitions, item for item, from arrays."""
-    if not _nopad_partitions(seqlen_list, k_partitions):
+    array = _nopad_partitions(seqlen_list, k_partitions, equal_size)
+    if array is None:
         return original(SEQLEN_BALANCING, "karmarkar_karp")(seqlen_list, k_partitions, equal_size)
-    return _karmarkar_karp(seqlen_list, k_partitions, equal_size)
+    return _karmarkar_karp(array, k_partitions, equal_size)
 
 
 def get_seqlen_balanced_partitions(
     seqlen_list: list[int], k_partitions: int, equal_size: bool, original: Original
 ) -> list[list[int]]:
     """verl's ``get_seqlen_balanced_partitions``: the same partitions, each sorted."""
-    if not _nopad_partitions(seqlen_list, k_partitions):
+    array = _nopad_partitions(seqlen_list, k_partitions, equal_size)
+    if array is None:
         return original(SEQLEN_BALANCING, "get_seqlen_balanced_partitions")(seqlen_list, k_partitions, equal_size)
-    partitions = balanced_partitions(seqlen_list, k_partitions, equal_size)
+    partitions = balanced_partitions(array, k_partitions, equal_size)
     empty = [i for i, p in enumerate(partitions) if not p]
     if empty:
         expected = "partitions with at least one item each"

@@ -18,9 +18,9 @@ from torch import Tensor
 
 from nopad._errors import check_int, input_error
 from nopad._layout import (
+    position_ids_of,
     prepare_offsets,
-    prepare_position_ids,
-    prepare_row_ids,
+    row_ids_of,
     spread_over_tokens,
     to_host,
     wrap_jagged,
@@ -204,8 +204,8 @@ def packed_to_nested(
             f"segment lengths that are multiples of {alignment}{context}",
             f"boundaries {cu[r, : int(count[r])].tolist()}; repack for this parallel layout",
         )
-    seg_row = prepare_row_ids(segs_per_row, n_seg)
-    lengths = seg[seg_row, prepare_position_ids(prepare_offsets(segs_per_row), n_seg)]
+    seg_offsets = prepare_offsets(segs_per_row)  # counted by this function: their sum is n_seg
+    lengths = seg[row_ids_of(seg_offsets, n_seg), position_ids_of(seg_offsets, n_seg)]
     # token k of row r sits at r * width + k in the flattened rows
     row_offsets = prepare_offsets(row_len)
     rows = torch.arange(row_len.shape[0], device=cu.device)

@@ -96,7 +96,8 @@ def write_packed(
     settings = {**meta, "num_rows": 0, "max_token_id": None, "metadata_checksum": "0" * 64}
     if problems := metadata_problems(settings):
         raise in_file(os.fspath(path), _joined(problems))
-    validate_columns(cols, pack_length=pack_length, alignment=alignment, vocab_size=tokenizer.vocab_size)
+    vocab, pad = tokenizer.vocab_size, pad_token_id
+    validate_columns(cols, pack_length=pack_length, alignment=alignment, vocab_size=vocab, pad_token_id=pad)
     if (negative := negative_id_error(cols)) is not None:
         raise negative
     if problems := metadata_problems({**meta, "metadata_checksum": "0" * 64}):
@@ -419,8 +420,10 @@ def _row_problems(cols: Columns, meta: Mapping[str, Any], vocab_size: int | None
     """The first bad row (validate_columns stops there), with the metadata's valid settings only."""
     pack_length = _valid_int(meta, "pack_length", 1) or MAX_TOKEN_ID
     alignment = _valid_int(meta, "alignment", 1) or 1
+    top = MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
+    pad = meta.get("pad_token_id") if _is_int(meta.get("pad_token_id"), 0, top) else None  # else named by its check
     try:
-        validate_columns(cols, pack_length=pack_length, alignment=alignment, vocab_size=vocab_size)
+        validate_columns(cols, pack_length=pack_length, alignment=alignment, vocab_size=vocab_size, pad_token_id=pad)
     except ValueError as e:
         return [str(e)]
     negative = negative_id_error(cols)

@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._errors import check_int, input_error
-from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, prepare_position_ids, round_up
+from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, position_ids_of, round_up
 from nopad.packing._algorithms import ALGORITHMS, Bins, pack_lengths
 from nopad.parallel._cp import CpLayout, cp_alignment
 
@@ -121,15 +121,20 @@ def pack_online(
     ``dp_size`` and at least ``min_bins``.
     ``loss_mask`` (nested like ``input_ids``, optional, default all ones) marks tokens to predict.
     A sequence longer than the budget raises ValueError (online packing never splits), and so does
-    a mask value other than 0/1, a negative id, a float id dtype or a mask with other offsets:
-    each checked on the device and read in the one host sync (the lengths, which the bin packing
-    needs); the token movement is a fixed number of tensor ops.
+    a mask value other than 0/1, a negative id, a float id dtype, a mask with other offsets or
+    offsets that leave values outside every row (not from 0 to the values' end): each checked on
+    the device and read in the one host sync (the lengths, which the bin packing needs); the token
+    movement is a fixed number of tensor ops.
     """
     _check_arguments(input_ids, loss_mask, pack_length, tp_size, cp_size, dp_size, min_bins, pad_token_id, algorithm)
     offsets = nested_offsets(input_ids).to(torch.int64)
     lengths = offsets.diff()
     flags = _value_flags(input_ids, loss_mask, offsets)
-    *lengths_list, mask_differs, mask_not_01, negative_ids = torch.cat([lengths, flags]).tolist()  # the one sync
+    read = torch.cat([lengths, flags, offsets[[0, -1]]]).tolist()  # the one sync
+    *lengths_list, mask_differs, mask_not_01, negative_ids, first, last = read
+    if (first, last) != (0, jagged_values(input_ids).shape[0]):  # values before or after the rows: no row's
+        expected = f"offsets from 0 to its {jagged_values(input_ids).shape[0]} values (each value in a row)"
+        raise input_error("input_ids", None, expected, f"offsets {first}..{last}")
     if mask_differs:
         raise input_error("loss_mask", None, "the same offsets (sequence lengths) as input_ids", "different ones")
     if mask_not_01 and loss_mask is not None:
@@ -172,7 +177,7 @@ def pack_online(
     # position within the padded segment (padding keeps counting), 0 past a row's fill: layout's one
     # derivation over the segments' boundaries in the flat (n_rows * width) buffer (host arithmetic on B)
     starts = np.concatenate([seq_bin * width + seq_start, np.arange(n_rows) * width + fills, [n_rows * width]])
-    positions = prepare_position_ids(as_t(np.unique(starts)), n_rows * width).view(n_rows, width)
+    positions = position_ids_of(as_t(np.unique(starts)), n_rows * width).view(n_rows, width)
     slot = torch.arange(width, device=device)
     data["position_ids"] = torch.where(slot < as_t(fills).unsqueeze(1), positions, 0)
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from nopad._errors import input_error
-from nopad._layout import prepare_row_ids
+from nopad._layout import prepare_offsets, row_ids_of
 
 ROW_FIELDS = ("input_ids", "target_ids", "token_mask", "position_ids", "packed_cu_seqlens")
 TOKEN_FIELDS = ROW_FIELDS[:4]
@@ -142,7 +142,7 @@ def _back_to_back(parts: Sequence[np.ndarray]) -> np.ndarray | None:
 
 
 def _row_ids(lengths: np.ndarray, total: int) -> np.ndarray:
-    return prepare_row_ids(torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64)), total).numpy()
+    return row_ids_of(prepare_offsets(torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64))), total).numpy()
 
 
 def _first(bad: np.ndarray) -> int | None:
@@ -168,11 +168,21 @@ def _first_outside(values: np.ndarray, high: int) -> int | None:
     return None if values.max() < high else _first(values >= high)
 
 
-def validate_columns(cols: Columns, *, pack_length: int, alignment: int = 1, vocab_size: int | None = None) -> None:
+def validate_columns(
+    cols: Columns,
+    *,
+    pack_length: int,
+    alignment: int = 1,
+    vocab_size: int | None = None,
+    pad_token_id: int | None = None,
+) -> None:
     """Check every row; raise ValueError naming the field, the first bad row and what was expected.
 
     The per-token checks are comparisons over the flat columns (a handful of passes, no Python
-    loop over rows or tokens); a bad token is traced back to its row only once one is found.
+    loop over rows or tokens); a bad token is traced back to its row only once one is found. With
+    ``pad_token_id`` (a file's), the label of every conversation's last slot must be it: no token
+    follows there, so the packer wrote the pad id, and a file whose metadata names another pad id
+    was packed with another.
     """
     missing = [f for f in ROW_FIELDS if f not in cols.values]
     if missing:
@@ -231,6 +241,10 @@ def validate_columns(cols: Columns, *, pack_length: int, alignment: int = 1, voc
     fail_token("token_mask", _first_outside(mask, 2), "only 0 and 1")
     k = _first(mask[seg_last] != 0)
     fail_token("token_mask", None if k is None else int(seg_last[k]), "0 on the last token of every conversation")
+    if pad_token_id is not None:
+        k = _first(target[seg_last] != pad_token_id)
+        expected = f"pad_token_id {pad_token_id} as the label of every conversation's last token (packed with another?)"
+        fail_token("target_ids", None if k is None else int(seg_last[k]), expected)
     if vocab_size is not None:
         fail_token("input_ids", _first_outside(ids, vocab_size), f"token ids in [0, {vocab_size})")
         fail_token("target_ids", _first_outside(target, vocab_size), f"token ids in [0, {vocab_size})")

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad._errors import check_int, input_error
+from nopad._errors import check_int, free_to_read, input_error
 from nopad._layout import prepare_offsets, round_up
 
 CpLayout = Literal["zigzag", "contiguous"]
@@ -216,8 +216,14 @@ def contiguous_shard_index(local_len: int, cp_size: int, cp_rank: int | None = N
 def shard_index(
     cu_seqlens_padded: Tensor, local_len: int, cp_size: int, cp_rank: int | None, cp_layout: CpLayout
 ) -> Tensor:
-    """Global padded slots held by one rank (local_len,) or all ranks (cp_size, local_len). No sync."""
+    """Global padded slots held by one rank (local_len,) or all ranks (cp_size, local_len). No sync.
+
+    Under zigzag the boundaries must run from 0 to cp_size * local_len in segments that are
+    multiples of 2 * cp_size: checked where free (boundaries in host memory); on a device they
+    are not read (a sync) and the caller vouches for them."""
     if cp_layout == "zigzag" and cp_size > 1:
+        if free_to_read(cu_seqlens_padded):
+            check_padded_boundaries(cu_seqlens_padded, None, local_len, cp_size, cp_layout)
         return zigzag_shard_index(cu_seqlens_padded, local_len, cp_size, cp_rank)
     return contiguous_shard_index(local_len, cp_size, cp_rank, cu_seqlens_padded.device)
 
@@ -228,8 +234,22 @@ def unshard_index(
     """(total,) position of every REAL token in the rank-major gathered buffer (cp_size * local_len).
 
     The inverse of :func:`shard_index` restricted to real tokens (alignment padding is dropped):
-    ``gathered.flatten(0, 1)[unshard_index(...)]`` is the packed (total, *) batch. No sync.
+    ``gathered.flatten(0, 1)[unshard_index(...)]`` is the packed (total, *) batch. No sync. The
+    boundaries must run from 0 to cp_size * local_len, each segment holding its sequence (a multiple
+    of 2 * cp_size under zigzag), and ``total`` be the lengths' sum: checked where free (host
+    memory); on a device not read (a sync), the caller vouching for them.
     """
+    if free_to_read(cu_seqlens_padded, lengths):
+        check_padded_boundaries(cu_seqlens_padded, lengths, local_len, cp_size, cp_layout)
+        if int(lengths.sum()) != total:
+            raise input_error("total", None, f"the sum of the lengths, {int(lengths.sum())}", f"{total}")
+    return real_tokens_index(cu_seqlens_padded, lengths, total, local_len, cp_size, cp_layout)
+
+
+def real_tokens_index(
+    cu_seqlens_padded: Tensor, lengths: Tensor, total: int, local_len: int, cp_size: int, cp_layout: CpLayout
+) -> Tensor:
+    """:func:`unshard_index` of boundaries its caller has checked."""
     cu = cu_seqlens_padded.to(torch.int64)
     ends, shift = real_token_pieces(cu, lengths.to(torch.int64), local_len, cp_size, cp_layout)
     return pieces_to_index(shift, total, ends=ends)
@@ -265,6 +285,39 @@ def gather_cp_flat(local: Tensor, cp_size: int, cp_rank: int, group=None) -> Ten
 
 
 # ---- argument checks ----------------------------------------------------------------------------
+def check_padded_boundaries(
+    cu: Tensor,
+    lengths: Tensor | None,
+    local_len: int,
+    cp_size: int,
+    cp_layout: str,
+    *,
+    field: str = "cu_seqlens_padded",
+    slots: str = "local_len",
+    hint: str = "",
+) -> None:
+    """Host boundaries of a padded batch: from 0 to cp_size * local_len, each segment holding its
+    sequence's ``lengths`` (when given) and, under zigzag CP, splitting into 2 x cp_size chunks.
+    A read of host memory: callers check only where it is free. ValueError naming ``field``."""
+    bounds = cu.numpy().astype(np.int64)
+    padded_total = cp_size * local_len
+    if bounds.size == 0 or bounds[0] != 0 or bounds[-1] != padded_total:
+        expected = f"boundaries from 0 to {padded_total} (cp_size {cp_size} x {slots})"
+        got = f"{bounds[0]}..{bounds[-1]}{hint}" if bounds.size else "none"
+        raise input_error(field, None, expected, got)
+    segments = np.diff(bounds)
+    held = np.zeros_like(segments) if lengths is None else lengths.numpy().astype(np.int64)
+    if held.shape != segments.shape:
+        raise input_error("lengths", None, f"{segments.size} lengths, one per segment of {field}", f"{held.size}")
+    multiple = 2 * cp_size if cp_layout == "zigzag" and cp_size > 1 else 1
+    bad = np.flatnonzero((segments < held) | (segments % multiple != 0))
+    if bad.size:
+        i = int(bad[0])
+        held_words = "of >= 0 slots" if lengths is None else f"holding the sequence's {int(held[i])} tokens"
+        expected = f"a padded segment {held_words}, a multiple of {multiple}"
+        raise input_error(field, i, expected, f"{int(segments[i])}{hint}")
+
+
 def check_cp_args(tp_size: Any, cp_size: Any, cp_rank: Any, cp_layout: Any) -> tuple[int, int, int, CpLayout]:
     """THE check of the parallel sizes: ValueError naming the argument when a size, rank or layout is
     out of range. Sizes and rank are ints by :func:`nopad._errors.check_int` (numpy ints accepted, a
