@@ -24,7 +24,7 @@ import torch
 torch.set_num_threads(1)
 from tensordict import TensorDict
 import nopad
-from nopad.rows import micro_batches, select_rows
+from nopad.batches import micro_batches, select_rows
 from nopad.synthetic import synthetic_batch
 
 CALLS = int(sys.argv[1])

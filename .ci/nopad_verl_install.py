@@ -19,7 +19,7 @@ _HANDLE = None
 
 def _still_routed() -> list[str]:
     """The routed verl names that no longer hold nopad's function."""
-    from nopad.integrations import _verl
+    from nopad.integrations.verl import _install as _verl
 
     lost = []
     for module_name, names in _verl.ROUTED.items():

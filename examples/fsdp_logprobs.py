@@ -23,8 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from nopad import left_right_2_no_padding, no_padding_2_padding
-from nopad.engines.fsdp import packed_logprobs, padded_logprobs
-from nopad.engines.leak import check_isolation
+from nopad.engines import check_isolation, packed_logprobs, padded_logprobs
 from nopad.parallel import enable_ulysses
 from nopad.synthetic import synthetic_batch, tiny_causal_lm
 

@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from nopad.engines.megatron import ParallelDims, from_parallel_state, postprocess_thd, preprocess_thd
+from nopad.engines import ParallelDims, from_parallel_state, postprocess_thd, preprocess_thd
 
 
 def parallel_dims() -> tuple[ParallelDims, bool]:

@@ -22,9 +22,9 @@ import warnings
 import torch
 from tensordict import TensorDict
 
-from nopad.engines.fsdp import packed_logprobs
+from nopad.batches import left_right_2_no_padding
+from nopad.engines import packed_logprobs
 from nopad.losses import LossConfig, global_batch_info, ppo_loss
-from nopad.padding import left_right_2_no_padding
 
 VOCAB, PROMPT_WIDTH, RESPONSE_WIDTH = 128, 24, 32
 
@@ -72,7 +72,7 @@ def synthetic_rollout(B: int, seed: int) -> TensorDict:
 @torch.no_grad()
 def rollout_log_probs(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
     """The behaviour policy's (B, R) log-probs, as the rollout would have recorded them."""
-    from nopad.padding import no_padding_2_padding
+    from nopad.batches import no_padding_2_padding
 
     data = left_right_2_no_padding(batch)
     return no_padding_2_padding(packed_logprobs(model, data), data)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from nopad._errors import input_error
+from nopad.core._errors import input_error
 
 
 def _long_tailed_lengths(n: int, width: int, *, low: int = 1, generator: torch.Generator | None = None) -> torch.Tensor:

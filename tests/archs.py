@@ -40,7 +40,7 @@ import torch
 
 from nopad._apps import families
 from nopad._apps.families import TOKENS, causal_lm_types, quiet, reason
-from nopad._layout import IndexPlan
+from nopad.core._layout import IndexPlan
 
 # read by huggingface_hub when transformers is first imported (lazily, below): never reach the network
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -129,7 +129,7 @@ def per_sequence_logprobs(model: torch.nn.Module, micro: dict) -> torch.Tensor:
 @torch.no_grad()
 def packed_logprobs_of(model: torch.nn.Module, micro: dict, **kw) -> torch.Tensor:
     """nopad's packed forward (``packed_logprobs(head="logits")``) -> the same flat (T,) log-probs."""
-    from nopad.engines.fsdp import packed_logprobs
+    from nopad.engines import packed_logprobs
 
     return packed_logprobs(model, micro, head="logits", **kw).values().float()
 

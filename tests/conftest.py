@@ -23,9 +23,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def device_path(monkeypatch):
-    """The CPU takes a device's path through every value check (``nopad._errors.HOST_VALUES_CHECKED``):
+    """The CPU takes a device's path through every value check (``nopad.core._errors.HOST_VALUES_CHECKED``):
     for tests that measure a GPU's sync contract on a CPU. Without it, checks that read CPU tensors
     (host memory, no device sync) show up in the counts."""
-    import nopad._errors
+    import nopad.core._errors
 
-    monkeypatch.setattr(nopad._errors, "HOST_VALUES_CHECKED", False)
+    monkeypatch.setattr(nopad.core._errors, "HOST_VALUES_CHECKED", False)

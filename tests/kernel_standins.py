@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nopad._attention as attention
+import nopad.modeling._attention as attention
 
 CALLS: list[dict] = []
 

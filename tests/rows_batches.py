@@ -9,11 +9,10 @@ from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 import nopad
-import nopad._layout
-import nopad.layout
-import nopad.ops
-import nopad.rows
-from nopad._layout import remember_host_lengths
+import nopad.batches
+import nopad.core
+import nopad.core._layout
+from nopad.core._layout import remember_host_lengths
 
 
 def nested_batch(lengths, *, seed: int = 0, response_lengths=None, width: int = 12, register: bool = True):
@@ -33,7 +32,7 @@ def nested_batch(lengths, *, seed: int = 0, response_lengths=None, width: int = 
     resp = torch.as_tensor(response_lengths, dtype=torch.int64)
 
     def offsets_of(lens):
-        offsets = nopad.layout.prepare_offsets(lens)
+        offsets = nopad.core.prepare_offsets(lens)
         if register:  # as nopad's own conversions leave them: their lengths known on the host
             remember_host_lengths(offsets, lens.numpy().copy())
         return offsets

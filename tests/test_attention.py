@@ -15,12 +15,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import nopad._attention as attention
+import nopad.modeling._attention as attention
 from nopad import IndexPlan, left_right_2_no_padding, no_padding_2_padding
-from nopad.attention import available_kernels, use_packed_attention
 from nopad.diagnostics import OpCounter
 from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs
 from nopad.engines._leak import check_isolation
+from nopad.modeling import available_kernels, use_packed_attention
 from nopad.synthetic import tiny_causal_lm
 from tests.kernel_standins import CALLS, aten_flash_without_window, use_standins, varlen_attn_2_10, varlen_attn_2_11
 from tests.models import VOCAB, make_padded_batch, tiny_llama, tiny_qwen2, tiny_qwen2_vl_text
@@ -310,12 +310,12 @@ def test_packed_attention_switches_only_where_asked_and_restores_the_model():
 
 
 def test_from_pretrained_takes_nopad_varlen_after_import_nopad_attention(tmp_path):
-    """The back end registers when nopad.attention is imported (``import nopad`` alone loads no transformers)."""
+    """The back end registers when nopad.modeling is imported (``import nopad`` alone loads no transformers)."""
     tiny_llama().save_pretrained(tmp_path)
     script = (
         "import sys, nopad\n"
         "assert 'transformers.modeling_utils' not in sys.modules, 'import nopad must not load transformers'\n"
-        "import nopad.attention\n"
+        "import nopad.modeling\n"
         "from transformers import AutoModelForCausalLM\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, attn_implementation='nopad_varlen')\n"
         "assert m.config._attn_implementation == 'nopad_varlen', m.config._attn_implementation\n"

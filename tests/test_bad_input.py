@@ -20,10 +20,9 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import nopad
-import nopad._layout
-import nopad.layout
-import nopad.ops
-import nopad.rows
+import nopad.batches
+import nopad.core
+import nopad.core._layout
 from tests.batches import batch_shapes, make_batch, reference_response
 
 
@@ -53,7 +52,7 @@ def _with(key: str, value) -> TensorDict:
 
 
 def _nested(lengths: list[int], values: torch.Tensor | None = None) -> torch.Tensor:
-    offsets = nopad.layout.prepare_offsets(torch.tensor(lengths))
+    offsets = nopad.core.prepare_offsets(torch.tensor(lengths))
     values = torch.ones(sum(lengths)) if values is None else values
     return torch.nested.nested_tensor_from_jagged(values, offsets)
 
@@ -209,7 +208,7 @@ CASES = [
         "type or coercion",
         "float indices",
         lambda: (torch.zeros(4, 2), torch.tensor([0.0, 2.0])),
-        nopad.ops.index_first_axis,
+        nopad.core.index_first_axis,
         r"indices: expected an integer tensor, got dtype torch.float32",
     ),
     Case(
@@ -245,14 +244,14 @@ CASES = [
         "shape",
         "unpad_input mask of another shape",
         lambda: (torch.zeros(2, 5, 3), torch.ones(2, 4, dtype=torch.long)),
-        nopad.ops.unpad_input,
+        nopad.core.unpad_input,
         r"attention_mask: expected shape \(2, 5\) like hidden's first two dims, got \(2, 4\)",
     ),
     Case(
         "shape",
         "pad_input with fewer indices than rows",
         lambda: (torch.zeros(3, 2), torch.tensor([0, 1]), 2, 2),
-        nopad.ops.pad_input,
+        nopad.core.pad_input,
         r"indices: expected shape \(3,\), got shape \(2,\)",
     ),
     Case(
@@ -422,7 +421,7 @@ CASES += [
         "type or coercion",
         "float lengths to prepare_offsets",
         lambda: (torch.tensor([1.5, 2.5]),),
-        nopad.layout.prepare_offsets,
+        nopad.core.prepare_offsets,
         r"lengths: expected an integer tensor, got dtype torch.float32",
     ),
     Case(
@@ -450,7 +449,7 @@ CASES += [
         "flag",
         "plus_position as a string",
         lambda: (torch.tensor([1, 2]), torch.tensor([0, 1, 3])),
-        lambda per_row, offsets: nopad._layout.spread_over_tokens(per_row, offsets, 3, plus_position="false"),
+        lambda per_row, offsets: nopad.core._layout.spread_over_tokens(per_row, offsets, 3, plus_position="false"),
         r"plus_position: expected True or False \(a bool\), got 'false' \(str\)",
     ),
     Case(
@@ -471,7 +470,7 @@ CASES += [
         "mask not 0/1",
         "unpad_input with a mask of 2s",
         lambda: (torch.arange(6.0).view(2, 3, 1), torch.tensor([[2, 2, 0], [2, 0, 0]])),
-        nopad.ops.unpad_input,
+        nopad.core.unpad_input,
         r"attention_mask row 0: expected a 0/1 mask \(bool, or numbers that are only 0 and 1: a weight is not a "
         r"mask\), got 2",
     ),
@@ -479,28 +478,28 @@ CASES += [
         "mask not 0/1",
         "unpad_input with a mask of halves",
         lambda: (torch.arange(6.0).view(2, 3, 1), torch.tensor([[0.5, 0.5, 0], [0.5, 0, 0]])),
-        nopad.ops.unpad_input,
+        nopad.core.unpad_input,
         r"attention_mask row 0: expected a 0/1 mask .*got 0.5",
     ),
     Case(
         "mask not 0/1",
         "unpad_input with an unused mask of halves",
         lambda: (torch.zeros(2, 3, 1), torch.ones(2, 3, dtype=torch.long), torch.full((2, 3), 0.5)),
-        nopad.ops.unpad_input,
+        nopad.core.unpad_input,
         r"unused_mask row 0: expected a 0/1 mask .*got 0.5",
     ),
     Case(
         "weak message",
         "indices past the first axis",
         lambda: (torch.zeros(3, 2), torch.tensor([0, 5])),
-        nopad.ops.index_first_axis,
+        nopad.core.index_first_axis,
         r"indices: expected indices in \[0, 3\) \(rows of the first axis\), got 5",
     ),
     Case(
         "weak message",
         "negative indices to put",
         lambda: (torch.ones(2), torch.tensor([0, -1]), 3),
-        nopad.ops.index_put_first_axis,
+        nopad.core.index_put_first_axis,
         r"indices: expected indices in \[0, 3\) \(rows of the first axis\), got -1",
     ),
     Case(
@@ -515,7 +514,7 @@ CASES += [
 
 def _freeze(x):
     """A copy of what ``x`` holds, to compare with after the call (nested tensors as values + offsets)."""
-    if nopad._layout.is_nested(x):
+    if nopad.core._layout.is_nested(x):
         return ("nested", x.values().clone(), x.offsets().clone())
     if isinstance(x, torch.Tensor):
         return x.clone()
@@ -635,9 +634,9 @@ def test_a_float_or_bool_0_1_attention_mask_converts_exactly_as_the_integer_one(
         assert torch.equal(got["input_ids"].offsets(), want["input_ids"].offsets()), dtype
     mask = data["attention_mask"]
     hidden = torch.randn(*mask.shape, 2)
-    ref = nopad.ops.unpad_input(hidden, mask)
+    ref = nopad.core.unpad_input(hidden, mask)
     for dtype in (torch.float64, torch.bool):
-        got = nopad.ops.unpad_input(hidden, mask.to(dtype))
+        got = nopad.core.unpad_input(hidden, mask.to(dtype))
         assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, ref))
 
 
@@ -721,14 +720,14 @@ CASES_MORE = [
         "weak message",
         "to_host of a tensor that is not a scalar",
         lambda: (torch.tensor([1, 2]),),
-        nopad._layout.to_host,
+        nopad.core._layout.to_host,
         r"scalars: expected 0-d \(one-element\) tensors, got \[\(2,\)\]",
     ),
     Case(
         "weak message",
         "a negative width to gather_rows",
         lambda: (torch.arange(5.0), torch.tensor([0, 3]), None, torch.tensor([3, 2])),
-        lambda *args: nopad._layout.gather_rows(*args, -1),
+        lambda *args: nopad.core._layout.gather_rows(*args, -1),
         r"width: expected an int >= 0, got -1",
     ),
     # issue 36: a total past the lengths' sum gave the tokens past them the last row (or position)
@@ -736,28 +735,28 @@ CASES_MORE = [
         "reading past a row",
         "prepare_row_ids with a total larger than the lengths' sum",
         lambda: (torch.tensor([2, 3]), 7),
-        nopad.layout.prepare_row_ids,
+        nopad.core.prepare_row_ids,
         r"total: expected the sum of the lengths, 5, got 7",
     ),
     Case(
         "reading past a row",
         "prepare_row_ids with a total short of the lengths' sum",
         lambda: (torch.tensor([2, 3]), 4),
-        nopad.layout.prepare_row_ids,
+        nopad.core.prepare_row_ids,
         r"total: expected the sum of the lengths, 5, got 4",
     ),
     Case(
         "reading past a row",
         "prepare_position_ids with a total past the last offset",
         lambda: (torch.tensor([0, 2, 5]), 7),
-        nopad.layout.prepare_position_ids,
+        nopad.core.prepare_position_ids,
         r"total: expected the last offset, 5, got 7",
     ),
     Case(
         "reading past a row",
         "prepare_position_ids with offsets not from 0",
         lambda: (torch.tensor([1, 2, 5]), 5),
-        nopad.layout.prepare_position_ids,
+        nopad.core.prepare_position_ids,
         r"offsets: expected boundaries from 0 to total 5, got 1..5",
     ),
     Case(
@@ -782,9 +781,9 @@ def test_more_bad_input_is_refused_with_what_to_fix(case):
 
 
 def test_row_ids_and_positions_of_a_right_total_are_served_and_on_a_device_not_read(device_path):
-    assert nopad.layout.prepare_row_ids(torch.tensor([2, 0, 3]), 5).tolist() == [0, 0, 2, 2, 2]
-    assert nopad.layout.prepare_position_ids(torch.tensor([0, 2, 2, 5]), 5).tolist() == [0, 1, 0, 1, 2]
-    assert nopad.layout.prepare_row_ids(torch.tensor([2, 3]), 7).shape == (7,)  # a device's: the caller vouches
+    assert nopad.core.prepare_row_ids(torch.tensor([2, 0, 3]), 5).tolist() == [0, 0, 2, 2, 2]
+    assert nopad.core.prepare_position_ids(torch.tensor([0, 2, 2, 5]), 5).tolist() == [0, 1, 0, 1, 2]
+    assert nopad.core.prepare_row_ids(torch.tensor([2, 3]), 7).shape == (7,)  # a device's: the caller vouches
 
 
 def test_an_integer_mask_selects_its_nonzero_entries_as_the_gathers_read_it():

@@ -8,10 +8,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from nopad.layout import IndexPlan
-from nopad.ops import pad_input
-from nopad.padding import embeds_padding_2_no_padding
-from nopad.rows import micro_batches
+from nopad.batches import embeds_padding_2_no_padding, micro_batches
+from nopad.core import IndexPlan, pad_input
 
 
 def _nested_batch(lengths=(3, 5, 2, 4)) -> TensorDict:
@@ -37,7 +35,7 @@ def test_a_float_mask_of_halves_is_no_mask_and_is_refused_where_it_counts_tokens
 
 
 def test_restore_partitions_with_a_repeated_or_missing_row_are_refused():
-    from nopad.rows import RowRestore
+    from nopad.batches import RowRestore
 
     with pytest.raises(
         ValueError, match=r"partitions: expected each of the rows 0..3 in exactly one partition, got row 1"
@@ -85,7 +83,7 @@ def test_pad_input_refuses_two_values_for_one_row():
 
 
 def test_use_packed_attention_refuses_what_is_not_a_transformers_model():
-    from nopad.attention import packed_attention, use_packed_attention
+    from nopad.modeling import packed_attention, use_packed_attention
 
     with pytest.raises(ValueError, match=r"model: expected a transformers model \(a module with a config"):
         use_packed_attention(torch.nn.Linear(2, 2))
@@ -99,8 +97,8 @@ def test_use_packed_attention_refuses_what_is_not_a_transformers_model():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_available_kernels_on_a_machine_without_cuda_says_so():
     """Issue 36: it answered ["sdpa"], a kernel that cannot run on a device this machine lacks."""
-    from nopad._attention import unavailable_kernels
-    from nopad.attention import available_kernels
+    from nopad.modeling import available_kernels
+    from nopad.modeling._attention import unavailable_kernels
 
     words = r"device: expected a device this machine has, got 'cuda': this machine has no CUDA device"
     for call in (available_kernels, unavailable_kernels):
@@ -123,7 +121,7 @@ def test_an_embeds_mask_of_twos_selects_as_verl_reads_it():
 
 
 def test_offsets_edited_in_place_forget_what_was_known_of_them():
-    from nopad._layout import known_host_lengths, remember_host_lengths
+    from nopad.core._layout import known_host_lengths, remember_host_lengths
 
     offsets = torch.tensor([0, 3, 5])
     remember_host_lengths(offsets, np.array([3, 2]))
@@ -136,7 +134,7 @@ def test_offsets_edited_in_place_forget_what_was_known_of_them():
 
 
 def test_split_rows_without_sizes_says_what_it_takes():
-    from nopad.rows import split_rows
+    from nopad.batches import split_rows
 
     with pytest.raises(
         ValueError, match=r"sizes: expected a list of part sizes summing to the batch's 4 rows, got None"
@@ -145,7 +143,7 @@ def test_split_rows_without_sizes_says_what_it_takes():
 
 
 def test_a_strided_nested_tensor_is_named_not_an_attribute_error():
-    from nopad.rows import select_rows
+    from nopad.batches import select_rows
 
     strided = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     with pytest.raises(ValueError, match=r"expected a jagged nested tensor \(layout=torch.jagged\), got a strided one"):
@@ -158,7 +156,7 @@ def test_a_width_no_buffer_could_hold_is_refused_before_allocating():
 
 
 def test_a_pad_value_an_integer_tensor_cannot_hold_is_refused():
-    from nopad.engines.megatron import ThdPlan
+    from nopad.engines import ThdPlan
 
     plan = ThdPlan.from_lengths(torch.tensor([3, 2]), cp_size=1)
     ids = IndexPlan.from_lengths(torch.tensor([3, 2])).to_nested(torch.arange(5))
@@ -167,7 +165,7 @@ def test_a_pad_value_an_integer_tensor_cannot_hold_is_refused():
 
 
 def test_float_input_ids_are_refused_before_the_model_sees_them():
-    from nopad.engines.fsdp import prepare_model_inputs
+    from nopad.engines import prepare_model_inputs
 
     plan = IndexPlan.from_lengths(torch.tensor([3, 2]))
     micro = {"input_ids": plan.to_nested(torch.arange(5).float()), "position_ids": plan.to_nested(plan.position_ids)}
@@ -177,7 +175,7 @@ def test_float_input_ids_are_refused_before_the_model_sees_them():
 
 @pytest.mark.parametrize("bad", [8, -1])
 def test_routed_expert_ids_outside_the_experts_are_refused_not_replayed(bad):
-    from nopad.engines.megatron import ThdPlan
+    from nopad.engines import ThdPlan
 
     plan = ThdPlan.from_nested(_nested_batch()["input_ids"])
     experts = torch.zeros(plan.total, 2, dtype=torch.long)
@@ -221,7 +219,7 @@ def test_packed_rows_whose_boundaries_no_longer_match_their_tokens_are_refused(e
 
 @pytest.mark.parametrize("label", [97, -1])
 def test_a_label_outside_the_vocabulary_is_named_not_an_index_error(label):
-    from nopad.logprobs import head_log_probs, token_log_probs
+    from nopad.modeling import head_log_probs, token_log_probs
 
     labels = torch.tensor([1, 2, label, 0])
     match = rf"labels: expected token ids in \[0, vocab=97\) \(a pad id past it\?\), got {label}"
@@ -234,7 +232,7 @@ def test_a_label_outside_the_vocabulary_is_named_not_an_index_error(label):
 @pytest.mark.parametrize("head", ["logits", "chunked"])
 def test_a_pad_id_past_the_vocabulary_is_named_before_the_head_reads_it(head):
     from nopad import left_right_2_no_padding
-    from nopad.engines.fsdp import chunked_head, prepare_model_inputs, prepare_model_outputs
+    from nopad.engines import chunked_head, prepare_model_inputs, prepare_model_outputs
     from tests.models import make_padded_batch, tiny_llama
 
     m = tiny_llama(0)  # vocabulary 97

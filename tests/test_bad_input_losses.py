@@ -18,13 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-import nopad._losses as L
-from nopad._batch import get_field
-from nopad._logprobs import token_log_probs
+import nopad.losses._losses as L
+from nopad.core._batch import get_field
 from nopad.diagnostics import OpCounter
 from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs
 from nopad.engines._leak import check_isolation, probe_batch
 from nopad.engines._megatron import postprocess_thd, preprocess_thd
+from nopad.modeling._logprobs import token_log_probs
 from tests.models import VOCAB, make_padded_batch
 from tests.test_losses import SHAPES, rollout
 
@@ -807,7 +807,7 @@ def test_device_values_are_not_read_and_a_bad_one_turns_the_result_nan():
         token_log_probs(logits, labels, torch.ones(4, device="meta"), with_entropy=True)
     assert counter.syncs == 0
     # the same guard on real values: a NaN temperature row gives NaN for that row only, never a number
-    from nopad._logprobs import logits_log_probs as _log_probs
+    from nopad.modeling._logprobs import logits_log_probs as _log_probs
 
     temps = torch.where(torch.tensor([True, False, True, True]), torch.ones(4), NAN)
     lp, ent = _log_probs(torch.randn(4, 7), torch.tensor([1, 2, 3, 4]), temps, True)
@@ -900,7 +900,7 @@ def test_ppo_loss_checks_its_config_and_figures_once(monkeypatch):
 def test_packed_logprobs_reads_the_micro_batch_temperature_as_prepare_model_inputs_does():
     """It ignored micro["temperature"] (its own default 1.0 won); the padded reference now reads the
     padded batch's the same way, so the two agree on one TensorDict."""
-    from nopad._padding import left_right_2_no_padding, no_padding_2_padding
+    from nopad.batches._padding import left_right_2_no_padding, no_padding_2_padding
     from tests.models import tiny_llama
 
     model = tiny_llama()
@@ -923,7 +923,7 @@ def test_packed_logprobs_with_attention_none_refuses_an_attention_that_builds_ma
     """attention=None keeps the model's own attention, which must read packed boundaries: a mask-building
     one keeps sequences apart only where the model builds its masks from the restarting positions, which
     nopad cannot vouch for (Moshi on transformers 5.20 did not), so it is named before any forward."""
-    from nopad._padding import left_right_2_no_padding
+    from nopad.batches._padding import left_right_2_no_padding
     from tests.models import tiny_llama
 
     model = tiny_llama()

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from nopad._attention import nopad_varlen_attention
 from nopad.engines._megatron import postprocess_thd, preprocess_thd
+from nopad.modeling._attention import nopad_varlen_attention
 from nopad.parallel import _cp as cp_module
 from nopad.parallel import _thd as thd_module
 from nopad.parallel import shard_index, unshard_index

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nopad._partition import fits, split_until
-from nopad.balance import Workload, balanced_partitions, karmarkar_karp, micro_batch_partitions, rank_order
+from nopad.batches import Workload, balanced_partitions, karmarkar_karp, micro_batch_partitions, rank_order
+from nopad.batches._partition import fits, split_until
 from tests.dist_utils import run_distributed
 from tests.rows_batches import NOT_MONOTONE, reference_micro_partitions, reference_partitions
 
@@ -158,7 +158,7 @@ BY_TOKENS = Workload(linear=1, quadratic=0)
 
 def test_a_fitting_cut_grows_to_more_parts_by_halving_and_still_fits():
     tokens = np.array(NOT_MONOTONE)
-    from nopad._partition import karmarkar_karp_arrays
+    from nopad.batches._partition import karmarkar_karp_arrays
 
     assert not fits(karmarkar_karp_arrays(tokens, 19, False), tokens, 92)
     grown = split_until(karmarkar_karp_arrays(tokens, 18, False), 19, tokens)

@@ -73,8 +73,8 @@ def report():
 def _guard(model_type: str) -> tuple[str, str | None]:
     """("served", None), ("refused", the guard's message) or ("not built", why): the public guard itself."""
     from nopad._apps.families import tiny_model
-    from nopad._routing import route_of
-    from nopad.attention import use_packed_attention
+    from nopad.modeling import use_packed_attention
+    from nopad.modeling._routing import route_of
 
     model = tiny_model(model_type)
     if isinstance(model, str):
@@ -144,7 +144,7 @@ def test_env_lists_every_package_and_torch_s_build(report):
 
 
 def test_env_lists_the_kernels_of_each_device_this_machine_has(report):
-    from nopad.attention import KERNELS, available_kernels
+    from nopad.modeling import KERNELS, available_kernels
 
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     assert [d for d in report["devices"] if d in ("cpu", "cuda")] == devices

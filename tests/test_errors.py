@@ -1,11 +1,11 @@
-"""One errors module: every ValueError nopad raises is built by nopad._errors, so messages read alike."""
+"""One errors module: every ValueError nopad raises is built by nopad.core._errors, so messages read alike."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-from nopad._errors import in_file, input_error
+from nopad.core._errors import in_file, input_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def test_no_hand_formatted_value_error_outside_the_errors_module():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ValueError":
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not bad, f"build these with nopad._errors.input_error: {bad}"
+    assert not bad, f"build these with nopad.core._errors.input_error: {bad}"
 
 
 @pytest.mark.parametrize(

@@ -100,7 +100,7 @@ def test_bench_contenders_compute_what_nopad_computes():
     import torch
 
     from nopad._apps.bench import bare_gather, bare_nested, reference_left_right, reference_no_padding
-    from nopad._padding import left_right_2_no_padding, no_padding_2_padding
+    from nopad.batches._padding import left_right_2_no_padding, no_padding_2_padding
     from nopad.synthetic import synthetic_batch
 
     data = synthetic_batch(5, 12, 9)
@@ -187,8 +187,7 @@ def test_the_per_row_loop_of_the_batches_bench_cuts_what_nopad_cuts():
     import torch
 
     from nopad._apps.bench_rows import loop_join_restore, loop_micro_batches, loop_partitions, nested_rows_batch
-    from nopad.balance import balanced_partitions
-    from nopad.rows import micro_batches
+    from nopad.batches import balanced_partitions, micro_batches
 
     td = nested_rows_batch(40, seed=3)
     micro, restore = micro_batches(td, 16_384)

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nopad import left_right_2_no_padding, no_padding_2_padding
-from nopad._logprobs import run_head
 from nopad.diagnostics import OpCounter
 from nopad.engines._fsdp import (
     chunked_head,
@@ -23,7 +22,8 @@ from nopad.engines._fsdp import (
     prepare_model_inputs,
     prepare_model_outputs,
 )
-from nopad.logprobs import head_log_probs, token_log_probs
+from nopad.modeling import head_log_probs, token_log_probs
+from nopad.modeling._logprobs import run_head
 from tests.dist_utils import run_distributed
 from tests.models import VOCAB, make_padded_batch, tiny_llama, tiny_qwen2
 
@@ -620,7 +620,7 @@ def _cut_cross_entropy_standin(calls, with_bias):
 
 def _install_standin(monkeypatch, with_bias):
     """The stand-in installed as cut_cross_entropy, and the CPU taken for CUDA: the calls it gets."""
-    import nopad._logprobs as head
+    import nopad.modeling._logprobs as head
 
     calls: list[dict] = []
     monkeypatch.setitem(head._LOADERS, "cut_cross_entropy", lambda: _cut_cross_entropy_standin(calls, with_bias))
@@ -635,13 +635,13 @@ def _install_standin(monkeypatch, with_bias):
 def _backward_in_float32(monkeypatch):
     """The stand-ins are plain torch: their backward takes float32 too (the real kernel's, bf16 or fp16
     only: tests/test_kernels_triton.py)."""
-    import nopad._logprobs as head
+    import nopad.modeling._logprobs as head
 
     monkeypatch.setitem(head.BACKWARD_DTYPES, "cut_cross_entropy", (torch.float32, torch.bfloat16, torch.float16))
 
 
 def _clear_kernel_caches():
-    import nopad._logprobs as head
+    import nopad.modeling._logprobs as head
 
     head._kernel_function.cache_clear()
     head._probe_failure.cache_clear()
@@ -751,7 +751,7 @@ def _broken(kind):
     [("raises", r"RuntimeError: triton: unsupported target"), ("values", "differ"), ("grads", "differ")],
 )
 def test_an_install_that_fails_its_probe_is_never_used_and_says_why(monkeypatch, kind, why):
-    import nopad._logprobs as head
+    import nopad.modeling._logprobs as head
 
     monkeypatch.setitem(head._LOADERS, "cut_cross_entropy", lambda: _broken(kind))
     monkeypatch.setattr(head, "_on_cuda", lambda device: True)
@@ -771,7 +771,7 @@ def test_an_install_that_fails_its_probe_is_never_used_and_says_why(monkeypatch,
 
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
 def test_the_probe_runs_when_the_first_call_comes_without_autograd(monkeypatch, context):
-    import nopad._logprobs as head
+    import nopad.modeling._logprobs as head
 
     calls: list[dict] = []
     monkeypatch.setitem(head._LOADERS, "cut_cross_entropy", lambda: _cut_cross_entropy_standin(calls, False))

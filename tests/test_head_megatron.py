@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from nopad import no_padding_2_padding
-from nopad._layout import IndexPlan
-from nopad.engines.megatron import ThdPlan, preprocess_thd, thd_logprobs
-from nopad.logprobs import token_log_probs
+from nopad.core._layout import IndexPlan
+from nopad.engines import ThdPlan, preprocess_thd, thd_logprobs
+from nopad.modeling import token_log_probs
 from tests.dist_utils import run_distributed
 
 TOL = 1e-5
@@ -71,7 +71,7 @@ def _megatron_worker(rank: int, world: int) -> dict:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    from nopad.engines.megatron import from_parallel_state, postprocess_thd
+    from nopad.engines import from_parallel_state, postprocess_thd
 
     mpu.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
     try:

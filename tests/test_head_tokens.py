@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import nopad._errors
+import nopad.core._errors
 from nopad import left_right_2_no_padding, no_padding_2_padding
+from nopad.batches import select_rows
 from nopad.diagnostics import OpCounter
 from nopad.engines._fsdp import chunked_head, packed_logprobs, prepare_model_inputs, prepare_model_outputs
 from nopad.losses import sft_loss
-from nopad.rows import select_rows
 from tests.dist_utils import run_distributed
 from tests.models import make_padded_batch, tiny_llama
 from tests.test_head import MODELS, model
@@ -132,7 +132,7 @@ def test_response_only_makes_no_host_sync(way_back):
         micro = select_rows(micro, [2, 0, 3])
     ref = no_padding_2_padding(packed_logprobs(m, micro, 0.7), micro)
     syncs, outs = {}, {}
-    nopad._errors.HOST_VALUES_CHECKED = False  # the CPU takes a device's path: no value is read
+    nopad.core._errors.HOST_VALUES_CHECKED = False  # the CPU takes a device's path: no value is read
     try:
         for tokens in ("all", "response"):
             with OpCounter() as counter, torch.no_grad():
@@ -142,7 +142,7 @@ def test_response_only_makes_no_host_sync(way_back):
                 outs[tokens] = prepare_model_outputs(output, args, micro, tokens=tokens)
             syncs[tokens] = counter.syncs
     finally:
-        nopad._errors.HOST_VALUES_CHECKED = True
+        nopad.core._errors.HOST_VALUES_CHECKED = True
     # the model's own forward makes its syncs (HF's sdpa looks for packed rows in the position ids);
     # scoring the responses adds none
     assert syncs["response"] == syncs["all"] <= 1
@@ -152,7 +152,7 @@ def test_response_only_makes_no_host_sync(way_back):
 def test_an_sft_score_mask_gives_the_sft_loss_and_its_gradients_of_every_token():
     """The positions that predict a per-token loss mask's tokens (moved by next_token_labels) as score_mask:
     sft_loss and every gradient equal scoring every token; the head reads only those rows."""
-    from nopad._layout import IndexPlan
+    from nopad.core._layout import IndexPlan
 
     m = tiny_llama(0)
     conversations = [([3, 4, 5, 6, 7], [0, 0, 1, 1, 1]), ([8, 9, 10], [0, 1, 1]), ([11, 12, 13, 14], [0, 0, 0, 1])]
@@ -194,12 +194,12 @@ def test_the_output_args_of_another_micro_batch_are_refused():
     with chunked_head(m, args_a) as served, torch.no_grad():  # the same ids in another tensor pass
         same = served(**{**inputs_a, "input_ids": inputs_a["input_ids"].clone()})
         assert not same.log_probs.isnan().any()
-    nopad._errors.HOST_VALUES_CHECKED = False
+    nopad.core._errors.HOST_VALUES_CHECKED = False
     try:
         with chunked_head(m, args_a) as served, torch.no_grad():
             out = prepare_model_outputs(served(**inputs_b), args_a)
     finally:
-        nopad._errors.HOST_VALUES_CHECKED = True
+        nopad.core._errors.HOST_VALUES_CHECKED = True
     lp = out["log_probs"].values()
     assert lp[args_a.label_mask[: lp.shape[0]]].isnan().all()
 
@@ -216,7 +216,7 @@ def test_bad_token_arguments_fail_loudly_naming_the_field():
         packed_logprobs(m, micro, score_mask=torch.ones(total + 1, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"score_mask: expected a 0/1 mask"):
         packed_logprobs(m, micro, score_mask=torch.full((total,), 2))
-    from nopad._layout import IndexPlan
+    from nopad.core._layout import IndexPlan
 
     plan = IndexPlan.from_lengths(torch.tensor([4, 3]))  # rows without responses: nothing says which to read
     rows = {"input_ids": plan.to_nested(torch.arange(7)), "position_ids": plan.to_nested(plan.position_ids)}

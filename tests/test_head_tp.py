@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import nopad._errors
-from nopad._logprobs import VocabShard, run_head
+import nopad.core._errors
 from nopad.diagnostics import OpCounter
-from nopad.logprobs import head_log_probs
+from nopad.modeling import head_log_probs
+from nopad.modeling._logprobs import VocabShard, run_head
 from tests.dist_utils import run_distributed
 from tests.live_bytes import LiveBytes
 
@@ -69,13 +69,13 @@ def _tp_worker(rank: int, world: int) -> dict:
     # the public entry: a ProcessGroup, a float temperature, no bias, the default tiles
     ref_lp, ref_ent = head_log_probs(hidden, weight, labels, 0.8, True)
     h, w = hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_()
-    nopad._errors.HOST_VALUES_CHECKED = False  # the CPU takes a device's path: the labels are not read
+    nopad.core._errors.HOST_VALUES_CHECKED = False  # the CPU takes a device's path: the labels are not read
     try:
         with OpCounter() as counter:  # forward and backward: collectives, no host read
             lp, ent = head_log_probs(h, w, labels, 0.8, True, tp_group=group)
             (lp.sum() + ent.sum()).backward()
     finally:
-        nopad._errors.HOST_VALUES_CHECKED = True
+        nopad.core._errors.HOST_VALUES_CHECKED = True
     errors["head_log_probs(tp_group)"] = [float((lp - ref_lp).abs().max()), float((ent - ref_ent).abs().max())]
     errors["host syncs"] = [float(counter.syncs)]
     if importlib.util.find_spec("megatron") is not None:

@@ -21,9 +21,9 @@ except Exception as exc:  # noqa: BLE001 - any failure to import verl means this
         raise
     pytest.skip(f"verl is not importable here ({exc!r}); these tests run in CI's verl leg", allow_module_level=True)
 
-import nopad.integrations._verl_head as vh  # noqa: E402
-from nopad.integrations import _verl as nv  # noqa: E402
-from nopad.logprobs import token_log_probs  # noqa: E402
+import nopad.integrations.verl._head as vh  # noqa: E402
+from nopad.integrations.verl import _install as nv  # noqa: E402
+from nopad.modeling import token_log_probs  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
 TOL = 1e-5

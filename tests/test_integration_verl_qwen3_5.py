@@ -20,8 +20,8 @@ except Exception as exc:  # noqa: BLE001 - any import failure means verl (or its
         raise
     pytest.skip(f"verl's Qwen3.5 patch is not importable ({exc!r}); CI's verl leg runs it", allow_module_level=True)
 
+from nopad.core import IndexPlan  # noqa: E402
 from nopad.integrations import verl as nopad_verl  # noqa: E402
-from nopad.layout import IndexPlan  # noqa: E402
 
 LENGTHS = (70, 1, 3, 64, 9, 2)  # past a chunk, length 1, below the conv kernel, exactly a chunk
 

@@ -24,7 +24,7 @@ except Exception as exc:  # noqa: BLE001 - any failure to import verl means this
         raise
     pytest.skip(f"verl is not importable here ({exc!r}); these tests run in CI's verl leg", allow_module_level=True)
 
-from nopad.integrations import _verl as nv  # noqa: E402
+from nopad.integrations.verl import _install as nv  # noqa: E402
 
 
 @pytest.fixture
@@ -201,7 +201,7 @@ def _rearrange_on_two_ranks(rank, world_size, lengths_by_rank, budget):
     """On each rank: nopad's routed function, then verl's own, over the same group."""
     import torch.distributed as dist
 
-    from nopad.integrations import _verl as nv_
+    from nopad.integrations.verl import _install as nv_
 
     sb.get_device_name = lambda: "cpu"  # verl puts its counts on the accelerator; gloo takes them on the CPU
     data = verl_batch(lengths_by_rank[rank], seed=rank)

@@ -2,20 +2,20 @@
 through nopad's routes and against nopad's torch forms, forward and backward, probes included.
 
 - flash-linear-attention's ``chunk_gated_delta_rule(cu_seqlens=...)`` through
-  ``nopad.layers.gated_delta_rule(kernel="flash-linear-attention")``;
+  ``nopad.modeling.gated_delta_rule(kernel="flash-linear-attention")``;
 - mamba-ssm's Triton SSD scan ``mamba_chunk_scan_combined(seq_idx=...)`` through
-  ``nopad.layers.ssd_scan(kernel="mamba-ssm")``;
+  ``nopad.modeling.ssd_scan(kernel="mamba-ssm")``;
 - flash-linear-attention's Triton ``causal_conv1d(cu_seqlens=...)`` against
-  ``nopad.layers.causal_conv1d``'s torch form. nopad routes its conv to the causal-conv1d package
+  ``nopad.modeling.causal_conv1d``'s torch form. nopad routes its conv to the causal-conv1d package
   (``seq_idx``), which has no Triton kernel (CUDA C++ only): it cannot run here, and its route stays
   proven by the stand-ins of tests/test_layers.py only;
-- Apple's Cut Cross-Entropy through ``nopad.logprobs.head_log_probs(kernel="cut_cross_entropy")``;
+- Apple's Cut Cross-Entropy through ``nopad.modeling.head_log_probs(kernel="cut_cross_entropy")``;
 - Liger-Kernel: its Triton fused linear cross-entropy (``LigerFusedLinearCrossEntropyFunction``,
   which nopad does not route) against nopad's head, and the one route nopad has to Liger, verl's
   ``FusedLinearForPPO(impl_backend="liger")``, whose ``LigerFusedLinearScaledCrossEntropyFunction``
   is CuTe DSL on Hopper and torch elsewhere (no Triton: what runs here is Liger's torch form);
 - verl 0.9.1's Triton ``linear_cross_entropy`` through nopad's ``install()`` route
-  (``nopad.integrations._verl_head.linear_cross_entropy``), from verl's wheel installed without its
+  (``nopad.integrations.verl._head.linear_cross_entropy``), from verl's wheel installed without its
   dependencies (tests/triton_interpreter.py).
 
 The library's rule that these kernels run only on CUDA stays: as the CPU stand-ins do, the tests let
@@ -48,11 +48,16 @@ try:
 except Exception as exc:  # noqa: BLE001
     interp.unavailable(f"triton does not import here ({exc!r}); CI's kernels leg installs it (.ci/kernels-leg)")
 
-import nopad._layers as layers  # noqa: E402
-import nopad._logprobs as head  # noqa: E402
-import nopad.integrations._verl_head as vh  # noqa: E402
-from nopad.layers import PackedRow, causal_conv1d, gated_delta_rule, ssd_scan  # noqa: E402
-from nopad.logprobs import head_log_probs  # noqa: E402
+import nopad.integrations.verl._head as vh  # noqa: E402
+import nopad.modeling._layers as layers  # noqa: E402
+import nopad.modeling._logprobs as head  # noqa: E402
+from nopad.modeling import (  # noqa: E402
+    PackedRow,
+    causal_conv1d,
+    gated_delta_rule,
+    head_log_probs,  # noqa: E402
+    ssd_scan,
+)
 
 TOL = 1e-5  # float32
 # a 1-token sequence, one longer than fla's 64-token chunk, one of exactly a 16-token scan chunk
@@ -105,7 +110,7 @@ def interpreter(monkeypatch):
     return monkeypatch
 
 
-# ---- the state layers: nopad.layers with its CUDA kernels let onto the CPU ---------------------------------
+# ---- the state layers: nopad.modeling with its CUDA kernels let onto the CPU ---------------------------------
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ loss trains on) holds the pad id, 0, on every path, and every path's mask exclud
 import pytest
 import torch
 
-from nopad._layout import IndexPlan, prepare_offsets
+from nopad.core._layout import IndexPlan, prepare_offsets
+from nopad.engines import ThdPlan
 from nopad.engines._fsdp import prepare_model_inputs
-from nopad.engines.megatron import ThdPlan
 from nopad.packing import pack_conversations, pack_online
 
 CONVERSATIONS = [[5, 6, 7, 8], [9], [11, 12, 13], [14, 15, 16, 17, 18, 19]]

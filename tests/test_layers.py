@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import nopad._layers as layers
-from nopad._routing import torch_fallback
+import nopad.modeling._layers as layers
 from nopad.diagnostics import OpCounter
-from nopad.layers import PackedRow, causal_conv1d, gated_delta_rule, ssd_scan
+from nopad.modeling import PackedRow, causal_conv1d, gated_delta_rule, ssd_scan
+from nopad.modeling._routing import torch_fallback
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.bamba import modeling_bamba  # noqa: E402

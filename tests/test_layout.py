@@ -5,10 +5,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nopad
-import nopad._layout
-import nopad.layout
-import nopad.ops
-import nopad.rows
+import nopad.batches
+import nopad.core
+import nopad.core._layout
 from nopad import IndexPlan
 
 lengths_st = st.lists(st.integers(0, 9), min_size=1, max_size=12)
@@ -78,7 +77,7 @@ def test_nest_mrope_sets_ragged_dim_last():
 def test_gather_rows_gradient():
     values = torch.randn(6, dtype=torch.float64, requires_grad=True)
     starts, lo, hi = torch.tensor([0, 3]), torch.tensor([0, 1]), torch.tensor([2, 3])
-    assert torch.autograd.gradcheck(lambda v: nopad._layout.gather_rows(v, starts, lo, hi, 4), (values,))
+    assert torch.autograd.gradcheck(lambda v: nopad.core._layout.gather_rows(v, starts, lo, hi, 4), (values,))
 
 
 @pytest.mark.parametrize(
@@ -97,7 +96,7 @@ def test_bad_offsets(offsets, match):
 def test_validate_names_the_row():
     lengths = torch.tensor([2, 5, 1])
     plan = IndexPlan(
-        lengths, nopad.layout.prepare_offsets(lengths), total=8, width=4, starts=torch.zeros(3, dtype=torch.long)
+        lengths, nopad.core.prepare_offsets(lengths), total=8, width=4, starts=torch.zeros(3, dtype=torch.long)
     )
     with pytest.raises(ValueError, match=r"lengths row 1: expected the run of real tokens to end within width 4"):
         plan.validate()
@@ -133,9 +132,11 @@ def test_spread_over_tokens_matches_a_naive_loop(lengths, per_row, plus_position
         for _ in range(n):
             expected.append(per_row[b] + (t if plus_position else 0))
             t += 1
-    offsets = nopad.layout.prepare_offsets(torch.tensor(lengths))
+    offsets = nopad.core.prepare_offsets(torch.tensor(lengths))
     per_row_t = torch.tensor(per_row[: len(lengths)])
-    assert nopad._layout.spread_over_tokens(per_row_t, offsets, t, plus_position=plus_position).tolist() == expected
+    assert (
+        nopad.core._layout.spread_over_tokens(per_row_t, offsets, t, plus_position=plus_position).tolist() == expected
+    )
 
 
 @given(st.lists(st.tuples(st.integers(-5, 40), st.integers(0, 6)), max_size=12))
@@ -143,9 +144,9 @@ def test_concatenated_ranges_on_host_and_device_equal_the_loop(ranges):
     firsts = np.array([f for f, _ in ranges], dtype=np.int64)
     lengths = np.array([n for _, n in ranges], dtype=np.int64)
     expected = [f + k for f, n in ranges for k in range(n)]
-    assert nopad._layout.host_ranges(firsts, lengths).tolist() == expected
-    positions, steps = nopad._layout.range_steps(firsts, lengths)
-    device = nopad._layout.expand_ranges(torch.from_numpy(positions), torch.from_numpy(steps), len(expected))
+    assert nopad.core._layout.host_ranges(firsts, lengths).tolist() == expected
+    positions, steps = nopad.core._layout.range_steps(firsts, lengths)
+    device = nopad.core._layout.expand_ranges(torch.from_numpy(positions), torch.from_numpy(steps), len(expected))
     assert device.tolist() == expected
 
 
@@ -154,7 +155,7 @@ def test_block_causal_mask_with_a_window_and_without_causality_matches_a_naive_l
     segment = [0] * 4 + [1] * 5
     for causal in (True, False):
         for window in (None, 1, 2, 3):
-            mask = nopad._layout.block_causal_mask(cu, 9, causal=causal, window=window)[0, 0].tolist()
+            mask = nopad.core._layout.block_causal_mask(cu, 9, causal=causal, window=window)[0, 0].tolist()
             expected = [
                 [
                     segment[i] == segment[j] and (not causal or j <= i) and (window is None or abs(i - j) < window)
@@ -167,7 +168,7 @@ def test_block_causal_mask_with_a_window_and_without_causality_matches_a_naive_l
 
 @pytest.mark.parametrize("multiple", [1, 2, 3, 8, 16])
 def test_round_up_matches_a_naive_loop_for_ints_arrays_and_tensors(multiple):
-    from nopad._layout import round_up
+    from nopad.core._layout import round_up
 
     def naive(n):
         while n % multiple:

@@ -16,10 +16,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from nopad import _attention  # noqa: E402
-from nopad._attention import IMPLEMENTATION, nopad_varlen_attention, register, use_packed_attention  # noqa: E402
 from nopad.engines._fsdp import packed_logprobs  # noqa: E402
 from nopad.engines._leak import PROBE_LENGTHS, check_isolation, probe_batch, probe_lengths  # noqa: E402
+from nopad.modeling import _attention as _attention  # noqa: E402
+from nopad.modeling._attention import IMPLEMENTATION, nopad_varlen_attention, register, use_packed_attention  # noqa: E402
 from tests.models import VOCAB  # noqa: E402
 
 WINDOW = 4  # bites inside the probe's 5- and 6-token sequences and its window + 3 one

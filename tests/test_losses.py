@@ -1,4 +1,4 @@
-"""nopad._losses against straightforward padded computations written here, independently.
+"""nopad.losses._losses against straightforward padded computations written here, independently.
 
 The references below use plain tensors and per-row Python: the response log-prob of token k of
 row b is the whole-sequence output at column P + k - 1 (the prompt is left-padded to P), masks
@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-import nopad._losses as L
-from nopad._padding import left_right_2_no_padding
+import nopad.losses._losses as L
+from nopad.batches._padding import left_right_2_no_padding
 from nopad.diagnostics import OpCounter
 from tests.dist_utils import run_distributed
 

@@ -13,8 +13,8 @@ import re
 import pytest
 import torch
 
-import nopad._losses as L
-from nopad._padding import left_right_2_no_padding
+import nopad.losses._losses as L
+from nopad.batches._padding import left_right_2_no_padding
 from nopad.engines._fsdp import packed_logprobs
 from tests.models import make_padded_batch, tiny_llama
 from tests.test_losses import ref_agg, ref_kl, ref_pg_tokens

@@ -15,9 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nopad._apps.bench import bench_thd, reference_preprocess_thd
-from nopad._layout import IndexPlan, prepare_offsets
+from nopad.core._layout import IndexPlan, prepare_offsets
 from nopad.diagnostics import OpCounter
-from nopad.engines.megatron import ParallelDims, ThdPlan, from_parallel_state, postprocess_thd, preprocess_thd
+from nopad.engines import ParallelDims, ThdPlan, from_parallel_state, postprocess_thd, preprocess_thd
 from nopad.parallel import _thd as thd_module
 from nopad.parallel._thd import FallbackPackedSeqParams, packed_seq_params_class
 from tests.dist_utils import run_distributed

@@ -1,4 +1,4 @@
-"""What nopad knows of a model, a config or a tensor lives on that object (``nopad._memo``) and dies
+"""What nopad knows of a model, a config or a tensor lives on that object (``nopad.core._memo``) and dies
 with it: models and configs built, freed and built again in a loop (CPython hands a freed object's
 address to the next one of its size) each get their verdicts worked out anew, and no module-level
 container grows. Nothing keeps an ``id()`` past the call that took it.
@@ -18,8 +18,8 @@ import torch
 pytest.importorskip("transformers")
 
 import nopad  # noqa: E402
-from nopad.attention import use_packed_attention  # noqa: E402
-from nopad.layout import IndexPlan  # noqa: E402
+from nopad.core import IndexPlan  # noqa: E402
+from nopad.modeling import use_packed_attention  # noqa: E402
 from nopad.synthetic import tiny_causal_lm  # noqa: E402
 
 LOOPS = 20
@@ -44,13 +44,15 @@ def _attention_layers(model: torch.nn.Module) -> int:
 
 @pytest.fixture
 def checks(monkeypatch):
-    """Counts the unrouted-model checks worked out (not recalled). Reaches into nopad._attention: the
+    """Counts the unrouted-model checks worked out (not recalled). Reaches into nopad.modeling._attention: the
     check is private, and counting it is how a verdict inherited from a freed object would show."""
-    import nopad._attention
+    import nopad.modeling._attention
 
     counted = []
-    check = nopad._attention._state_layer_kinds
-    monkeypatch.setattr(nopad._attention, "_state_layer_kinds", lambda config: counted.append(config) or check(config))
+    check = nopad.modeling._attention._state_layer_kinds
+    monkeypatch.setattr(
+        nopad.modeling._attention, "_state_layer_kinds", lambda config: counted.append(config) or check(config)
+    )
     return counted
 
 
@@ -82,7 +84,7 @@ def test_each_new_model_and_config_is_checked_anew_though_a_freed_one_passed_at_
 
 
 def test_a_routed_model_freed_leaves_no_route_to_the_next_model_at_its_address(checks):
-    from nopad._routing import route_of
+    from nopad.modeling._routing import route_of
 
     for _ in range(LOOPS):
         routed = use_packed_attention(_model("llama", attn_implementation="nopad_varlen"))
@@ -100,7 +102,7 @@ def test_a_routed_model_freed_leaves_no_route_to_the_next_model_at_its_address(c
 
 
 def test_route_is_kept_on_the_model_and_forgotten_by_remove():
-    from nopad._routing import route, route_of
+    from nopad.modeling._routing import route, route_of
 
     model = _model("qwen3_5", attn_implementation="nopad_varlen")
     assert route_of(model) is None
@@ -168,10 +170,10 @@ def test_a_plan_is_known_as_its_own_masks_while_the_mask_is_unedited():
 
 SOURCES = sorted(Path(nopad.__file__).parent.rglob("*.py"))
 GONE = {
-    "nopad/_attention.py": ("_CHECKED_CONFIGS",),
-    "nopad/_routing.py": ("ROUTED_CONFIGS", "_ROUTES"),
+    "nopad/modeling/_attention.py": ("_CHECKED_CONFIGS",),
+    "nopad/modeling/_routing.py": ("ROUTED_CONFIGS", "_ROUTES"),
     "nopad/engines/_head.py": ("_REFUSED", "_CHECKED"),
-    "nopad/_padding.py": ("_source_mask",),
+    "nopad/batches/_padding.py": ("_source_mask",),
 }
 
 
@@ -202,7 +204,7 @@ def test_no_id_is_kept_in_a_module_level_container(path):
                 called = value.func if isinstance(value, ast.Call) else None
                 kind = getattr(called, "attr", getattr(called, "id", ""))
                 assert kind not in {"WeakKeyDictionary", "WeakValueDictionary", "WeakSet"}, (
-                    f"{path}: module-level {target.id} = {kind}(): keep facts on the object (nopad._memo)"
+                    f"{path}: module-level {target.id} = {kind}(): keep facts on the object (nopad.core._memo)"
                 )
     for node in ast.walk(tree):
         held = None

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 import nopad
-import nopad._layout
-import nopad.layout
-import nopad.ops
-import nopad.rows
+import nopad.batches
+import nopad.core
+import nopad.core._layout
 from nopad.diagnostics import OpCounter
 from tests.batches import make_batch
 
@@ -52,7 +51,7 @@ def test_the_standard_batch_converts_within_the_op_budget(B):
 
 
 def test_a_host_plan_leaves_only_the_gathers_and_one_copy():
-    from nopad._padding import plan_left_right
+    from nopad.batches._padding import plan_left_right
 
     data = _standard_batch(64)
     masks = data["attention_mask"], data["response_mask"]
@@ -67,7 +66,7 @@ def test_a_host_plan_leaves_only_the_gathers_and_one_copy():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_counts_are_the_cpus_and_a_host_plan_never_waits_for_the_device():
-    from nopad._padding import plan_left_right
+    from nopad.batches._padding import plan_left_right
 
     host = _standard_batch(64)
     data = host.to("cuda")
@@ -115,7 +114,7 @@ def test_response_round_trip_is_sync_free(device_path):
         resp_mask = nopad.response_to_nested(
             out["response_mask"],
             torch.nested.nested_tensor_from_jagged(
-                torch.ones(int(out["response_mask"].sum())), nopad.layout.prepare_offsets(out["response_mask"].sum(-1))
+                torch.ones(int(out["response_mask"].sum())), nopad.core.prepare_offsets(out["response_mask"].sum(-1))
             ),
         )
         with OpCounter() as c:

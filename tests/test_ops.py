@@ -2,7 +2,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nopad.ops import index_first_axis, index_put_first_axis, pad_input, unpad_input
+from nopad.core import index_first_axis, index_put_first_axis, pad_input, unpad_input
 
 masks = st.lists(st.lists(st.integers(0, 1), min_size=4, max_size=4), min_size=1, max_size=5)
 

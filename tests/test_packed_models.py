@@ -18,11 +18,15 @@ from tensordict import TensorDict  # noqa: E402
 from transformers.models.lfm2.modeling_lfm2 import causal_conv1d_fn  # noqa: E402
 
 from nopad import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
-from nopad._routing import route_of, survey  # noqa: E402
-from nopad.attention import packed_attention, use_packed_attention  # noqa: E402
-from nopad.engines.fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs, prepare_model_outputs  # noqa: E402
-from nopad.engines.leak import check_isolation  # noqa: E402
-from nopad.layers import PackedRow, causal_conv1d, register_packed_module  # noqa: E402
+from nopad.engines import (  # noqa: E402
+    check_isolation,  # noqa: E402
+    packed_logprobs,
+    padded_logprobs,
+    prepare_model_inputs,
+    prepare_model_outputs,
+)
+from nopad.modeling import PackedRow, causal_conv1d, packed_attention, register_packed_module, use_packed_attention  # noqa: E402  # noqa: E402
+from nopad.modeling._routing import route_of, survey  # noqa: E402
 from nopad.synthetic import tiny_causal_lm  # noqa: E402
 from tests.models import make_padded_batch  # noqa: E402
 
@@ -37,7 +41,7 @@ def _model(arch: str, **kwargs) -> torch.nn.Module:
 
 
 def _micro(lengths=MIXED, seed=0) -> dict:
-    from nopad.layout import IndexPlan
+    from nopad.core import IndexPlan
 
     plan = IndexPlan.from_lengths(torch.tensor(lengths))
     ids = torch.randint(1, VOCAB, (plan.total,), generator=torch.Generator().manual_seed(seed))
@@ -103,7 +107,7 @@ def _unused(model) -> set[str]:
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_the_model_called_with_nopad_varlen_is_exact_and_the_probe_finds_it_isolated(arch):
-    import nopad.attention  # noqa: F401 - registers nopad_varlen
+    import nopad.modeling  # noqa: F401 - registers nopad_varlen
 
     model, micro = _model(arch, attn_implementation="nopad_varlen"), _micro()
     alone = _alone(model, micro)
@@ -147,7 +151,7 @@ def test_gradient_checkpointing_recomputes_each_layer_with_the_boundaries(arch):
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba"])
 def test_a_padded_forward_of_a_routed_model_is_unchanged_bit_for_bit(arch):
-    import nopad.attention  # noqa: F401 - registers nopad_varlen
+    import nopad.modeling  # noqa: F401 - registers nopad_varlen
 
     # the attention is nopad_varlen on both sides: the route alone must change no bit of a padded
     # forward (its adapters hand a call that is not packed to transformers' own primitives)
@@ -286,7 +290,7 @@ def packed_token_shift(module: TokenShift, row: PackedRow, hidden, **kwargs):
 
 
 def test_a_layer_of_ones_own_is_refused_until_its_packed_form_is_registered(monkeypatch):
-    import nopad._layers as layers
+    import nopad.modeling._layers as layers
 
     monkeypatch.setattr(layers, "REGISTERED", {})
     model, micro = ShiftLM(), _micro()
@@ -348,11 +352,11 @@ def test_the_conversions_feed_a_routed_model_from_a_tensordict_too():
 
 
 def test_a_model_loaded_with_nopad_varlen_but_never_routed_is_refused_at_its_first_packed_forward():
-    import nopad.attention  # noqa: F401 - registers nopad_varlen
+    import nopad.modeling  # noqa: F401 - registers nopad_varlen
 
     model, micro = _model("bamba", attn_implementation="nopad_varlen"), _micro()
     inputs, _ = prepare_model_inputs(micro, attn_implementation="nopad_varlen")
-    with pytest.raises(ValueError, match=r"bamba model: expected a model given to nopad.attention.use_packed_atte"):
+    with pytest.raises(ValueError, match=r"bamba model: expected a model given to nopad.modeling.use_packed_atte"):
         model(**inputs)
     use_packed_attention(model)
     with torch.no_grad():

@@ -18,7 +18,7 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 
 from nopad import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
-from nopad.engines.fsdp import packed_logprobs  # noqa: E402
+from nopad.engines import packed_logprobs  # noqa: E402
 from nopad.parallel import enable_ulysses  # noqa: E402
 from nopad.synthetic import tiny_causal_lm  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
@@ -58,7 +58,7 @@ def _fsdp2(arch: str, rank: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from nopad.attention import use_packed_attention
+    from nopad.modeling import use_packed_attention
 
     model = use_packed_attention(tiny_causal_lm(arch, vocab=VOCAB, hidden=32, layers=4))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

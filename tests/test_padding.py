@@ -8,10 +8,9 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import nopad
-import nopad._layout
-import nopad.layout
-import nopad.ops
-import nopad.rows
+import nopad.batches
+import nopad.core
+import nopad.core._layout
 from nopad import OpCounter, left_right_2_no_padding, plan_left_right
 from tests.batches import batch_shapes, make_batch, reference_nest, reference_response
 from tests.models import make_padded_batch
@@ -61,10 +60,10 @@ def test_no_padding_2_padding_matches_per_row_slices(shape, trailing):
     # nested prompts/responses instead of padded ones, as verl's rollout produces them
     alt = TensorDict({}, batch_size=[len(prompt_lens)])
     alt["prompts"] = torch.nested.nested_tensor_from_jagged(
-        torch.zeros(sum(prompt_lens), dtype=torch.long), nopad.layout.prepare_offsets(torch.tensor(prompt_lens))
+        torch.zeros(sum(prompt_lens), dtype=torch.long), nopad.core.prepare_offsets(torch.tensor(prompt_lens))
     )
     alt["responses"] = torch.nested.nested_tensor_from_jagged(
-        torch.zeros(sum(resp_lens), dtype=torch.long), nopad.layout.prepare_offsets(torch.tensor(resp_lens))
+        torch.zeros(sum(resp_lens), dtype=torch.long), nopad.core.prepare_offsets(torch.tensor(resp_lens))
     )
     assert torch.equal(nopad.no_padding_2_padding(nested, alt, max_response_len=R), want)
 
@@ -116,14 +115,14 @@ def test_nested_fields_survive_pickle_and_tensordict_ops():
             assert torch.equal(a.offsets(), b.offsets()), (label, key)
             assert all(torch.equal(x, y) for x, y in zip(a.unbind(), b.unbind())), (label, key)
     # tensordict 0.8-0.10 (verl's pins) cannot index nested fields (torch cannot slice a jagged
-    # tensor on the batch dim); nopad.rows.select_rows does it under every version, the same as 0.15 does
+    # tensor on the batch dim); nopad.batches.select_rows does it under every version, the same as 0.15 does
     for index, picked_rows in (
         (slice(1, 3), [1, 2]),
         (torch.tensor([3, 0]), [3, 0]),
         ([2], [2]),
         (torch.tensor([True, False, False, True]), [0, 3]),
     ):
-        sub = nopad.rows.select_rows(tensors, index)
+        sub = nopad.batches.select_rows(tensors, index)
         assert sub.batch_size == torch.Size([len(picked_rows)])
         for key in tensors.keys():
             assert sub[key].is_nested and sub[key]._ragged_idx == tensors[key]._ragged_idx, key
@@ -137,7 +136,7 @@ def test_nested_fields_survive_pickle_and_tensordict_ops():
             for key in tensors.keys():
                 assert all(torch.equal(x, y) for x, y in zip(native[key].unbind(), sub[key].unbind(), strict=True))
     with pytest.raises(ValueError, match="index"):
-        nopad.rows.select_rows(tensors, 1)
+        nopad.batches.select_rows(tensors, 1)
 
 
 def test_response_from_and_to_nested_are_the_shifted_slice_and_its_inverse():

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nopad._layout import prepare_offsets
+from nopad.core._layout import prepare_offsets
 from nopad.parallel._cp import (
     check_cp_args,
     contiguous_shard_index,

@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 from transformers.integrations import use_kernel_func_from_hub_with_fallback  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 
-from nopad._routing import callee, primitive_name, route, survey, torch_fallback  # noqa: E402
-from nopad.layers import PackedRow, causal_conv1d  # noqa: E402
+from nopad.modeling import PackedRow, causal_conv1d  # noqa: E402
+from nopad.modeling._routing import callee, primitive_name, route, survey, torch_fallback  # noqa: E402
 
 
 @use_kernel_func_from_hub_with_fallback("causal_conv1d_fn", "causal_conv1d")

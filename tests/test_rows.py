@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 from tensordict import NonTensorData, TensorDict
 
 import nopad
-from nopad.diagnostics import OpCounter
-from nopad.rows import (
+from nopad.batches import (
     RowRestore,
     cat_rows,
     chunk_rows,
@@ -20,6 +19,7 @@ from nopad.rows import (
     split_rows,
     unpad_rows,
 )
+from nopad.diagnostics import OpCounter
 from tests.batches import batch_shapes, make_batch
 from tests.rows_batches import (
     assert_rows,

@@ -1,5 +1,5 @@
 """nopad's fast paths through private torch and tensordict APIs equal the public ones: every helper
-of nopad._torch_internals checked on both paths against torch's and tensordict's own constructors,
+of nopad.core._torch_internals checked on both paths against torch's and tensordict's own constructors,
 and whole conversions and row operations equal with the internals switched off."""
 
 import warnings
@@ -10,8 +10,8 @@ from tensordict import TensorDict
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nopad
-from nopad import _torch_internals as internals
-from nopad.rows import micro_batches, select_rows
+from nopad.batches import micro_batches, select_rows
+from nopad.core import _torch_internals as internals
 from tests.batches import make_batch
 from tests.rows_batches import assert_rows, nested_batch, rows_of
 

@@ -14,9 +14,9 @@ import torch
 import transformers
 
 import nopad
-from nopad.engines.fsdp import prepare_model_inputs, prepare_value_outputs
+from nopad.batches import micro_batches
+from nopad.engines import prepare_model_inputs, prepare_value_outputs
 from nopad.losses import LossConfig, global_batch_info, value_loss
-from nopad.rows import micro_batches
 from nopad.synthetic import synthetic_batch, tiny_causal_lm
 from tests.dist_utils import run_distributed
 

@@ -17,7 +17,7 @@ import torch
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from nopad._layout import remember_host_lengths
+from nopad.core._layout import remember_host_lengths
 
 # ---- what a field can be --------------------------------------------------------------------------
 # nested fields: how their jagged tensor was made, as verl's and nopad's code make them

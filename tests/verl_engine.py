@@ -256,7 +256,7 @@ def trainer_step(rank: int, world: int, model_dir: str, dynamic: bool, rows_per_
 
 def _count_routes(counts: Counter):
     """A profile hook counting calls of nopad's verl routes (the functions in its integration modules)."""
-    wanted = ("nopad/integrations/_verl.py", "nopad/integrations/_verl_rows.py")
+    wanted = ("nopad/integrations/verl/_install.py", "nopad/integrations/verl/_rows.py")
 
     def hook(frame, event, arg):
         if event == "call" and frame.f_code.co_filename.endswith(wanted):

@@ -17,11 +17,11 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._apps.progress import QUIET, Progress, add_quiet_argument
-from nopad._errors import check_int
-from nopad._layout import IndexPlan, prepare_offsets, wrap_jagged
-from nopad._ops import unpad_input
-from nopad._padding import left_right_2_no_padding, no_padding_2_padding, plan_left_right
-from nopad._torch_internals import put_checked
+from nopad.batches._padding import left_right_2_no_padding, no_padding_2_padding, plan_left_right
+from nopad.core._errors import check_int
+from nopad.core._layout import IndexPlan, prepare_offsets, wrap_jagged
+from nopad.core._ops import unpad_input
+from nopad.core._torch_internals import put_checked
 from nopad.diagnostics import OpCounter
 from nopad.synthetic import synthetic_batch
 
@@ -181,7 +181,7 @@ def bench_padded_to_nested_steps(
 ) -> list[dict]:
     """Where padded -> nested spends its time: each step added to the one before, all timed in turn
     with the bare gather. Rows of {steps, ms, /gather}."""
-    from nopad._padding import plan_left_right
+    from nopad.batches._padding import plan_left_right
 
     data = synthetic_batch(B, prompt_width, resp_width, device=device)
     am, rm, ids, pos = (data[k] for k in ("attention_mask", "response_mask", "input_ids", "position_ids"))
@@ -262,7 +262,7 @@ def bench_thd(
 def _bench_thd_batch(
     batch: int, gen: torch.Generator, max_len: int, cp_size: int, repeats: int, device: str | torch.device
 ) -> tuple[int, float, float, float]:
-    from nopad.engines.megatron import ThdPlan, preprocess_thd
+    from nopad.engines._megatron import ThdPlan, preprocess_thd
 
     lengths = torch.randint(1, max_len + 1, (batch,), generator=gen)
     values = torch.randint(0, 32000, (int(lengths.sum()),), generator=gen)

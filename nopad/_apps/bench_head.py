@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from nopad._errors import input_error
+from nopad.core._errors import input_error
 
 GIB = 1024**3
 CONTENDERS = ("logits", "chunked", "resp25", "resp50", "tp2", "tp4", "verl", "liger", "chunked_lp", "fused_lp")
@@ -66,7 +66,7 @@ def _inputs(
 
 def _response_rows(tokens: int, fraction: float, device: str) -> Any:
     """The scored positions of ``tokens`` in rows of 512 whose last ``fraction`` are the response."""
-    from nopad._logprobs import ScoredTokens
+    from nopad.modeling._logprobs import ScoredTokens
 
     row = 512
     index = torch.arange(tokens, device=device)
@@ -78,14 +78,14 @@ def _response_rows(tokens: int, fraction: float, device: str) -> Any:
 def _step(contender: str, x: dict[str, Any], temperature: float, chunk_size: int | None) -> None:
     hidden, weight, labels = x["hidden"], x["weight"], x["labels"]
     if contender in FRACTIONS:  # what chunked_head does for tokens="response"
-        from nopad._logprobs import head_log_probs
+        from nopad.modeling._logprobs import head_log_probs
 
         scored = x["scored"]
         lp, ent = head_log_probs(scored.rows(hidden), weight, scored.rows(labels), temperature, True, chunk_size)
         assert ent is not None
         lp, ent = scored.place(lp), scored.place(ent)
     elif contender in TP:
-        from nopad._logprobs import head_log_probs
+        from nopad.modeling._logprobs import head_log_probs
 
         lp, ent = head_log_probs(hidden, weight, labels, temperature, True, chunk_size, tp_group=x["group"])
     elif contender == "liger":
@@ -94,11 +94,11 @@ def _step(contender: str, x: dict[str, Any], temperature: float, chunk_size: int
         nll, ent = liger.apply(hidden, weight, labels, temperature, -100, 1, True)
         lp = -nll
     elif contender == "logits":
-        from nopad._logprobs import token_log_probs
+        from nopad.modeling._logprobs import token_log_probs
 
         lp, ent = token_log_probs(hidden @ weight.T, labels, temperature, with_entropy=True)
     elif contender == "chunked":
-        from nopad._logprobs import head_log_probs
+        from nopad.modeling._logprobs import head_log_probs
 
         lp, ent = head_log_probs(hidden, weight, labels, temperature, True, chunk_size)
     elif contender == "verl":
@@ -106,7 +106,7 @@ def _step(contender: str, x: dict[str, Any], temperature: float, chunk_size: int
 
         lp, ent = FusedLinearForPPO()(hidden, weight, labels, temperature)
     elif contender in FUSED:
-        from nopad._logprobs import head_log_probs
+        from nopad.modeling._logprobs import head_log_probs
 
         kernel = "tiles" if contender == "chunked_lp" else "cut_cross_entropy"
         lp, ent = head_log_probs(hidden, weight, labels, temperature, False, chunk_size, kernel=kernel)
@@ -279,7 +279,7 @@ def liger_runnable(device: str) -> bool:
 
 def fused_runnable(device: str) -> bool:
     """Whether cut_cross_entropy's fused kernel loads and runs on ``device`` (CUDA only)."""
-    from nopad._logprobs import kernel_installed
+    from nopad.modeling._logprobs import kernel_installed
 
     return torch.device(device).type == "cuda" and kernel_installed("cut_cross_entropy")
 

@@ -32,10 +32,10 @@ import torch
 from tensordict import TensorDict
 
 from nopad._apps.progress import QUIET, Progress
-from nopad._attention import available_kernels
-from nopad._padding import left_right_2_no_padding, no_padding_2_padding
-from nopad._routing import survey as route_survey
+from nopad.batches._padding import left_right_2_no_padding, no_padding_2_padding
 from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs, prepare_model_outputs
+from nopad.modeling._attention import available_kernels
+from nopad.modeling._routing import survey as route_survey
 from nopad.synthetic import synthetic_batch, tiny_causal_lm
 
 

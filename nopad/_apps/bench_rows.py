@@ -20,10 +20,10 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad._apps.progress import QUIET, Progress
-from nopad._layout import IndexPlan, nested_offsets
-from nopad.balance import Workload, balanced_partitions
+from nopad.batches._balance import Workload, balanced_partitions
+from nopad.batches._rows import micro_batches, select_rows
+from nopad.core._layout import IndexPlan, nested_offsets
 from nopad.diagnostics import OpCounter
-from nopad.rows import micro_batches, select_rows
 
 BUDGET = 16_384
 
@@ -39,7 +39,7 @@ def nested_rows_batch(B: int, device: str = "cpu", seed: int = 0) -> TensorDict:
     td["input_ids"] = plan.to_nested(torch.randint(0, 150_000, (total,), generator=g).to(device))
     td["position_ids"] = plan.to_nested(plan.position_ids)
     td["loss_mask"] = plan.to_nested(torch.randint(0, 2, (total,), generator=g).to(device))
-    from nopad._layout import remember_host_lengths
+    from nopad.core._layout import remember_host_lengths
 
     remember_host_lengths(plan.offsets, lengths.numpy())
     return td
@@ -265,7 +265,7 @@ def engine_path_row(td: TensorDict, B: int, repeats: int, device: str, other: di
     made the bare gathers page-fault fresh memory in some calls: 10 or 20 ms for the same work)."""
     import verl.workers.engine.utils as engine
 
-    from nopad.integrations.verl import install
+    from nopad.integrations.verl._install import install
 
     data = td.copy()
     data.set_non_tensor("max_token_len_per_gpu", BUDGET)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from nopad._apps.progress import QUIET, Progress, add_quiet_argument
-from nopad._padding import left_right_2_no_padding, no_padding_2_padding
+from nopad.batches._padding import left_right_2_no_padding, no_padding_2_padding
 from nopad.synthetic import synthetic_batch, tiny_causal_lm
 
 TOLERANCE = 1e-5
@@ -73,9 +73,9 @@ def run_demo(
     log-probs are compared with an fp32 padded forward: packed must be within the bf16 padded
     path's own error plus 10%.
     """
-    from nopad._attention import Needs, current_implementation, packed_attention, select_kernel
     from nopad.engines._fsdp import packed_logprobs, padded_logprobs
     from nopad.engines._leak import check_isolation
+    from nopad.modeling._attention import Needs, current_implementation, packed_attention, select_kernel
 
     on_gpu = torch.device(device).type == "cuda"
     B, P, R, hidden, layers, heads, kv_heads, vocab = SIZES["cuda" if on_gpu else "cpu"]

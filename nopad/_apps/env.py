@@ -11,7 +11,7 @@ Three parts, on stdout (``--json``: one JSON object):
 - for the installed transformers, which causal-LM model families nopad serves packed, which it
   refuses and why, and which could not be built here: each family built tiny from its config class's
   defaults (random weights, nothing downloaded: the Hub is kept out with ``HF_HUB_OFFLINE=1``) and put
-  through nopad's guard as :func:`nopad.attention.use_packed_attention` runs it. No forward runs: a
+  through nopad's guard as :func:`nopad.modeling.use_packed_attention` runs it. No forward runs: a
   served family passes the guard; what is refused at a first forward (a per-score tensor the kernel
   cannot take) is not seen here. Every type of transformers' causal-LM mapping is surveyed (tens of
   milliseconds each), or the ``--families`` given.
@@ -32,7 +32,7 @@ from typing import Any
 
 import nopad
 from nopad._apps.progress import QUIET, Progress, add_quiet_argument
-from nopad._errors import input_error
+from nopad.core._errors import input_error
 
 # (the name shown, the distributions that install it: the first one installed gives its version)
 PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -148,7 +148,7 @@ class Kernels:
 def attention_kernels(device: str, dtype_name: str) -> Kernels:
     import torch
 
-    from nopad._attention import available_kernels, unavailable_kernels
+    from nopad.modeling._attention import available_kernels, unavailable_kernels
 
     dtype = getattr(torch, dtype_name)
     return Kernels(available_kernels(device, dtype), unavailable_kernels(device, dtype))
@@ -157,7 +157,7 @@ def attention_kernels(device: str, dtype_name: str) -> Kernels:
 def state_layer_kernels(device: str) -> Kernels:
     import torch
 
-    from nopad._layers import KERNELS, kernel_refusal
+    from nopad.modeling._layers import KERNELS, kernel_refusal
 
     found = Kernels()
     for form in KERNELS:
@@ -172,7 +172,7 @@ def state_layer_kernels(device: str) -> Kernels:
 def head_kernels(device: str) -> Kernels:
     import torch
 
-    from nopad._logprobs import HEAD_KERNELS, head_kernel_refusal
+    from nopad.modeling._logprobs import HEAD_KERNELS, head_kernel_refusal
 
     found = Kernels()
     for kernel in HEAD_KERNELS:
@@ -204,12 +204,12 @@ def refusal(model: Any) -> str | None:
 
     The guard's survey names each refused module: the first is the reason (its class, where it is,
     why), the classes of the others follow it. A model it passes is then switched as
-    :func:`nopad.attention.use_packed_attention` switches it, inside
-    :func:`nopad.attention.packed_attention` (the model is as it was afterwards), whose ValueError is
+    :func:`nopad.modeling.use_packed_attention` switches it, inside
+    :func:`nopad.modeling.packed_attention` (the model is as it was afterwards), whose ValueError is
     the reason if it refuses.
     """
-    from nopad._attention import packed_attention
-    from nopad._routing import survey
+    from nopad.modeling._attention import packed_attention
+    from nopad.modeling._routing import survey
 
     found = survey(model).refused
     if found:

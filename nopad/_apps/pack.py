@@ -23,7 +23,7 @@ from typing import Any, cast
 import numpy as np
 
 from nopad._apps.progress import Progress, add_quiet_argument
-from nopad._errors import in_file, input_error
+from nopad.core._errors import in_file, input_error
 from nopad.packing._algorithms import ALGORITHMS
 from nopad.packing._files import write_packed
 from nopad.packing._offline import OVERFLOW_POLICIES, PackReport, pack_conversations

@@ -26,11 +26,12 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._attention import KERNELS, packed_attention, reads_boundaries
-from nopad._batch import check_choice, check_real_dtype, get_field
-from nopad._errors import check_flag, check_int, check_integer_tensor, input_error
-from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
-from nopad._logprobs import (
+from nopad.core._batch import check_choice, check_real_dtype, get_field
+from nopad.core._errors import check_flag, check_int, check_integer_tensor, input_error
+from nopad.core._layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
+from nopad.engines._head import head_forward
+from nopad.modeling._attention import KERNELS, packed_attention, reads_boundaries
+from nopad.modeling._logprobs import (
     TOKENS,
     ScoredTokens,
     check_label_range,
@@ -40,7 +41,6 @@ from nopad._logprobs import (
     scored_tokens,
     temperature_tensor,
 )
-from nopad.engines._head import head_forward
 from nopad.parallel._ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
 PAD_TOKEN_ID = 0
@@ -79,7 +79,7 @@ class OutputArgs:
 
     def scored(self, tokens: str, score_mask: Tensor | None) -> ScoredTokens | None:
         """The positions of the row (its T real tokens) to score, or None for all (see
-        :func:`nopad._logprobs.scored_tokens`); worked out once per choice, so the head and the
+        :func:`nopad.modeling._logprobs.scored_tokens`); worked out once per choice, so the head and the
         outputs of one forward share them."""
         for choice, given, found in self._scored:
             if given is score_mask and isinstance(tokens, str) and choice == tokens:
@@ -555,10 +555,10 @@ def packed_logprobs(
 
     ``attention``: "auto" runs a CUDA model whose attention does not read packed boundaries (sdpa,
     eager) through ``nopad_varlen`` for this forward (HF's own packed sdpa builds a dense block
-    mask and is slower than padding); a kernel name (:data:`nopad._attention.KERNELS`) forces that
+    mask and is slower than padding); a kernel name (:data:`nopad.modeling._attention.KERNELS`) forces that
     kernel on any device; None runs the model's attention implementation as it is, which must read
     packed boundaries itself (flash-attn's, ``nopad_varlen``; sdpa or eager is a ValueError, see
-    :func:`nopad.attention.packed_attention`). The model is restored after.
+    :func:`nopad.modeling.packed_attention`). The model is restored after.
     ``head``: "auto" computes log-probs (and entropy) with the chunked head wherever it serves the
     model, never holding (L, V) logits (see :func:`chunked_head`); "chunked" requires it; "logits"
     takes the model's logits. ``chunk_size``: the head's tokens per tile. ``tokens`` / ``score_mask``:

@@ -2,10 +2,10 @@
 
 :func:`head_forward` runs the model's own forward (inside any FSDP hooks, so a sharded weight is
 whole while the head uses it) with its output layer swapped for a stand-in that computes per-token
-log-probs and entropy by :func:`nopad._logprobs.run_head` from the hidden states the layer receives;
+log-probs and entropy by :func:`nopad.modeling._logprobs.run_head` from the hidden states the layer receives;
 :func:`head_spec` reads what the model does to its logits (soft-capping, a scale) from its config,
 and the first forward checks that the model does nothing else to them. The maths of the head, and
-the choice of its kernel, live in :mod:`nopad._logprobs`.
+the choice of its kernel, live in :mod:`nopad.modeling._logprobs`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nopad._errors import free_to_read, input_error
-from nopad._logprobs import ScoredTokens, check_label_range, run_head
-from nopad._memo import recall, remember
+from nopad.core._errors import free_to_read, input_error
+from nopad.core._memo import recall, remember
+from nopad.modeling._logprobs import ScoredTokens, check_label_range, run_head
 
 # ---- a model's output layer ------------------------------------------------------------------
 

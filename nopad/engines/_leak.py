@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nopad._attention import current_implementation, reads_boundaries
-from nopad._batch import check_real
-from nopad._errors import check_flag, check_int, input_error
-from nopad._layout import IndexPlan
+from nopad.core._batch import check_real
+from nopad.core._errors import check_flag, check_int, input_error
+from nopad.core._layout import IndexPlan
 from nopad.engines._fsdp import prepare_model_inputs
+from nopad.modeling._attention import current_implementation, reads_boundaries
 from nopad.parallel._ulysses import set_attn_implementation
 
 

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nopad._errors import check_flag, free_to_read, input_error
-from nopad._layout import check_nested, is_nested, jagged_values, nested_offsets, wrap_jagged
-from nopad._logprobs import check_temperature, head_log_probs, temperature_tensor
-from nopad._torch_internals import cached_seqlens
+from nopad.core._errors import check_flag, free_to_read, input_error
+from nopad.core._layout import check_nested, is_nested, jagged_values, nested_offsets, wrap_jagged
+from nopad.core._torch_internals import cached_seqlens
+from nopad.modeling._logprobs import check_temperature, head_log_probs, temperature_tensor
 from nopad.parallel._cp import CpLayout, check_cp_args, check_padded_boundaries, gather_cp_flat, real_tokens_index
 from nopad.parallel._thd import (
     ThdPlan,
@@ -190,7 +190,7 @@ def thd_logprobs(
     are the batch's next tokens, sharded by the same plan (``plan.shard(input_ids, need_roll=True)``);
     ``temperature`` a float or a per-sequence (B,) tensor.
 
-    The head runs on the rank's slots through :func:`nopad.logprobs.head_log_probs` (vocabulary-parallel
+    The head runs on the rank's slots through :func:`nopad.modeling.head_log_probs` (vocabulary-parallel
     over ``tp_group``: two all-reduces of O(T) floats per call, the gradient of hidden summed over the
     ranks as the column-parallel layer hands it back), and the results come back through
     :func:`postprocess_thd` (gathered over ``cp_group``, the way back of the plan, padding dropped), on

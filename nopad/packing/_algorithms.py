@@ -23,8 +23,8 @@ from itertools import chain
 
 import numpy as np
 
-from nopad._errors import check_int, input_error
-from nopad._layout import round_up
+from nopad.core._errors import check_int, input_error
+from nopad.core._layout import round_up
 
 Bins = list[list[int]]
 Lengths = Sequence[int] | np.ndarray

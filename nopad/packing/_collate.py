@@ -16,8 +16,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._errors import check_int, input_error
-from nopad._layout import (
+from nopad.core._errors import check_int, input_error
+from nopad.core._layout import (
     position_ids_of,
     prepare_offsets,
     row_ids_of,
@@ -28,7 +28,7 @@ from nopad._layout import (
 from nopad.packing._rows import ROW_FIELDS, TOKEN_FIELDS, Columns, validate_columns
 
 # The attribute that marks a nested mask as label-aligned (a packed file's token_mask): sft_loss
-# (nopad/_losses.py, which reads the same name) refuses such a mask given as a per-token loss_mask.
+# (nopad/losses/_losses.py, which reads the same name) refuses such a mask given as a per-token loss_mask.
 LABEL_ALIGNED_ATTR = "_nopad_label_aligned"
 
 

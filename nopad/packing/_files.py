@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from nopad._errors import check_int, in_file, input_error
+from nopad.core._errors import check_int, in_file, input_error
 from nopad.packing._collate import check_row_arrays, negative_id_error
 from nopad.packing._rows import ROW_FIELDS, Columns, Row, validate_columns
 from nopad.packing._tokenizer import MAX_TOKEN_ID, TokenizerIdentity
@@ -68,7 +68,7 @@ def write_packed(
     """Validate ``rows`` and the settings, and write them to ``path``; returns the metadata written.
 
     The settings pass the very checks :func:`read_packed` applies, so a written file always opens.
-    They are ints by :func:`nopad._errors.check_int` (numpy ints are stored as the ints they are).
+    They are ints by :func:`nopad.core._errors.check_int` (numpy ints are stored as the ints they are).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -149,7 +149,7 @@ def metadata_checksum(meta: Mapping[str, Any]) -> str:
 
 # ---- metadata checks: each returns the problems it finds, so a reader can list them all ----------
 def _is_int(value: object, low: int, high: int = MAX_TOKEN_ID) -> bool:
-    """Whether a stored value passes the one int rule (:func:`nopad._errors.check_int`) in [low, high]."""
+    """Whether a stored value passes the one int rule (:func:`nopad.core._errors.check_int`) in [low, high]."""
     try:
         check_int(value, "metadata", low=low, high=high)  # bool is refused: True is not a length
     except ValueError:

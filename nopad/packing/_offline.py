@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from nopad._errors import check_int, input_error
-from nopad._layout import host_ranges, round_up
+from nopad.core._errors import check_int, input_error
+from nopad.core._layout import host_ranges, round_up
 from nopad.packing._algorithms import ALGORITHMS, bin_of_items
 from nopad.packing._rows import (
     TOKEN_FIELDS,

@@ -13,8 +13,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._errors import check_int, input_error
-from nopad._layout import IndexPlan, check_nested, jagged_values, nested_offsets, position_ids_of, round_up
+from nopad.core._errors import check_int, input_error
+from nopad.core._layout import IndexPlan, check_nested, jagged_values, nested_offsets, position_ids_of, round_up
 from nopad.packing._algorithms import ALGORITHMS, Bins, pack_lengths
 from nopad.parallel._cp import CpLayout, cp_alignment
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nopad._errors import input_error
-from nopad._layout import prepare_offsets, row_ids_of
+from nopad.core._errors import input_error
+from nopad.core._layout import prepare_offsets, row_ids_of
 
 ROW_FIELDS = ("input_ids", "target_ids", "token_mask", "position_ids", "packed_cu_seqlens")
 TOKEN_FIELDS = ROW_FIELDS[:4]

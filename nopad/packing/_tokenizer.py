@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nopad._errors import check_int, input_error
+from nopad.core._errors import check_int, input_error
 
 # Packed files store ids as int32: no id, vocabulary size or pad id may reach 2**31.
 MAX_TOKEN_ID = 2**31 - 1
@@ -172,7 +172,7 @@ def shown(value: object, width: int = 40) -> str:
 
 
 def check_count(field: str, value: object, low: int, high: int, *, none_ok: bool = False) -> int | None:
-    """``value`` by :func:`nopad._errors.check_int` in [low, high] (numpy ints accepted, a bool
+    """``value`` by :func:`nopad.core._errors.check_int` in [low, high] (numpy ints accepted, a bool
     refused); None too when ``none_ok``. Returns it as a Python int."""
     if value is None and none_ok:
         return None

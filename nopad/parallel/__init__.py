@@ -1,7 +1,7 @@
 """Parallel layouts of a packed batch: context parallelism (Megatron THD, zigzag or contiguous
 chunks per rank) and Ulysses sequence parallelism (HF models under FSDP).
 
-The THD plan itself is :class:`nopad.engines.megatron.ThdPlan`; these are the pieces a trainer
+The THD plan itself is :class:`nopad.engines.ThdPlan`; these are the pieces a trainer
 uses on their own: the CP alignment and shard indices, and Ulysses' model switch and gather.
 """
 

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad._errors import check_int, free_to_read, input_error
-from nopad._layout import prepare_offsets, round_up
+from nopad.core._errors import check_int, free_to_read, input_error
+from nopad.core._layout import prepare_offsets, round_up
 
 CpLayout = Literal["zigzag", "contiguous"]
 CP_LAYOUTS = ("zigzag", "contiguous")
@@ -320,7 +320,7 @@ def check_padded_boundaries(
 
 def check_cp_args(tp_size: Any, cp_size: Any, cp_rank: Any, cp_layout: Any) -> tuple[int, int, int, CpLayout]:
     """THE check of the parallel sizes: ValueError naming the argument when a size, rank or layout is
-    out of range. Sizes and rank are ints by :func:`nopad._errors.check_int` (numpy ints accepted, a
+    out of range. Sizes and rank are ints by :func:`nopad.core._errors.check_int` (numpy ints accepted, a
     bool refused); returns them as Python ints with the layout."""
     tp_size = check_int(tp_size, "tp_size", low=1)
     cp_size = check_int(cp_size, "cp_size", low=1)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nopad._errors import (
+from nopad.core._errors import (
     check_flag,
     check_int,
     check_integer_tensor,
@@ -31,7 +31,7 @@ from nopad._errors import (
     free_to_read,
     input_error,
 )
-from nopad._layout import (
+from nopad.core._layout import (
     IndexPlan,
     as_lengths,
     check_nested,
@@ -160,7 +160,7 @@ class ThdPlan:
         padded_lengths: (B,) int64 each sequence's padded segment (tail padding folded into the last).
         padded_max_seqlen: int, the longest padded segment (``max_seqlen_q/kv`` of PackedSeqParams).
         alignment: int, the multiple every padded segment is.
-        plan: the :class:`~nopad._layout.IndexPlan` of the real tokens (row ids, positions, labels).
+        plan: the :class:`~nopad.core._layout.IndexPlan` of the real tokens (row ids, positions, labels).
         local_len: int, T / cp_size, the slots this rank holds.
         global_index: (local_len,) int64 global padded slot of each local slot.
         segment: (local_len,) int64 the sequence each local slot belongs to.

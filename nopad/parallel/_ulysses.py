@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad._errors import check_int, input_error
-from nopad._layout import block_causal_mask, round_up
-from nopad._memo import recall, remember
+from nopad.core._errors import check_int, input_error
+from nopad.core._layout import block_causal_mask, round_up
+from nopad.core._memo import recall, remember
 
 ULYSSES_PREFIX = "nopad_ulysses_"
 SP_GROUP_KWARG = "nopad_sp_group"

@@ -3,7 +3,7 @@ and the flags, numbers and options of a public entry point; and putting checked 
 
 Every check here runs on the host, on Python values and tensor shapes and dtypes: none reads a
 tensor's values, so none adds a host sync. THE int, flag and mask checks (``check_int``,
-``check_flag``, ``check_mask``) live in :mod:`nopad._errors`, below every module.
+``check_flag``, ``check_mask``) live in :mod:`nopad.core._errors`, below every module.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._errors import bounds, input_error
-from nopad._layout import is_nested, jagged_values
+from nopad.core._errors import bounds, input_error
+from nopad.core._layout import is_nested, jagged_values
 
 _SCALARS = (type(None), bool, str, bytes, numbers.Number)
 
@@ -90,7 +90,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 # ---- checks of the arguments of a public entry point --------------------------------------------
-# (THE int, flag and mask checks live in nopad._errors, below every module: check_int, check_flag, check_mask)
+# (THE int, flag and mask checks live in nopad.core._errors, below every module: check_int, check_flag, check_mask)
 def check_choice(value: Any, field: str, choices: Collection[str]) -> str:
     """One of ``choices`` (strings); anything else names them."""
     if not isinstance(value, str) or value not in choices:

@@ -13,7 +13,7 @@
     verl.workers.engine.utils    postprocess_batch_func (the join of the micro-batches' outputs)
     verl.utils.experimental.torch_functional
                                  FusedLinearForPPO (``use_fused_kernels``' torch path: nopad's
-                                 chunked head, nopad._logprobs.head_log_probs)
+                                 chunked head, nopad.modeling._logprobs.head_log_probs)
     verl.utils.kernel.linear_cross_entropy
                                  linear_cross_entropy (``use_fused_kernels``' Triton path, HF and
                                  Megatron forwards: verl's kernel where it runs, nopad's tiles,
@@ -30,7 +30,7 @@ of these functions by ``from ... import`` is rebound too: those imported already
 The handle's ``uninstall()`` puts every original binding back and removes the hook; ``install()``
 is idempotent and the handle is a context manager::
 
-    from nopad.integrations import verl as nopad_verl
+    from nopad.integrations.verl._install import _install as nopad_verl
     nopad_verl.install()                       # the one line
     with nopad_verl.install(): ...             # or for a block
 
@@ -54,16 +54,16 @@ import torch
 from tensordict import NonTensorData, TensorDict
 from torch import Tensor
 
-import nopad._padding as _padding
-import nopad.integrations._verl_head as _head
-import nopad.integrations._verl_models as _models
-import nopad.integrations._verl_rows as _rows
-from nopad._batch import get_field
-from nopad._errors import check_flag, check_int, check_optional_int, input_error
-from nopad._layout import is_nested, known_host_lengths, nested_offsets, remember_host_lengths
-from nopad._torch_internals import cached_seqlens, jagged_values, wrap_jagged
-from nopad.engines.megatron import ThdPlan, postprocess_thd
-from nopad.integrations._verl_head import KERNEL_MODULE, TORCH_FUNCTIONAL_MODULE, FusedLinearForPPO
+import nopad.batches._padding as _padding
+import nopad.integrations.verl._head as _head
+import nopad.integrations.verl._models as _models
+import nopad.integrations.verl._rows as _rows
+from nopad.core._batch import get_field
+from nopad.core._errors import check_flag, check_int, check_optional_int, input_error
+from nopad.core._layout import is_nested, known_host_lengths, nested_offsets, remember_host_lengths
+from nopad.core._torch_internals import cached_seqlens, jagged_values, wrap_jagged
+from nopad.engines._megatron import ThdPlan, postprocess_thd
+from nopad.integrations.verl._head import KERNEL_MODULE, TORCH_FUNCTIONAL_MODULE, FusedLinearForPPO
 from nopad.parallel._cp import alignment_of
 
 SUPPORTED_VERSIONS = ("0.9.1",)

@@ -16,8 +16,9 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import get_field
-from nopad._errors import (
+from nopad.batches._reorder import DATA, DENSE, NESTED, Relayout, register_relayout
+from nopad.core._batch import get_field
+from nopad.core._errors import (
     check_flag,
     check_int,
     free_to_read,
@@ -26,7 +27,7 @@ from nopad._errors import (
     mask_flag,
     not_01,
 )
-from nopad._layout import (
+from nopad.core._layout import (
     IndexPlan,
     device_to_host,
     gather_rows,
@@ -36,10 +37,9 @@ from nopad._layout import (
     response_gather,
     to_host,
 )
-from nopad._layout import is_nested as _is_nested
-from nopad._rows import DATA, DENSE, NESTED, Relayout, register_relayout
-from nopad._schema import ANY, IDS, MASK, Field, check_field
-from nopad._torch_internals import put_checked
+from nopad.core._layout import is_nested as _is_nested
+from nopad.core._schema import ANY, IDS, MASK, Field, check_field
+from nopad.core._torch_internals import put_checked
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "position_ids")
 PER_TOKEN_KEYS = ("routed_experts", "teacher_logprobs", "teacher_ids")
@@ -68,7 +68,7 @@ def _row_facts(attention_mask: Tensor, response_mask: Tensor, prompt_width: int,
     One weighted sum per row (integer, so exact; no BLAS, whose thread pool stalls on a busy host).
     An integer or bool mask selects: any nonzero entry is a token (as the gathers read it), so its
     values need no check. A float mask must hold only 0s and 1s: how many do not travels in the
-    same read (a 0.5 is neither a token nor padding), and :func:`nopad._errors.mask_error` is raised.
+    same read (a 0.5 is neither a token nor padding), and :func:`nopad.core._errors.mask_error` is raised.
     """
     ones = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
     width = ones.shape[1]
@@ -166,7 +166,7 @@ def plan_left_right(
     return _plan_left_right(attention_mask, response_mask, check_response_mask, device)
 
 
-# the padded batch left_right_2_no_padding takes (nopad._schema): the masks first, whose shapes the
+# the padded batch left_right_2_no_padding takes (nopad.core._schema): the masks first, whose shapes the
 # others repeat; the response mask's (B, R) with R < S is checked beside it
 MASKS = (Field("attention_mask", MASK, (("B", "S"),)), Field("response_mask", MASK, (("...",),)))
 LEFT_RIGHT = (
@@ -251,7 +251,7 @@ def _conversion_width(sources: Any, kinds: dict[str, str]) -> int | None:
 
 
 # the conversion's ``indices`` place nested input_ids' tokens in the padded (B, S) batch: rows of the
-# batch moved or cut re-lay them out (nopad._rows.take)
+# batch moved or cut re-lay them out (nopad.batches._reorder.take)
 register_relayout("indices", Relayout("input_ids", _conversion_width))
 
 

@@ -27,8 +27,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._errors import check_int, check_selection_mask, input_error, mask_error
-from nopad._layout import (
+from nopad.core._errors import check_int, check_selection_mask, input_error, mask_error
+from nopad.core._layout import (
     device_to_host,
     expand_ranges,
     gather_index_dtype,
@@ -46,7 +46,7 @@ from nopad._layout import (
     spread_over_tokens,
     wrap_jagged,
 )
-from nopad._torch_internals import put_checked, ragged_size_of
+from nopad.core._torch_internals import put_checked, ragged_size_of
 
 NESTED, DENSE, SUB, DATA, STACK = "nested", "dense", "tensordict", "NonTensorData", "NonTensorStack"
 

@@ -19,14 +19,14 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import get_field
-from nopad._errors import input_error
-from nopad._layout import device_to_host, is_nested, nested_offsets, ragged_dim
-from nopad._rows import RowPlan, batch_lengths, row_index, take, take_nested
-from nopad._torch_internals import is_jagged, put_checked
-from nopad.balance import balanced_partitions, micro_batch_partitions
-from nopad.balance import karmarkar_karp as _karmarkar_karp
-from nopad.rows import RowRestore
+from nopad.batches._balance import balanced_partitions, micro_batch_partitions
+from nopad.batches._balance import karmarkar_karp as _karmarkar_karp
+from nopad.batches._reorder import RowPlan, batch_lengths, row_index, take, take_nested
+from nopad.batches._rows import RowRestore
+from nopad.core._batch import get_field
+from nopad.core._errors import input_error
+from nopad.core._layout import device_to_host, is_nested, nested_offsets, ragged_dim
+from nopad.core._torch_internals import is_jagged, put_checked
 
 TENSORDICT_UTILS = "verl.utils.tensordict_utils"
 SEQLEN_BALANCING = "verl.utils.seqlen_balancing"

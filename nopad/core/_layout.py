@@ -17,11 +17,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nopad import _torch_internals as _internals
-from nopad._errors import check_flag, check_int, check_optional_int, check_selection_mask, free_to_read, input_error
-from nopad._memo import recall, remember
-from nopad._ops import put_rows
-from nopad._torch_internals import (
+from nopad.core import _torch_internals as _internals
+from nopad.core._errors import (
+    check_flag,
+    check_int,
+    check_optional_int,
+    check_selection_mask,
+    free_to_read,
+    input_error,
+)
+from nopad.core._memo import recall, remember
+from nopad.core._ops import put_rows
+from nopad.core._torch_internals import (
     cached_seqlens,
     is_jagged,
     is_nested,
@@ -329,7 +336,7 @@ class IndexPlan:
     # ---- constructors -------------------------------------------------------------------
     @classmethod
     def from_mask(cls, mask: Tensor) -> IndexPlan:
-        """Any (B, S) selection mask (:func:`nopad._errors.check_selection_mask`: bool, integers with
+        """Any (B, S) selection mask (:func:`nopad.core._errors.check_selection_mask`: bool, integers with
         nonzero = token, floats only 0 and 1), holes allowed. One sync (``nonzero``).
 
         A float mask's values are checked where that is free (a CPU mask is read: host memory); on a
@@ -888,7 +895,7 @@ class ResponseGather:
         return padded.view(self.batch, self.width, *rest)
 
 
-# What nopad knows of offsets it laid out (THE identity memo, nopad._memo): their rows' lengths on the
+# What nopad knows of offsets it laid out (THE identity memo, nopad.core._memo): their rows' lengths on the
 # host, so later reorderings of those rows need no device sync, and for a left/right conversion the
 # way back. Offsets are never matched by value: new rows always come with new offsets.
 

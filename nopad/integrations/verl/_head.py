@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nopad._batch import check_choice
-from nopad._errors import input_error
-from nopad._logprobs import checked_head, head_log_probs
-from nopad._probe import probe
+from nopad.core._batch import check_choice
+from nopad.core._errors import input_error
+from nopad.core._probe import probe
+from nopad.modeling._logprobs import checked_head, head_log_probs
 
 TORCH_FUNCTIONAL_MODULE = "verl.utils.experimental.torch_functional"
 
@@ -152,7 +152,7 @@ def _verl_serves(original: Any, hidden: Any, weight: Any, labels: Any, temperatu
 @functools.cache
 def _verl_probe(original: Any, device: str) -> str | None:
     """Why verl's kernel cannot serve on ``device`` (None: it runs and equals nopad's tiles on a small
-    forward and backward, once per process and device: :func:`nopad._probe.probe`)."""
+    forward and backward, once per process and device: :func:`nopad.core._probe.probe`)."""
     g = torch.Generator().manual_seed(0)
     # small integers in bf16: every logit is exact, so the two must agree to rounding
     hidden, weight = (torch.randint(-2, 3, shape, generator=g).to(torch.bfloat16) for shape in ((16, 128), (256, 128)))

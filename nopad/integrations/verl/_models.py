@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nopad._layers import PackedRow, causal_conv1d, gated_delta_rule
-from nopad._layout import known_host_lengths, remember_host_lengths
-from nopad._routing import packed_row_of
+from nopad.core._layout import known_host_lengths, remember_host_lengths
+from nopad.modeling._layers import PackedRow, causal_conv1d, gated_delta_rule
+from nopad.modeling._routing import packed_row_of
 
 QWEN3_5_MODULE = "verl.models.transformers.qwen3_5"
 
@@ -70,7 +70,7 @@ def packed_chunk_gated_delta_rule(
     """verl's ``_packed_chunk_gated_delta_rule``: its kernel paths as they were (no boundaries, fla's
     context parallelism, a kernel that takes ``cu_seqlens``: ``original`` runs them), and instead of
     its loop over sequences, or of a fallback that would ignore the boundaries, one packed call of
-    :func:`nopad.layers.gated_delta_rule`."""
+    :func:`nopad.modeling.gated_delta_rule`."""
     if cu_seqlens is None or cp_context is not None or _takes(self.chunk_gated_delta_rule, "cu_seqlens"):
         return original(self, query, key, value, g, beta, cu_seqlens, cu_seqlens_cpu, cp_context)
     row = _row(cu_seqlens, cu_seqlens_cpu)

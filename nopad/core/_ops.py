@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nopad._errors import check_int, check_integer_tensor, free_to_read, input_error, mask_error, mask_flag
+from nopad.core._errors import check_int, check_integer_tensor, free_to_read, input_error, mask_error, mask_flag
 
 
 def _check_indices(indices: Tensor, rows: int | None, field: str = "indices") -> None:
@@ -102,7 +102,7 @@ def unpad_input(
     unpadded tensor but not counted in ``seqused``. Costs two host syncs (``nonzero`` and the max),
     as flash-attn's does; :class:`nopad.IndexPlan` has cheaper constructors.
 
-    Both masks are 0/1 masks (:func:`nopad._errors.check_mask`): a 2 or 0.5 would be counted by the
+    Both masks are 0/1 masks (:func:`nopad.core._errors.check_mask`): a 2 or 0.5 would be counted by the
     lengths but not by the indices. Checked on every device in the read of the max (no extra sync).
     """
     if not isinstance(hidden, Tensor) or not isinstance(attention_mask, Tensor):

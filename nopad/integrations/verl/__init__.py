@@ -9,6 +9,6 @@ verl's own function. The returned :class:`VerlPatch` undoes it (``uninstall()``,
 context manager). See docs/integrations/verl.md for the list.
 """
 
-from nopad.integrations._verl import VerlPatch, install
+from nopad.integrations.verl._install import VerlPatch, install
 
 __all__ = ["VerlPatch", "install"]

@@ -8,7 +8,7 @@ starts from checked arguments and never checks again. Its messages name the fiel
 expected (the shape with the sizes bound so far) and what came.
 
 The values themselves (a mask's 0s and 1s, the rows' runs) are checked where they are read anyway,
-by the function's own first read (see :func:`nopad._padding.plan_left_right`).
+by the function's own first read (see :func:`nopad.batches._padding.plan_left_right`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nopad._errors import SELECTION_WORDS, check_integer_tensor, input_error
-from nopad._layout import is_nested
+from nopad.core._errors import SELECTION_WORDS, check_integer_tensor, input_error
+from nopad.core._layout import is_nested
 
 IDS, MASK, ANY = "token ids", "a mask", "anything"
 Dim = str | int

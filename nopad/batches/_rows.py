@@ -4,7 +4,7 @@ put the outputs back in order, each a fixed number of tensor ops whatever the ba
 A batch is a TensorDict with a batch dim whose entries are padded (B, *) tensors, jagged nested
 (B, j, *) or (B, C, j) tensors (mrope position ids), sub-TensorDicts, ``NonTensorData`` (one value
 for the batch) or ``NonTensorStack`` (one value per row). Every operation below is one reordering
-of rows (:mod:`nopad._rows`): one gather per field with offsets from the permuted lengths, and a
+of rows (:mod:`nopad.batches._reorder`): one gather per field with offsets from the permuted lengths, and a
 split into consecutive parts is views of that one reordered buffer. Nested fields keep their
 ragged dim, dtype and min / max length records; equal lengths stay nested.
 
@@ -25,17 +25,8 @@ import numpy as np
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._errors import input_error
-from nopad._layout import (
-    device_to_host,
-    jagged_values,
-    known_host_lengths,
-    nested_offsets,
-    ragged_dim,
-    remember_host_lengths,
-)
-from nopad._memo import recall, remember
-from nopad._rows import (
+from nopad.batches._balance import Workload, micro_batch_partitions
+from nopad.batches._reorder import (
     NESTED,
     RowPlan,
     batch_lengths,
@@ -50,19 +41,17 @@ from nopad._rows import (
     take_nested,
     unpad_plan,
 )
-from nopad._torch_internals import is_jagged, put_checked
-from nopad.balance import Workload, micro_batch_partitions
-
-__all__ = [
-    "RowRestore",
-    "cat_rows",
-    "chunk_rows",
-    "micro_batches",
-    "pad_rows",
-    "select_rows",
-    "split_rows",
-    "unpad_rows",
-]
+from nopad.core._errors import input_error
+from nopad.core._layout import (
+    device_to_host,
+    jagged_values,
+    known_host_lengths,
+    nested_offsets,
+    ragged_dim,
+    remember_host_lengths,
+)
+from nopad.core._memo import recall, remember
+from nopad.core._torch_internals import is_jagged, put_checked
 
 
 def select_rows(data: TensorDict, index: Any) -> TensorDict:
@@ -281,7 +270,7 @@ def micro_batches(
 ) -> tuple[list[TensorDict], RowRestore]:
     """Cut ``data`` into balanced micro-batches of at most ``max_token_len`` tokens each, and the
     :class:`RowRestore` that puts their outputs back: verl's ``rearrange_micro_batches`` (see
-    :func:`nopad.balance.micro_batch_partitions` for the options), with the micro-batches views of
+    :func:`nopad.batches.micro_batch_partitions` for the options), with the micro-batches views of
     one reordered batch (one gather per field). ``lengths``: the rows' lengths on the host, if the
     caller has them (else read from nested ``input_ids`` or a padded ``attention_mask``)."""
     batch = batch_size_of(data)

@@ -33,8 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad._errors import input_error
-from nopad._layers import (
+from nopad.core._errors import input_error
+from nopad.core._layout import IndexPlan, known_host_lengths, remember_host_lengths
+from nopad.core._memo import memo, recall, remember
+from nopad.modeling._layers import (
     PackedRow,
     causal_conv1d,
     gated_delta_rule,
@@ -42,8 +44,6 @@ from nopad._layers import (
     ssd_scan,
     torch_causal_conv1d,
 )
-from nopad._layout import IndexPlan, known_host_lengths, remember_host_lengths
-from nopad._memo import memo, recall, remember
 from nopad.parallel._ulysses import SP_GROUP_KWARG, all_to_all, gather_seq
 
 # ---- the packed row of a forward -------------------------------------------------------------------
@@ -777,8 +777,8 @@ class Survey:
             None,
             "a model whose every position-mixing layer nopad can keep apart in a packed row",
             f"{type(model).__name__}, whose {listed}. Run it padded, switch its attention with "
-            "nopad.attention.use_packed_attention, or register a packed form for the class with "
-            "nopad.layers.register_packed_module",
+            "nopad.modeling.use_packed_attention, or register a packed form for the class with "
+            "nopad.modeling.register_packed_module",
         )
 
 
@@ -990,7 +990,7 @@ def routed(module: Any) -> bool:
     """Whether ``module`` (or the module a view stands for: its memo is read through the view) is a
     layer of a model given to :func:`route`, not removed since: its attention is reached by routed
     forwards (and by the recomputations of checkpointed layers, which run outside any forward).
-    Kept on the layer (nopad._memo), so a layer freed and another made at its address is not."""
+    Kept on the layer (nopad.core._memo), so a layer freed and another made at its address is not."""
     mark = recall(module, "routed by")
     found = None if mark is None else mark()
     return found is not None and not found.removed
@@ -1061,7 +1061,7 @@ def route(model: torch.nn.Module) -> Route:
 
     Refuses (ValueError, before any change) a model with a position-mixing module nopad cannot keep
     apart: see :func:`survey`. The attention implementation is the caller's to switch
-    (:func:`nopad._attention.use_packed_attention` does both).
+    (:func:`nopad.modeling._attention.use_packed_attention` does both).
     """
     existing = route_of(model)
     if existing is not None:
@@ -1070,7 +1070,7 @@ def route(model: torch.nn.Module) -> Route:
     error = found.error(model)
     if error is not None:
         raise error
-    return remember(model, "route", Route(model, found))  # kept on the model (nopad._memo)
+    return remember(model, "route", Route(model, found))  # kept on the model (nopad.core._memo)
 
 
 def route_of(model: torch.nn.Module) -> Route | None:

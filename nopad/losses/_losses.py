@@ -18,7 +18,7 @@ Bad input is refused before any work, on the host: every option is a real bool, 
 documented strings or a finite number in range, and every tensor has the shape and dtype it must.
 Each public function checks its arguments once, and what it calls trusts them (``ppo_loss`` checks
 its config once, in :meth:`LossConfig.from_any`, and its figures once for all its aggregations).
-Every mask is a 0/1 mask (:func:`nopad._errors.check_mask`): a mask of 2, 0.5 or -1 is refused,
+Every mask is a 0/1 mask (:func:`nopad.core._errors.check_mask`): a mask of 2, 0.5 or -1 is refused,
 never read as 1 nor as a weight (verl's masked sums would weight by it; weights have their own
 input, ``rollout_is_weights``). Values that live on a device are never read for a check; where one
 could still be wrong (a tensor figure below 1, a mask that is not 0/1, an output whose sequence
@@ -40,8 +40,9 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._batch import check_choice, check_real, check_real_dtype, get_field
-from nopad._errors import (
+from nopad.batches._padding import no_padding_2_padding
+from nopad.core._batch import check_choice, check_real, check_real_dtype, get_field
+from nopad.core._errors import (
     check_flag,
     check_int,
     check_mask,
@@ -51,9 +52,8 @@ from nopad._errors import (
     mask_error,
     mask_flag,
 )
-from nopad._layout import IndexPlan, jagged_values, nested_offsets, ragged_dim, to_host, wrap_jagged
-from nopad._layout import is_nested as _is_nested
-from nopad._padding import no_padding_2_padding
+from nopad.core._layout import IndexPlan, jagged_values, nested_offsets, ragged_dim, to_host, wrap_jagged
+from nopad.core._layout import is_nested as _is_nested
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
@@ -231,7 +231,7 @@ def agg_loss(
 
     The figures are ints >= 1 (or None); a figure given as a 0-d tensor is not read (a sync): one
     below 1 makes the loss NaN rather than a sum. ``loss_scale_factor`` is a finite number > 0.
-    ``loss_mask`` is a 0/1 mask (:func:`nopad._errors.check_mask`): on the CPU a 2, 0.5 or -1 is
+    ``loss_mask`` is a 0/1 mask (:func:`nopad.core._errors.check_mask`): on the CPU a 2, 0.5 or -1 is
     refused; on a device it is not read, and such a mask makes the loss NaN.
     """
     _check_agg_mode(loss_agg_mode, "loss_agg_mode")
@@ -510,7 +510,7 @@ def ppo_loss(config: Any, model_output: Mapping[str, Tensor], data: TensorDict, 
     that identity is the whole check (no sync). Offsets that are another tensor are compared by
     value: on the CPU at once (a host read of CPU memory, never a device sync), with a ValueError
     naming both; on a device without reading them, the comparison turning the loss NaN when they
-    differ. The metadata figures read as :func:`nopad._batch.get_field` unwraps them.
+    differ. The metadata figures read as :func:`nopad.core._batch.get_field` unwraps them.
 
     ``response_mask`` must be 0/1 and mark no padding (a 1 where ``data``'s padded attention_mask has
     none in its response columns, when it carries one): on the CPU a ValueError naming the row; on a

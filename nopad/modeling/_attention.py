@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nopad._errors import check_int, free_to_read, input_error
-from nopad._layout import (
+from nopad.core._errors import check_int, free_to_read, input_error
+from nopad.core._layout import (
     IndexPlan,
     block_causal_mask,
     device_to_host,
@@ -51,8 +51,8 @@ from nopad._layout import (
     remember_host_lengths,
     to_host,
 )
-from nopad._memo import memo, memo_with, recall, remember
-from nopad._routing import checkpointed, packed_forward_boundaries, route, route_of, routed
+from nopad.core._memo import memo, memo_with, recall, remember
+from nopad.modeling._routing import checkpointed, packed_forward_boundaries, route, route_of, routed
 from nopad.parallel._ulysses import ULYSSES_PREFIX, enable_ulysses, repeat_heads, set_attn_implementation
 
 IMPLEMENTATION = "nopad_varlen"
@@ -504,7 +504,7 @@ def _refuse_unrouted(module: torch.nn.Module) -> None:
     """A packed forward reached nopad_varlen outside a routed model (loaded with the implementation
     but never given to :func:`use_packed_attention`): if its config has layers that carry state
     along the sequence, they ran the row as one sequence already. Checked once per layer, the verdict
-    kept on it (nopad._memo; under Ulysses the kernel sees a view of the module, which reads it through)."""
+    kept on it (nopad.core._memo; under Ulysses the kernel sees a view of the module, which reads it through)."""
     if routed(module) or recall(module, "unrouted checked"):
         return
     config = getattr(module, "config", None)
@@ -513,7 +513,7 @@ def _refuse_unrouted(module: torch.nn.Module) -> None:
         raise input_error(
             f"{getattr(config, 'model_type', type(config).__name__)} model",
             None,
-            "a model given to nopad.attention.use_packed_attention(model) before its first packed forward",
+            "a model given to nopad.modeling.use_packed_attention(model) before its first packed forward",
             f"one loaded with nopad_varlen alone: its {sorted(set(kinds))} layers carry state along the sequence "
             "and have just run the packed row as one sequence",
         )
@@ -614,7 +614,7 @@ def register() -> None:
     """Register ``nopad_varlen`` (and one name per forced kernel) with transformers. Once.
 
     Importing this module does it where transformers is installed, so
-    ``from_pretrained(..., attn_implementation="nopad_varlen")`` works after ``import nopad._attention``
+    ``from_pretrained(..., attn_implementation="nopad_varlen")`` works after ``import nopad.modeling._attention``
     (``import nopad`` alone imports neither this module nor transformers).
     """
     for module_name, registrar in _REGISTRARS.items():
@@ -638,7 +638,7 @@ def use_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> torch.
 
     Its attention switches to ``nopad_varlen`` with ``kernel`` ('auto' or one of :data:`KERNELS`);
     its layers that carry state along the sequence (gated delta nets, Mamba2 scans, causal convs)
-    get their packed forms (:mod:`nopad.layers`), for this model only. A module nopad cannot keep
+    get their packed forms (:mod:`nopad.modeling`), for this model only. A module nopad cannot keep
     apart is refused first, with a ValueError naming its class and what to do, and nothing is
     changed. A forced kernel that cannot run on the model's device and dtype is a ValueError now,
     not at the first forward. A model under Ulysses (:func:`nopad.parallel.enable_ulysses`) stays

@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nopad._errors import input_error
-from nopad._layout import IndexPlan, device_to_host, host_to_device, position_ids_of, spread_over_tokens
-from nopad._probe import probe
+from nopad.core._errors import input_error
+from nopad.core._layout import IndexPlan, device_to_host, host_to_device, position_ids_of, spread_over_tokens
+from nopad.core._probe import probe
 
 
 class PackedRow:
@@ -407,7 +407,7 @@ def kernel_refusal(form: str, device: torch.device) -> str | None:
 @functools.cache
 def _probe(form: str, device: str) -> str | None:
     """None when the kernel runs a small packed case here and equals the torch form, forward and
-    backward; else why not (also warned once: :func:`nopad._probe.probe`). Host syncs: once per
+    backward; else why not (also warned once: :func:`nopad.core._probe.probe`). Host syncs: once per
     process and device."""
     lengths = np.array([37, 1, 5, 64, 20], dtype=np.int64)
     cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))  # each run's own row: made in its context

@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad._batch import check_choice, check_real, check_real_dtype
-from nopad._errors import check_flag, check_int, check_mask, free_to_read, input_error
-from nopad._layout import is_nested, jagged_values, nested_offsets, response_gather
-from nopad._padding import no_padding_2_padding
-from nopad._probe import probe
-from nopad._torch_internals import wrap_jagged
+from nopad.batches._padding import no_padding_2_padding
+from nopad.core._batch import check_choice, check_real, check_real_dtype
+from nopad.core._errors import check_flag, check_int, check_mask, free_to_read, input_error
+from nopad.core._layout import is_nested, jagged_values, nested_offsets, response_gather
+from nopad.core._probe import probe
+from nopad.core._torch_internals import wrap_jagged
 
 # Tile sizes (tokens x vocabulary entries) by device type. CPU: measured on this project's 2-core
 # CPU (docs/results.md, "The output head"): 1,024 x 16,384 (a 64 MiB float32 tile) was the fastest
@@ -430,7 +430,7 @@ def _head_refusal(kernel: str, device: torch.device, needs: HeadNeeds) -> str | 
 
 @functools.cache
 def _probe_failure(kernel: str, device: str) -> str | None:
-    """Why the installed ``kernel`` failed its probe on ``device``, or None (:func:`nopad._probe.probe`:
+    """Why the installed ``kernel`` failed its probe on ``device``, or None (:func:`nopad.core._probe.probe`:
     once per process and device, its results read back). In bf16: its backward takes bf16 or fp16 only."""
     g = torch.Generator().manual_seed(0)
     # Small integers: every logit is exact in any matmul precision, so the log-probs must agree

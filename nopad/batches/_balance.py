@@ -19,12 +19,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nopad._batch import check_choice
-from nopad._errors import check_flag, check_int, input_error
-from nopad._layout import device_to_host, round_up
-from nopad._partition import first_fit, fits, karmarkar_karp_arrays, order_partitions, reduce_over_group, split_until
-
-__all__ = ["Workload", "balanced_partitions", "karmarkar_karp", "micro_batch_partitions", "rank_order"]
+from nopad.batches._partition import (
+    first_fit,
+    fits,
+    karmarkar_karp_arrays,
+    order_partitions,
+    reduce_over_group,
+    split_until,
+)
+from nopad.core._batch import check_choice
+from nopad.core._errors import check_flag, check_int, input_error
+from nopad.core._layout import device_to_host, round_up
 
 
 @dataclass(frozen=True)

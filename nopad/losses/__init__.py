@@ -1,7 +1,7 @@
 """verl-compatible PPO policy, value and SFT losses over nested model outputs: each a fixed number of
 tensor ops, with verl's loss aggregation modes, clipping, KL penalties and metric names."""
 
-from nopad._losses import (
+from nopad.losses._losses import (
     LossConfig,
     agg_loss,
     compute_policy_loss,
