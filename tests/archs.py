@@ -40,7 +40,7 @@ import torch
 
 from nopad._apps import families
 from nopad._apps.families import TOKENS, causal_lm_types, quiet, reason
-from nopad.core._layout import IndexPlan
+from nopad.core import IndexPlan
 
 # read by huggingface_hub when transformers is first imported (lazily, below): never reach the network
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

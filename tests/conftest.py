@@ -26,6 +26,7 @@ def device_path(monkeypatch):
     """The CPU takes a device's path through every value check (``nopad.core._errors.HOST_VALUES_CHECKED``):
     for tests that measure a GPU's sync contract on a CPU. Without it, checks that read CPU tensors
     (host memory, no device sync) show up in the counts."""
+    # private: the switch that makes the CPU take a device's path through every value check
     import nopad.core._errors
 
     monkeypatch.setattr(nopad.core._errors, "HOST_VALUES_CHECKED", False)

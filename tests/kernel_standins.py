@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+# private: stand-ins replace the kernels' calls inside the attention module
 import nopad.modeling._attention as attention
 
 CALLS: list[dict] = []

@@ -11,7 +11,8 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 import nopad
 import nopad.batches
 import nopad.core
-import nopad.core._layout
+
+# private: batches laid out as nopad's own conversions record them (host lengths in the memo)
 from nopad.core._layout import remember_host_lengths
 
 

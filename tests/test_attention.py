@@ -15,11 +15,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+# private: the kernel registry and the attention function transformers calls are tested directly
 import nopad.modeling._attention as attention
 from nopad import IndexPlan, left_right_2_no_padding, no_padding_2_padding
 from nopad.diagnostics import OpCounter
-from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs
-from nopad.engines._leak import check_isolation
+from nopad.engines import check_isolation, packed_logprobs, padded_logprobs, prepare_model_inputs
 from nopad.modeling import available_kernels, use_packed_attention
 from nopad.synthetic import tiny_causal_lm
 from tests.kernel_standins import CALLS, aten_flash_without_window, use_standins, varlen_attn_2_10, varlen_attn_2_11

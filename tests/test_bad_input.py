@@ -22,6 +22,8 @@ from tensordict import TensorDict
 import nopad
 import nopad.batches
 import nopad.core
+
+# private: the plan's internal gathers are given bad input directly, as their callers cannot
 import nopad.core._layout
 from tests.batches import batch_shapes, make_batch, reference_response
 

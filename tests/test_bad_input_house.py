@@ -98,6 +98,8 @@ def test_use_packed_attention_refuses_what_is_not_a_transformers_model():
 def test_available_kernels_on_a_machine_without_cuda_says_so():
     """Issue 36: it answered ["sdpa"], a kernel that cannot run on a device this machine lacks."""
     from nopad.modeling import available_kernels
+
+    # private: the memo's host lengths and the kernel refusals behind the public checks
     from nopad.modeling._attention import unavailable_kernels
 
     words = r"device: expected a device this machine has, got 'cuda': this machine has no CUDA device"

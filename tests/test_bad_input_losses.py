@@ -18,13 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
+# private: the checks behind the losses (boundaries, figures, clip) and the leak probe's batch
 import nopad.losses._losses as L
 from nopad.core._batch import get_field
 from nopad.diagnostics import OpCounter
-from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs
+from nopad.engines import packed_logprobs, padded_logprobs, postprocess_thd, prepare_model_inputs, preprocess_thd
 from nopad.engines._leak import check_isolation, probe_batch
-from nopad.engines._megatron import postprocess_thd, preprocess_thd
-from nopad.modeling._logprobs import token_log_probs
+from nopad.modeling import token_log_probs
 from tests.models import VOCAB, make_padded_batch
 from tests.test_losses import SHAPES, rollout
 
@@ -761,7 +761,7 @@ def test_temperature_checks_never_mutate_and_valid_forms_give_the_float_result_e
     micro = _micro()
     expected = prepare_model_inputs(micro, temperature=0.5)[1]
     logits = torch.randn(1, expected.labels.shape[0], VOCAB)
-    from nopad.engines._fsdp import prepare_model_outputs
+    from nopad.engines import prepare_model_outputs
 
     reference = prepare_model_outputs(logits, expected)["log_probs"].values()
     for temperature in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5), torch.full((3,), 0.5)):
@@ -900,7 +900,7 @@ def test_ppo_loss_checks_its_config_and_figures_once(monkeypatch):
 def test_packed_logprobs_reads_the_micro_batch_temperature_as_prepare_model_inputs_does():
     """It ignored micro["temperature"] (its own default 1.0 won); the padded reference now reads the
     padded batch's the same way, so the two agree on one TensorDict."""
-    from nopad.batches._padding import left_right_2_no_padding, no_padding_2_padding
+    from nopad.batches import left_right_2_no_padding, no_padding_2_padding
     from tests.models import tiny_llama
 
     model = tiny_llama()
@@ -923,7 +923,7 @@ def test_packed_logprobs_with_attention_none_refuses_an_attention_that_builds_ma
     """attention=None keeps the model's own attention, which must read packed boundaries: a mask-building
     one keeps sequences apart only where the model builds its masks from the restarting positions, which
     nopad cannot vouch for (Moshi on transformers 5.20 did not), so it is named before any forward."""
-    from nopad.batches._padding import left_right_2_no_padding
+    from nopad.batches import left_right_2_no_padding
     from tests.models import tiny_llama
 
     model = tiny_llama()

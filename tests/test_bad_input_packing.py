@@ -29,6 +29,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+# private: a file's metadata is rewritten with a recomputed checksum, as a forger would
 from nopad._apps.cli import main
 from nopad.packing import (
     ByteTokenizer,

@@ -8,6 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nopad.batches import Workload, balanced_partitions, karmarkar_karp, micro_batch_partitions, rank_order
+
+# private: the Karmarkar-Karp arrays and the fit / split steps behind the partitions
 from nopad.batches._partition import fits, split_until
 from tests.dist_utils import run_distributed
 from tests.rows_batches import NOT_MONOTONE, reference_micro_partitions, reference_partitions

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from nopad import OpCounter, left_right_2_no_padding, no_padding_2_padding
+
+# private: the jagged wrapper every conversion ends in is captured on its own
 from nopad.core._layout import wrap_jagged
 from nopad.engines import ThdPlan, postprocess_thd, preprocess_thd
 from nopad.synthetic import synthetic_batch

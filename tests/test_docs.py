@@ -492,6 +492,7 @@ def test_sft_from_a_packed_file_equals_each_conversation_run_alone(tmp_path):
 def test_the_verl_setup_steps_are_the_ones_install_names_when_verl_is_missing():
     """docs/integrations/verl.md's copy-paste venv and install()'s message when verl is missing say
     the same steps (the ones CI's verl leg runs), and never a bare `pip install verl` into this venv."""
+    # private: the setup steps install() prints are compared with the page's
     from nopad.integrations.verl._install import VERL_VENV_STEPS
 
     block = _block_after("docs/integrations/verl.md", "## A venv for verl")

@@ -23,6 +23,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+# private: the route each family takes, which `nopad env` reports
 from nopad._apps import env  # noqa: E402
 from nopad._apps.cli import main  # noqa: E402
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+# private: the one error format itself
 from nopad.core._errors import in_file, input_error
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -100,7 +100,7 @@ def test_bench_contenders_compute_what_nopad_computes():
     import torch
 
     from nopad._apps.bench import bare_gather, bare_nested, reference_left_right, reference_no_padding
-    from nopad.batches._padding import left_right_2_no_padding, no_padding_2_padding
+    from nopad.batches import left_right_2_no_padding, no_padding_2_padding
     from nopad.synthetic import synthetic_batch
 
     data = synthetic_batch(5, 12, 9)

@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nopad import left_right_2_no_padding, no_padding_2_padding
-from nopad.core._layout import IndexPlan
+from nopad.core import IndexPlan
 from nopad.diagnostics import OpCounter
-from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs, prepare_model_outputs
+from nopad.engines import packed_logprobs, padded_logprobs, prepare_model_inputs, prepare_model_outputs
+
+# private: the leak probe's batch builder
 from nopad.engines._leak import check_isolation, probe_batch
 from nopad.modeling import token_log_probs
 from tests.dist_utils import run_distributed

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nopad import left_right_2_no_padding, no_padding_2_padding
 from nopad.diagnostics import OpCounter
-from nopad.engines._fsdp import (
+from nopad.engines import (
     chunked_head,
     packed_logprobs,
     padded_logprobs,
@@ -23,6 +23,8 @@ from nopad.engines._fsdp import (
     prepare_model_outputs,
 )
 from nopad.modeling import head_log_probs, token_log_probs
+
+# private: the head's kernel loaders and dispatch are replaced to test the choice
 from nopad.modeling._logprobs import run_head
 from tests.dist_utils import run_distributed
 from tests.models import VOCAB, make_padded_batch, tiny_llama, tiny_qwen2
@@ -508,7 +510,7 @@ def test_fsdp2_chunked_head_on_two_processes_equals_the_logits_path_on_one(shard
 def _ulysses_head_worker(rank, world_size):
     import torch.distributed as dist
 
-    from nopad.parallel._ulysses import enable_ulysses
+    from nopad.parallel import enable_ulysses
 
     torch.set_num_threads(1)
     out = {}

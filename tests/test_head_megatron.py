@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nopad import no_padding_2_padding
-from nopad.core._layout import IndexPlan
+from nopad.core import IndexPlan
 from nopad.engines import ThdPlan, preprocess_thd, thd_logprobs
 from nopad.modeling import token_log_probs
 from tests.dist_utils import run_distributed

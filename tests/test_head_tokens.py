@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# private: the switch that makes the CPU take a device's path through every value check
 import nopad.core._errors
 from nopad import left_right_2_no_padding, no_padding_2_padding
 from nopad.batches import select_rows
 from nopad.diagnostics import OpCounter
-from nopad.engines._fsdp import chunked_head, packed_logprobs, prepare_model_inputs, prepare_model_outputs
+from nopad.engines import chunked_head, packed_logprobs, prepare_model_inputs, prepare_model_outputs
 from nopad.losses import sft_loss
 from tests.dist_utils import run_distributed
 from tests.models import make_padded_batch, tiny_llama
@@ -152,7 +153,7 @@ def test_response_only_makes_no_host_sync(way_back):
 def test_an_sft_score_mask_gives_the_sft_loss_and_its_gradients_of_every_token():
     """The positions that predict a per-token loss mask's tokens (moved by next_token_labels) as score_mask:
     sft_loss and every gradient equal scoring every token; the head reads only those rows."""
-    from nopad.core._layout import IndexPlan
+    from nopad.core import IndexPlan
 
     m = tiny_llama(0)
     conversations = [([3, 4, 5, 6, 7], [0, 0, 1, 1, 1]), ([8, 9, 10], [0, 1, 1]), ([11, 12, 13, 14], [0, 0, 0, 1])]
@@ -216,7 +217,7 @@ def test_bad_token_arguments_fail_loudly_naming_the_field():
         packed_logprobs(m, micro, score_mask=torch.ones(total + 1, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"score_mask: expected a 0/1 mask"):
         packed_logprobs(m, micro, score_mask=torch.full((total,), 2))
-    from nopad.core._layout import IndexPlan
+    from nopad.core import IndexPlan
 
     plan = IndexPlan.from_lengths(torch.tensor([4, 3]))  # rows without responses: nothing says which to read
     rows = {"input_ids": plan.to_nested(torch.arange(7)), "position_ids": plan.to_nested(plan.position_ids)}
@@ -232,7 +233,7 @@ def test_bad_token_arguments_fail_loudly_naming_the_field():
 def _ulysses_tokens_worker(rank, world_size):
     import torch.distributed as dist
 
-    from nopad.parallel._ulysses import enable_ulysses
+    from nopad.parallel import enable_ulysses
 
     torch.set_num_threads(1)
     m = enable_ulysses(MODELS["llama"]())

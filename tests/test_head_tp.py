@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# private: the vocabulary-parallel shard and the head's runner are what is tested
 import nopad.core._errors
 from nopad.diagnostics import OpCounter
 from nopad.modeling import head_log_probs

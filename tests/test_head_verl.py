@@ -21,6 +21,7 @@ except Exception as exc:  # noqa: BLE001 - any failure to import verl means this
         raise
     pytest.skip(f"verl is not importable here ({exc!r}); these tests run in CI's verl leg", allow_module_level=True)
 
+# private: verl's fused head route and its installer are what is tested
 import nopad.integrations.verl._head as vh  # noqa: E402
 from nopad.integrations.verl import _install as nv  # noqa: E402
 from nopad.modeling import token_log_probs  # noqa: E402

@@ -27,6 +27,8 @@ except Exception as exc:  # noqa: BLE001 - any failure to import verl means this
     pytest.skip(f"verl is not importable here ({exc!r}); these tests run in CI's verl leg", allow_module_level=True)
 
 from nopad import batches as nopad_padding  # noqa: E402
+
+# private: the installer's routes and bindings are what is tested
 from nopad.integrations.verl import _install as nv  # noqa: E402
 
 # verl modules that bind the routed names by ``from ... import``; each is imported if it can be
@@ -326,7 +328,7 @@ def test_verls_ppo_loss_gives_the_same_loss_and_metrics_with_install(clean, loss
 def test_nopads_ppo_loss_takes_verls_config_fields_and_metric_names(clean, nested_fields):
     from verl.workers.utils import losses as vl
 
-    import nopad.losses._losses as L
+    import nopad.losses as L
 
     model_output, data = _ppo_micro_batch(seed=1, nested_fields=nested_fields)
     theirs_loss, theirs_metrics = vl.ppo_loss(_actor_config(), model_output, data.clone())
@@ -341,7 +343,7 @@ def test_nopads_ppo_loss_takes_verls_config_fields_and_metric_names(clean, neste
 def test_kl_penalty_takes_verls_keyword_and_matches_verl():
     from verl.trainer.ppo.core_algos import kl_penalty as verl_kl
 
-    import nopad.losses._losses as L
+    import nopad.losses as L
 
     logp, ref = -torch.rand(3, 5), -torch.rand(3, 5)
     for kind in ("k1", "abs", "k2", "k3", "low_var_kl", "k3+"):
@@ -477,7 +479,7 @@ def test_verl_metadata_none_and_per_row_figures_read_as_one_value_or_are_refused
     from tensordict import NonTensorStack
     from verl.utils import tensordict_utils as tu
 
-    import nopad.losses._losses as L
+    import nopad.losses as L
 
     model_output, data = _ppo_micro_batch(seed=2)  # global_batch_size=None, as verl assigns it
     expected = L.ppo_loss(_actor_config(), model_output, data.clone())[0]

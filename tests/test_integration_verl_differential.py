@@ -34,6 +34,7 @@ except Exception as exc:  # noqa: BLE001 - any failure to import verl means this
 
 from tensordict import NonTensorData, TensorDict  # noqa: E402
 
+# private: the installer's routes are compared with verl's own functions
 from nopad.integrations.verl import _install as nv  # noqa: E402
 from tests.batches import batch_shapes, make_batch  # noqa: E402
 from tests.verl_differential import (  # noqa: E402

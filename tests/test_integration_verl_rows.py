@@ -24,6 +24,7 @@ except Exception as exc:  # noqa: BLE001 - any failure to import verl means this
         raise
     pytest.skip(f"verl is not importable here ({exc!r}); these tests run in CI's verl leg", allow_module_level=True)
 
+# private: the installer's row routes are compared with verl's own functions
 from nopad.integrations.verl import _install as nv  # noqa: E402
 
 

@@ -48,6 +48,7 @@ try:
 except Exception as exc:  # noqa: BLE001
     interp.unavailable(f"triton does not import here ({exc!r}); CI's kernels leg installs it (.ci/kernels-leg)")
 
+# private: the optional kernels' loaders are pointed at Triton's interpreter
 import nopad.integrations.verl._head as vh  # noqa: E402
 import nopad.modeling._layers as layers  # noqa: E402
 import nopad.modeling._logprobs as head  # noqa: E402

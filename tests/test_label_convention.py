@@ -7,9 +7,8 @@ loss trains on) holds the pad id, 0, on every path, and every path's mask exclud
 import pytest
 import torch
 
-from nopad.core._layout import IndexPlan, prepare_offsets
-from nopad.engines import ThdPlan
-from nopad.engines._fsdp import prepare_model_inputs
+from nopad.core import IndexPlan, prepare_offsets
+from nopad.engines import ThdPlan, prepare_model_inputs
 from nopad.packing import pack_conversations, pack_online
 
 CONVERSATIONS = [[5, 6, 7, 8], [9], [11, 12, 13], [14, 15, 16, 17, 18, 19]]

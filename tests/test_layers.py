@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+# private: the torch forms, the kernel probe and the fallbacks behind the packed layers
 import nopad.modeling._layers as layers
 from nopad.diagnostics import OpCounter
 from nopad.modeling import PackedRow, causal_conv1d, gated_delta_rule, ssd_scan

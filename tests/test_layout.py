@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 import nopad
 import nopad.batches
 import nopad.core
+
+# private: the plan's range and gather helpers are tested on their own
 import nopad.core._layout
 from nopad import IndexPlan
 

@@ -16,7 +16,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from nopad.engines._fsdp import packed_logprobs  # noqa: E402
+from nopad.engines import packed_logprobs  # noqa: E402
+
+# private: the probe's batches and the attention function transformers calls
 from nopad.engines._leak import PROBE_LENGTHS, check_isolation, probe_batch, probe_lengths  # noqa: E402
 from nopad.modeling import _attention as _attention  # noqa: E402
 from nopad.modeling._attention import IMPLEMENTATION, nopad_varlen_attention, register, use_packed_attention  # noqa: E402

@@ -13,9 +13,9 @@ import re
 import pytest
 import torch
 
-import nopad.losses._losses as L
-from nopad.batches._padding import left_right_2_no_padding
-from nopad.engines._fsdp import packed_logprobs
+import nopad.losses as L
+from nopad.batches import left_right_2_no_padding
+from nopad.engines import packed_logprobs
 from tests.models import make_padded_batch, tiny_llama
 from tests.test_losses import ref_agg, ref_kl, ref_pg_tokens
 

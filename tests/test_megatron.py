@@ -14,8 +14,9 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+# private: the fallback PackedSeqParams where megatron-core is absent, and the bench's reference
 from nopad._apps.bench import bench_thd, reference_preprocess_thd
-from nopad.core._layout import IndexPlan, prepare_offsets
+from nopad.core import IndexPlan, prepare_offsets
 from nopad.diagnostics import OpCounter
 from nopad.engines import ParallelDims, ThdPlan, from_parallel_state, postprocess_thd, preprocess_thd
 from nopad.parallel import _thd as thd_module

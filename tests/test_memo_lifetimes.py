@@ -46,6 +46,7 @@ def _attention_layers(model: torch.nn.Module) -> int:
 def checks(monkeypatch):
     """Counts the unrouted-model checks worked out (not recalled). Reaches into nopad.modeling._attention: the
     check is private, and counting it is how a verdict inherited from a freed object would show."""
+    # private: the verdicts and routes kept in the memo are counted as they are recomputed
     import nopad.modeling._attention
 
     counted = []

@@ -6,7 +6,6 @@ import torch
 import nopad
 import nopad.batches
 import nopad.core
-import nopad.core._layout
 from nopad.diagnostics import OpCounter
 from tests.batches import make_batch
 
@@ -51,7 +50,7 @@ def test_the_standard_batch_converts_within_the_op_budget(B):
 
 
 def test_a_host_plan_leaves_only_the_gathers_and_one_copy():
-    from nopad.batches._padding import plan_left_right
+    from nopad.batches import plan_left_right
 
     data = _standard_batch(64)
     masks = data["attention_mask"], data["response_mask"]
@@ -66,7 +65,7 @@ def test_a_host_plan_leaves_only_the_gathers_and_one_copy():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_counts_are_the_cpus_and_a_host_plan_never_waits_for_the_device():
-    from nopad.batches._padding import plan_left_right
+    from nopad.batches import plan_left_right
 
     host = _standard_batch(64)
     data = host.to("cuda")

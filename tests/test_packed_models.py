@@ -26,6 +26,8 @@ from nopad.engines import (  # noqa: E402
     prepare_model_outputs,
 )
 from nopad.modeling import PackedRow, causal_conv1d, packed_attention, register_packed_module, use_packed_attention  # noqa: E402  # noqa: E402
+
+# private: the route each module takes and the survey of a model
 from nopad.modeling._routing import route_of, survey  # noqa: E402
 from nopad.synthetic import tiny_causal_lm  # noqa: E402
 from tests.models import make_padded_batch  # noqa: E402

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+# private: every algorithm is run on its own, beyond the public pack_lengths
 from nopad._apps.bench import format_table
 from nopad._apps.bench_packing import files_bench, packing_bench, rows_bench, synthetic_conversations
 from nopad.packing import ALGORITHMS, pack_lengths, packing_metrics

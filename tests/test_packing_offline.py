@@ -12,10 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+# private: the columns of a packed row are validated on their own
 from nopad._apps.cli import main
 from nopad.packing import (
     ALGORITHMS,
     ByteTokenizer,
+    TokenizerIdentity,
     collate_packed,
     encode_record,
     load_tokenizer,
@@ -25,7 +27,6 @@ from nopad.packing import (
     write_packed,
 )
 from nopad.packing._rows import Columns, validate_columns
-from nopad.packing._tokenizer import TokenizerIdentity
 
 BYTES = ByteTokenizer()
 PAD = 10**9  # a pad id no conversation uses, so padding is told from tokens (a pad id is an id: >= 0)

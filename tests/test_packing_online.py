@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nopad.diagnostics import OpCounter
-from nopad.engines._megatron import postprocess_thd, preprocess_thd
+from nopad.engines import postprocess_thd, preprocess_thd
 from nopad.packing import (
     ALGORITHMS,
     ByteTokenizer,

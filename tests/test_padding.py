@@ -10,7 +10,6 @@ from tensordict import TensorDict
 import nopad
 import nopad.batches
 import nopad.core
-import nopad.core._layout
 from nopad import OpCounter, left_right_2_no_padding, plan_left_right
 from tests.batches import batch_shapes, make_batch, reference_nest, reference_response
 from tests.models import make_padded_batch

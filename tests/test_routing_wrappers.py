@@ -21,6 +21,8 @@ from transformers.integrations import use_kernel_func_from_hub_with_fallback  # 
 from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 
 from nopad.modeling import PackedRow, causal_conv1d  # noqa: E402
+
+# private: the routing's wrappers of transformers' primitives are what is tested
 from nopad.modeling._routing import callee, primitive_name, route, survey, torch_fallback  # noqa: E402
 
 

@@ -59,7 +59,7 @@ def test_the_packed_files_label_aligned_mask_gives_each_conversations_loss(packe
 
 def test_the_per_token_mask_under_its_own_name_gives_the_same_loss():
     """The same conversations unpacked: nested (B, j) with the per-token loss_mask, shifted inside."""
-    from nopad.core._layout import IndexPlan
+    from nopad.core import IndexPlan
 
     model = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, layers=2)
     plan = IndexPlan.from_lengths(torch.tensor([len(ids) for ids, _ in CONVERSATIONS]))

@@ -11,9 +11,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nopad.core._layout import prepare_offsets
+from nopad.core import prepare_offsets
 from nopad.diagnostics import OpCounter
 from nopad.engines import ThdPlan, postprocess_thd, preprocess_thd
+
+# private: the CP shard math's pieces and the THD plan's internals, op by op
 from nopad.parallel import _thd as thd_module
 from nopad.parallel._cp import rank_chunks, real_token_pieces, run_of_each, run_sizes, shard_index, unshard_index
 

@@ -11,6 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nopad
 from nopad.batches import micro_batches, select_rows
+
+# private: the torch internals and their public fallbacks are what is tested
 from nopad.core import _torch_internals as internals
 from tests.batches import make_batch
 from tests.rows_batches import assert_rows, nested_batch, rows_of

@@ -15,9 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nopad import left_right_2_no_padding, no_padding_2_padding
-from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs
-from nopad.engines._leak import check_isolation
+from nopad.engines import check_isolation, packed_logprobs, padded_logprobs, prepare_model_inputs
 from nopad.modeling import use_packed_attention
+
+# private: Ulysses' all-to-all pieces are tested on their own
 from nopad.parallel._ulysses import (
     _heads_view,
     all_to_all,

@@ -17,6 +17,7 @@ import torch
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
+# private: batches laid out as nopad's own conversions record them (host lengths in the memo)
 from nopad.core._layout import remember_host_lengths
 
 # ---- what a field can be --------------------------------------------------------------------------
