@@ -223,8 +223,134 @@ def test_aux_loss_head_precision_wrapped_models_and_bad_arguments_are_refused_by
     wrapper = torch.nn.Module()
     with pytest.raises(ValueError, match=r"^nopad\.integrations\.trl: model"):
         method(fake_trainer(accelerator=Wrapping(model)), wrapper, input_ids, mask, C)
+    # activation checkpointing (GRPOConfig's default): refused with gradients, served without (old / ref log-probs)
+    plain = method(trainer, model, input_ids, mask, C)[0].detach()
+    model.gradient_checkpointing_enable()
+    try:
+        with pytest.raises(ValueError, match="gradient_checkpointing"):
+            method(trainer, model, input_ids, mask, C)
+        with torch.no_grad():
+            torch.testing.assert_close(method(trainer, model, input_ids, mask, C)[0], plain, atol=0, rtol=0)
+    finally:
+        model.gradient_checkpointing_disable()
     # a row nopad cannot convert (a hole inside the completion) is refused by name, never guessed
     holed = mask.clone()
     holed[0, -C + 2] = 0
     with pytest.raises(ValueError, match="attention_mask row 0"):
         method(trainer, model, input_ids, holed, C)
+
+
+# --- TRL's trainers driven end to end: alone, then with install(), the same seed --------------------
+
+WORDS = ["<pad>", "<eos>", "<unk>"] + [chr(ord("a") + i) for i in range(17)]
+PROMPTS = ["a", "b c d e", "f g", "h i j k l m", "n", "o p q"]  # "a": a prompt of one token
+
+
+def word_tokenizer():
+    """A word-level tokenizer built here (no download), with pad and eos tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def length_reward(completions, **kwargs):
+    return [len(c.split()) / 10 for c in completions]
+
+
+def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
+    """Two steps of TRL's GRPO or RLOO trainer on CPU; returns (log history, grads before each
+    optimizer step, weights after each step, packed forwards run). The reference model (beta > 0)
+    is loaded by TRL from the tiny model saved under tmp_path (the policy's name_or_path)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, RLOOConfig
+
+    import nopad.integrations.trl as module
+
+    saved = tmp_path / f"{arch}-model"
+    model = tiny_causal_lm(arch, vocab=len(WORDS), hidden=32, layers=2, seed=0)
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.eos_token_id = 0, 1
+    if not saved.exists():
+        model.save_pretrained(saved)
+    model.config._name_or_path = str(saved)
+
+    class Record(TrainerCallback):
+        grads: list = []
+        weights: list = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.weights.append({k: p.detach().clone() for k, p in model.named_parameters()})
+
+    calls = []
+    counted = module.packed_logprobs
+    monkeypatch.setattr(module, "packed_logprobs", lambda *a, **k: calls.append(1) or counted(*a, **k))
+    common = dict(
+        output_dir=str(tmp_path / f"{kind}-{arch}-{packed}"),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=12,  # truncates: about a third of the completions are cut
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        seed=7,
+        save_strategy="no",
+        gradient_checkpointing=False,  # refused by name with install() (see the module's docstring)
+        optim="sgd",  # weights differ by lr x the gradients' difference (Adam would amplify the near-zero ones)
+        learning_rate=0.1,
+        bf16=False,  # float32: TRL's configs turn bf16 autocast on by default
+    )
+    record = Record()
+    record.grads, record.weights = [], []
+    if kind == "grpo":
+        args = GRPOConfig(**common, beta=0.04, num_iterations=2)  # a reference model and old log-probs
+        trainer_cls = GRPOTrainer
+    else:
+        args = RLOOConfig(**common)  # beta 0.05 by default: a reference model
+        trainer_cls = RLOOTrainer
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        processing_class=word_tokenizer(),
+        callbacks=[record],
+    )
+    if packed:
+        with nopad_trl.install():
+            trainer.train()
+    else:
+        trainer.train()
+    return trainer.state.log_history, record.grads, record.weights, len(calls)
+
+
+TIMINGS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_trl_trainer_two_steps_alone_and_installed_log_the_same_and_train_the_same_weights(
+    kind, arch, tmp_path, monkeypatch
+):
+    logs, grads, weights, calls = drive(kind, arch, tmp_path, False, monkeypatch)
+    assert calls == 0
+    logs_nopad, grads_nopad, weights_nopad, calls_nopad = drive(kind, arch, tmp_path, True, monkeypatch)
+    assert calls_nopad > 0, "install() did not route the trainer's log-probs to nopad"
+    assert len(logs) == len(logs_nopad) == 3 and len(grads) == len(grads_nopad) == 2 == len(weights_nopad)
+    assert any("loss" in entry for entry in logs)
+    for ours, theirs in zip(logs_nopad, logs):
+        assert ours.keys() == theirs.keys()
+        for key in theirs:
+            if key not in TIMINGS:
+                assert ours[key] == pytest.approx(theirs[key], abs=1e-5, rel=0), (key, ours[key], theirs[key])
+    for ours, theirs in (*zip(grads_nopad, grads), *zip(weights_nopad, weights)):
+        assert ours.keys() == theirs.keys() and theirs
+        for name in theirs:
+            torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=0, msg=name)

@@ -21,7 +21,9 @@ the vision inputs (``pixel_values``, ``image_grid_thw``, ``num_images``, ``pixel
 ``spatial_shapes``, ``num_tiles``, ``image_sizes``, ``image_position_ids``), ``token_type_ids``,
 ``mm_token_type_ids`` and ``compute_aux_loss=True`` (the MoE router loss) are refused;
 ``cast_lm_head_to_fp32`` is served where the head computes in float32 anyway (float32 head weights,
-no mixed precision) and refused elsewhere; a model wrapped by accelerate (DDP, FSDP, DeepSpeed) is
+no mixed precision) and refused elsewhere; activation checkpointing (``gradient_checkpointing``,
+on by default in ``GRPOConfig``) is refused for a forward with gradients (the old-policy and
+reference forwards under ``no_grad`` are served); a model wrapped by accelerate (DDP, FSDP, DeepSpeed) is
 refused: served is the single-process path, where accelerate hands the model over unwrapped.
 ``batch_size`` keeps TRL's row chunks (one packed forward per chunk: the same results, without
 padding).
@@ -149,6 +151,14 @@ def _packed_per_token_logps_and_entropies(
             f"{type(model).__name__} around {type(inner).__name__} (not served yet: call uninstall())",
         )
     _check_head_precision(self, model)
+    if torch.is_grad_enabled() and _checkpointed(model):
+        raise _refuse(
+            "gradient_checkpointing",
+            "False for the policy's forward with gradients (GRPOConfig / RLOOConfig(gradient_checkpointing=False)): "
+            "its backward recomputes the layers after the packed attention is switched back, and switching it for "
+            "good would serve TRL's generation, which keeps a KV cache nopad_varlen does not take",
+            f"{type(model).__name__} with activation checkpointing on",
+        )
     temperature = float(self.temperature)
     chunk = batch_size or rows
     log_probs, entropies = [], []
@@ -185,6 +195,17 @@ def _check_head_precision(trainer: Any, model: torch.nn.Module) -> None:
     if weight is None or weight.dtype != torch.float32 or mixed != "no":
         got = f"head weights {getattr(weight, 'dtype', None)}, mixed precision {mixed!r}"
         raise _refuse("cast_lm_head_to_fp32", "float32 head weights and no mixed precision (or False)", got)
+
+
+def _checkpointed(model: torch.nn.Module) -> bool:
+    """Whether some layer of ``model`` recomputes its forward in backward (transformers' flag or a wrapper)."""
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else ""
+    if getattr(model, flag or "is_gradient_checkpointing", False):
+        return True
+    return any(
+        type(m).__name__ == "CheckpointWrapper" or getattr(m, "gradient_checkpointing", False) is True
+        for m in model.modules()
+    )
 
 
 def _trl_version() -> str | None:
