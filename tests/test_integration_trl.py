@@ -114,6 +114,35 @@ def test_packed_method_equals_trl_s_own_log_probs_entropies_and_gradients(cls, a
         torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_checkpointed_model_recomputes_packed_in_backward_and_is_restored_after(arch):
+    """GRPOConfig checkpoints activations by default: the layers recompute in backward, after the
+    forward returned; the packed attention must still be in place then, and gone after."""
+    torch.manual_seed(0)
+    model, trainer = model_of(arch), fake_trainer()
+    model.gradient_checkpointing_enable()
+    implementation = model.config._attn_implementation
+    input_ids, mask, C = grpo_batch(seed=2)
+    ref = run(trl_method(GRPOTrainer), trainer, model, input_ids, mask, C, batch_size=5)
+    with nopad_trl.install():
+        ours = run(GRPOTrainer._get_per_token_logps_and_entropies, trainer, model, input_ids, mask, C, batch_size=5)
+        assert model.config._attn_implementation == implementation  # released once backward passed
+        with torch.no_grad():  # the old-policy / reference forwards: nothing held
+            plain = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)[0]
+        assert model.config._attn_implementation == implementation
+        # a forward whose backward never comes: released at the next call, before its forward
+        GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)
+        assert model.config._attn_implementation != implementation
+        GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)[0].sum().backward()
+        assert model.config._attn_implementation == implementation
+    torch.testing.assert_close(plain, ref[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(ours[0], ref[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(ours[1], ref[1], atol=TOL, rtol=0)
+    assert ours[3].keys() == ref[3].keys() and ref[3]
+    for name in ref[3]:
+        torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
+
+
 def test_entropy_not_asked_is_none_and_log_probs_equal():
     model, trainer = model_of("llama"), fake_trainer()
     input_ids, mask, C = grpo_batch(seed=1)
@@ -223,16 +252,6 @@ def test_aux_loss_head_precision_wrapped_models_and_bad_arguments_are_refused_by
     wrapper = torch.nn.Module()
     with pytest.raises(ValueError, match=r"^nopad\.integrations\.trl: model"):
         method(fake_trainer(accelerator=Wrapping(model)), wrapper, input_ids, mask, C)
-    # activation checkpointing (GRPOConfig's default): refused with gradients, served without (old / ref log-probs)
-    plain = method(trainer, model, input_ids, mask, C)[0].detach()
-    model.gradient_checkpointing_enable()
-    try:
-        with pytest.raises(ValueError, match="gradient_checkpointing"):
-            method(trainer, model, input_ids, mask, C)
-        with torch.no_grad():
-            torch.testing.assert_close(method(trainer, model, input_ids, mask, C)[0], plain, atol=0, rtol=0)
-    finally:
-        model.gradient_checkpointing_disable()
     # a row nopad cannot convert (a hole inside the completion) is refused by name, never guessed
     holed = mask.clone()
     holed[0, -C + 2] = 0
@@ -284,6 +303,7 @@ def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             self.grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+            assert nopad_trl._checkpointed(model)  # TRL's default: the layers recomputed in this backward
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             self.weights.append({k: p.detach().clone() for k, p in model.named_parameters()})
@@ -302,7 +322,7 @@ def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
         logging_steps=1,
         seed=7,
         save_strategy="no",
-        gradient_checkpointing=False,  # refused by name with install() (see the module's docstring)
+        # gradient_checkpointing left at TRL's default (on): the layers recompute packed in backward
         optim="sgd",  # weights differ by lr x the gradients' difference (Adam would amplify the near-zero ones)
         learning_rate=0.1,
         bf16=False,  # float32: TRL's configs turn bf16 autocast on by default

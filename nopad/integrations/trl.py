@@ -21,9 +21,10 @@ the vision inputs (``pixel_values``, ``image_grid_thw``, ``num_images``, ``pixel
 ``spatial_shapes``, ``num_tiles``, ``image_sizes``, ``image_position_ids``), ``token_type_ids``,
 ``mm_token_type_ids`` and ``compute_aux_loss=True`` (the MoE router loss) are refused;
 ``cast_lm_head_to_fp32`` is served where the head computes in float32 anyway (float32 head weights,
-no mixed precision) and refused elsewhere; activation checkpointing (``gradient_checkpointing``,
-on by default in ``GRPOConfig``) is refused for a forward with gradients (the old-policy and
-reference forwards under ``no_grad`` are served); a model wrapped by accelerate (DDP, FSDP, DeepSpeed) is
+no mixed precision) and refused elsewhere; with activation checkpointing (``gradient_checkpointing``,
+on by default in ``GRPOConfig``) the packed attention stays switched on from the forward until
+backward has recomputed every layer (refused where the input embeddings take no gradient, which
+marks that point); a model wrapped by accelerate (DDP, FSDP, DeepSpeed) is
 refused: served is the single-process path, where accelerate hands the model over unwrapped.
 ``batch_size`` keeps TRL's row chunks (one packed forward per chunk: the same results, without
 padding).
@@ -47,6 +48,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from nopad.attention import packed_attention
 from nopad.engines.fsdp import packed_logprobs
 from nopad.padding import left_right_2_no_padding, no_padding_2_padding
 
@@ -151,14 +153,10 @@ def _packed_per_token_logps_and_entropies(
             f"{type(model).__name__} around {type(inner).__name__} (not served yet: call uninstall())",
         )
     _check_head_precision(self, model)
-    if torch.is_grad_enabled() and _checkpointed(model):
-        raise _refuse(
-            "gradient_checkpointing",
-            "False for the policy's forward with gradients (GRPOConfig / RLOOConfig(gradient_checkpointing=False)): "
-            "its backward recomputes the layers after the packed attention is switched back, and switching it for "
-            "good would serve TRL's generation, which keeps a KV cache nopad_varlen does not take",
-            f"{type(model).__name__} with activation checkpointing on",
-        )
+    global _HELD
+    if _HELD is not None:  # a checkpointed forward whose backward never came: put the model back now
+        _HELD.release()
+    held = _HeldUntilBackward(model) if torch.is_grad_enabled() and _checkpointed(model) else None
     temperature = float(self.temperature)
     chunk = batch_size or rows
     log_probs, entropies = [], []
@@ -175,13 +173,76 @@ def _packed_per_token_logps_and_entropies(
             batch_size=[ids.shape[0]],
         )
         micro = left_right_2_no_padding(data)
-        with accelerator.autocast():
-            out = packed_logprobs(model, micro, temperature, calculate_entropy=True, tokens="response")
+        try:
+            with accelerator.autocast():
+                out = packed_logprobs(model, micro, temperature, calculate_entropy=True, tokens="response")
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise
         log_probs.append(no_padding_2_padding(out["log_probs"], micro, logits_to_keep))
         if compute_entropy:
             entropies.append(no_padding_2_padding(out["entropy"], micro, logits_to_keep))
+    if held is not None:
+        held.armed()
+        _HELD = held if held.holding else None
     logps = torch.cat(log_probs)
     return logps, torch.cat(entropies) if compute_entropy else None, None
+
+
+class _HeldUntilBackward:
+    """A model with activation checkpointing recomputes its layers in backward, after the forward's
+    :func:`nopad.attention.packed_attention` block would have switched it back: so the switch is held
+    from before the first packed forward until backward has passed the input embeddings' output of
+    every chunk (after every checkpointed layer has recomputed), then released. Where that output
+    takes no gradient (frozen embeddings) there is nothing to wait on: refused by name."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        get_embeddings = getattr(model, "get_input_embeddings", None)
+        embeddings = get_embeddings() if callable(get_embeddings) else None
+        if not isinstance(embeddings, torch.nn.Module):
+            raise _refuse("gradient_checkpointing", "a model with input embeddings (get_input_embeddings())", "none")
+        self._context = packed_attention(model, "auto")
+        with torch.no_grad():  # switched here, so the packed forwards inside run on a switched model
+            self._context.__enter__()
+        self.holding, self._pending, self._untracked = True, 0, False
+        self._handle = embeddings.register_forward_hook(self._arm)
+
+    def _arm(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, Tensor) and output.requires_grad:
+            self._pending += 1
+            output.register_hook(self._passed)
+        else:
+            self._untracked = True
+
+    def _passed(self, grad: Tensor) -> None:
+        self._pending -= 1
+        if self._pending == 0:
+            self.release()
+
+    def armed(self) -> None:
+        """After the forwards: release now if backward has nothing to wait on (refused when it would need to)."""
+        self._handle.remove()
+        if self._untracked or self._pending == 0:
+            self.release()
+            raise _refuse(
+                "gradient_checkpointing",
+                "input embeddings whose output takes a gradient (their backward marks the end of the "
+                "layers' recomputation), or gradient_checkpointing=False",
+                "embeddings whose output takes none (frozen)",
+            )
+
+    def release(self) -> None:
+        global _HELD
+        if self.holding:
+            self.holding = False
+            self._handle.remove()
+            self._context.__exit__(None, None, None)
+        if _HELD is self:
+            _HELD = None
+
+
+_HELD: _HeldUntilBackward | None = None
 
 
 def _check_head_precision(trainer: Any, model: torch.nn.Module) -> None:
