@@ -332,6 +332,9 @@ def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
     if kind == "grpo":
         args = GRPOConfig(**common, beta=0.04, num_iterations=2)  # a reference model and old log-probs
         trainer_cls = GRPOTrainer
+    elif kind == "grpo-masks":  # entropy masking, and truncated completions masked out (prompt-only rows)
+        args = GRPOConfig(**common, top_entropy_quantile=0.2, mask_truncated_completions=True)
+        trainer_cls = GRPOTrainer
     else:
         args = RLOOConfig(**common)  # beta 0.05 by default: a reference model
         trainer_cls = RLOOTrainer
@@ -355,7 +358,7 @@ TIMINGS = ("step_time", "train_runtime", "train_samples_per_second", "train_step
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
-@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+@pytest.mark.parametrize("kind", ["grpo", "grpo-masks", "rloo"])
 def test_trl_trainer_two_steps_alone_and_installed_log_the_same_and_train_the_same_weights(
     kind, arch, tmp_path, monkeypatch
 ):
