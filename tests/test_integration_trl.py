@@ -325,6 +325,7 @@ def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
         # gradient_checkpointing left at TRL's default (on): the layers recompute packed in backward
         optim="sgd",  # weights differ by lr x the gradients' difference (Adam would amplify the near-zero ones)
         learning_rate=0.1,
+        temperature=0.7,  # TRL divides the logits by it, in generation and in the log-probs
         bf16=False,  # float32: TRL's configs turn bf16 autocast on by default
     )
     record = Record()
