@@ -135,6 +135,11 @@ def test_checkpointed_model_recomputes_packed_in_backward_and_is_restored_after(
         assert model.config._attn_implementation != implementation
         GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)[0].sum().backward()
         assert model.config._attn_implementation == implementation
+        holed = mask.clone()
+        holed[0, -C + 2] = 0  # refused while converting, after the switch: the model is put back at once
+        with pytest.raises(ValueError, match="attention_mask row 0"):
+            GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, holed, C)
+        assert model.config._attn_implementation == implementation
     torch.testing.assert_close(plain, ref[0], atol=TOL, rtol=0)
     torch.testing.assert_close(ours[0], ref[0], atol=TOL, rtol=0)
     torch.testing.assert_close(ours[1], ref[1], atol=TOL, rtol=0)

@@ -159,30 +159,34 @@ def _packed_per_token_logps_and_entropies(
     held = _HeldUntilBackward(model) if torch.is_grad_enabled() and _checkpointed(model) else None
     temperature = float(self.temperature)
     chunk = batch_size or rows
-    log_probs, entropies = [], []
-    for start in range(0, rows, chunk):
-        ids, mask = input_ids[start : start + chunk], attention_mask[start : start + chunk]
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        data = TensorDict(
-            {
-                "input_ids": ids,
-                "attention_mask": mask,
-                "response_mask": mask[:, -logits_to_keep:],
-                "position_ids": positions,
-            },
-            batch_size=[ids.shape[0]],
-        )
-        micro = left_right_2_no_padding(data)
-        try:
+    log_probs: list[Tensor] = []
+    entropies: list[Tensor] = []
+    try:
+        for start in range(0, rows, chunk):
+            ids, mask = input_ids[start : start + chunk], attention_mask[start : start + chunk]
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            data = TensorDict(
+                {
+                    "input_ids": ids,
+                    "attention_mask": mask,
+                    "response_mask": mask[:, -logits_to_keep:],
+                    "position_ids": positions,
+                },
+                batch_size=[ids.shape[0]],
+            )
+            micro = left_right_2_no_padding(data)
             with accelerator.autocast():
-                out = packed_logprobs(model, micro, temperature, calculate_entropy=True, tokens="response")
-        except BaseException:
-            if held is not None:
-                held.release()
-            raise
-        log_probs.append(no_padding_2_padding(out["log_probs"], micro, logits_to_keep))
-        if compute_entropy:
-            entropies.append(no_padding_2_padding(out["entropy"], micro, logits_to_keep))
+                if compute_entropy:
+                    out = packed_logprobs(model, micro, temperature, calculate_entropy=True, tokens="response")
+                    log_prob, entropy = out["log_probs"], out["entropy"]
+                    entropies.append(no_padding_2_padding(entropy, micro, logits_to_keep))
+                else:
+                    log_prob = packed_logprobs(model, micro, temperature, tokens="response")
+            log_probs.append(no_padding_2_padding(log_prob, micro, logits_to_keep))
+    except BaseException:
+        if held is not None:  # nothing to hold for: the model as it was
+            held.release()
+        raise
     if held is not None:
         held.armed()
         _HELD = held if held.holding else None
