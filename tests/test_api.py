@@ -66,10 +66,11 @@ def test_docs_api_md_documents_exactly_the_listed_names():
 
 def test_the_public_surface_stays_small():
     """Issue 22: 277 public names before; the names a trainer author needs, under a third (issue 30 adds
-    the Megatron adapter's head, thd_logprobs: 91)."""
+    the Megatron adapter's head, thd_logprobs: 91; issue 37 the TRL integration's install, uninstall
+    and its handle, TrlPatch: 94)."""
     objects = set()
     for name in public_modules():
         module = importlib.import_module(name)
         listed = getattr(module, "__all__", [])
         objects |= {(id(getattr(module, a)) if callable(getattr(module, a)) else (name, a)) for a in listed}
-    assert len(objects) <= 91, len(objects)
+    assert len(objects) <= 94, len(objects)

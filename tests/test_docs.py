@@ -7,7 +7,7 @@ Blocks, by their fence:
   is ``# doc-test: processes=N ...`` runs on N gloo processes (it must not assume a process group
   exists: it calls ``init_process_group`` only when none is initialised, as under torchrun). A block
   that uses ``nopad.integrations.verl`` needs verl: it is skipped where verl is absent and runs in
-  CI's verl leg.
+  CI's verl leg; one that uses ``nopad.integrations.trl`` likewise needs trl (CI's trl leg).
 - ``text`` right after a python block: what that block prints, compared with what it prints now.
 - ``console``: ``$ command`` lines, each followed by what it prints. The commands run (``python``,
   ``nopad`` and ``torchrun`` of this checkout, from its root) and their output is compared; a line
@@ -50,6 +50,8 @@ FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 PROCESSES = re.compile(r"#\s*doc-test:\s*processes=(\d+)")
 NEEDS_VERL = re.compile(r"nopad\.integrations(\.verl| import verl)")
 HAS_VERL = importlib.util.find_spec("verl") is not None
+NEEDS_TRL = re.compile(r"nopad\.integrations(\.trl| import trl)")
+HAS_TRL = importlib.util.find_spec("trl") is not None
 RESULTS = ROOT / "docs" / "results.md"
 NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 
@@ -96,6 +98,8 @@ def _python_params():
             marks = [pytest.mark.slow] if processes else []
             if NEEDS_VERL.search(block.code):
                 marks.append(pytest.mark.skipif(not HAS_VERL, reason="needs verl (CI's verl leg runs it)"))
+            if NEEDS_TRL.search(block.code):
+                marks.append(pytest.mark.skipif(not HAS_TRL, reason="needs trl (CI's trl leg runs it)"))
             shown = _output_of(blocks, i)
             n = int(processes.group(1)) if processes else 1
             yield pytest.param(block.name, block.code, n, shown, id=block.name, marks=marks)

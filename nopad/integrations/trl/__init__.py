@@ -1,0 +1,41 @@
+"""One line to run TRL's GRPO and RLOO log-probs packed: ``nopad.integrations.trl.install()``.
+
+TRL 1.16's ``GRPOTrainer`` and ``RLOOTrainer`` score completions with
+``_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+compute_entropy, compute_aux_loss, <vision inputs>)``: the padded ``(B, P + C)`` batch (prompts
+left-padded, completions right-padded), run in row chunks of ``batch_size`` through the model's
+forward with TRL's fused LM head (log-probs and entropy of the labels that are not ``-100``, the
+logits divided by the trainer's ``temperature``), the last ``C = logits_to_keep`` columns handed back
+as ``(B, C)`` log-probs and entropies (0 at padding), and ``None`` for the MoE aux loss unless asked.
+
+``install()`` replaces that method on both classes (where the class defines it) with one that
+converts each chunk once with :func:`nopad.left_right_2_no_padding`, runs the model on one packed
+row through :func:`nopad.engines.packed_logprobs` (every layer keeps the sequences apart, or a
+``ValueError`` naming the one that cannot, before any forward; the chunked head on completion
+tokens only, ``tokens="response"``, never the ``(T, V)`` logits; the same ``temperature``) and hands
+TRL its padded ``(B, C)`` results back (:func:`nopad.no_padding_2_padding`). Same signature, same
+results, same ``accelerator.autocast()``.
+
+Every argument TRL passes is honoured or refused by name with a ``ValueError``, never ignored:
+the vision inputs (``pixel_values``, ``image_grid_thw``, ``num_images``, ``pixel_attention_mask``,
+``spatial_shapes``, ``num_tiles``, ``image_sizes``, ``image_position_ids``), ``token_type_ids``,
+``mm_token_type_ids`` and ``compute_aux_loss=True`` (the MoE router loss) are refused;
+``cast_lm_head_to_fp32`` is served where the head computes in float32 anyway (float32 head weights,
+no mixed precision) and refused elsewhere; with activation checkpointing (``gradient_checkpointing``,
+on by default in ``GRPOConfig``) the packed attention stays switched on from the forward until
+backward has recomputed every layer (refused where the input embeddings take no gradient, which
+marks that point); a model wrapped by accelerate (DDP, FSDP, DeepSpeed) is
+refused: served is the single-process path, where accelerate hands the model over unwrapped.
+``batch_size`` keeps TRL's row chunks (one packed forward per chunk: the same results, without
+padding).
+
+The handle undoes it (``uninstall()``, or use it as a context manager); ``install()`` is idempotent::
+
+    from nopad.integrations import trl as nopad_trl
+    nopad_trl.install()                        # the one line
+    with nopad_trl.install(): ...              # or for a block
+"""
+
+from nopad.integrations.trl._install import TrlPatch, install, uninstall
+
+__all__ = ["TrlPatch", "install", "uninstall"]

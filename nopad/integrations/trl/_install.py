@@ -1,0 +1,346 @@
+"""TRL's per-token log-probs on nopad's packed forward: the patch behind ``nopad.integrations.trl``."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from nopad.batches import left_right_2_no_padding, no_padding_2_padding
+from nopad.engines import packed_logprobs
+from nopad.modeling import packed_attention
+
+_SUPPORTED_VERSIONS = ("1.16.0",)
+_METHOD = "_get_per_token_logps_and_entropies"
+_TRAINERS = (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
+# the vision / multimodal inputs TRL may pass: refused unless None
+_REFUSED_INPUTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+_PARAMETERS = (
+    "self",
+    "model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+    "batch_size",
+    "compute_entropy",
+    "compute_aux_loss",
+    *_REFUSED_INPUTS,
+)
+
+
+def _refuse(name: str, expected: str, got: str) -> ValueError:
+    return ValueError(f"nopad.integrations.trl: {name}: expected {expected}, got {got}")
+
+
+def _packed_per_token_logps_and_entropies(
+    self: Any,
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    logits_to_keep: int,
+    batch_size: int | None = None,
+    compute_entropy: bool = False,
+    compute_aux_loss: bool = False,
+    pixel_values: Any = None,
+    image_grid_thw: Any = None,
+    num_images: Any = None,
+    pixel_attention_mask: Any = None,
+    spatial_shapes: Any = None,
+    num_tiles: Any = None,
+    image_sizes: Any = None,
+    token_type_ids: Any = None,
+    mm_token_type_ids: Any = None,
+    image_position_ids: Any = None,
+) -> tuple[Tensor, Tensor | None, None]:
+    """TRL's ``_get_per_token_logps_and_entropies`` on packed rows: (B, C) log-probs, (B, C) entropies
+    or None, and None (no aux loss). See the module's docstring for what is served and refused."""
+    given = dict(
+        pixel_values=pixel_values,
+        image_grid_thw=image_grid_thw,
+        num_images=num_images,
+        pixel_attention_mask=pixel_attention_mask,
+        spatial_shapes=spatial_shapes,
+        num_tiles=num_tiles,
+        image_sizes=image_sizes,
+        token_type_ids=token_type_ids,
+        mm_token_type_ids=mm_token_type_ids,
+        image_position_ids=image_position_ids,
+    )
+    for name, value in given.items():
+        if value is not None:
+            raise _refuse(name, "None (text-only batches are served packed; call uninstall() for this one)", "a value")
+    if compute_aux_loss:
+        raise _refuse(
+            "compute_aux_loss",
+            "False (the MoE load-balancing loss is not computed on packed rows; call uninstall())",
+            repr(compute_aux_loss),
+        )
+    if not isinstance(compute_entropy, bool):
+        raise _refuse("compute_entropy", "True or False (a bool)", repr(compute_entropy))
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        raise _refuse("input_ids", "a (B, P + C) tensor", repr(getattr(input_ids, "shape", type(input_ids))))
+    if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+        shape = tuple(getattr(attention_mask, "shape", ()))
+        raise _refuse("attention_mask", f"a tensor of input_ids' shape {tuple(input_ids.shape)}", f"{shape}")
+    rows, width = input_ids.shape
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or not 1 <= logits_to_keep < width:
+        raise _refuse(
+            "logits_to_keep", f"an int in [1, {width - 1}] (at least one prompt column)", repr(logits_to_keep)
+        )
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0):
+        raise _refuse("batch_size", "None or an int >= 0 (0 or None: one chunk)", repr(batch_size))
+    accelerator = self.accelerator
+    inner = accelerator.unwrap_model(model)
+    if inner is not model:
+        raise _refuse(
+            "model",
+            "the model as accelerate hands it over in a single process (unwrapped)",
+            f"{type(model).__name__} around {type(inner).__name__} (not served yet: call uninstall())",
+        )
+    _check_head_precision(self, model)
+    global _HELD
+    if _HELD is not None:  # a checkpointed forward whose backward never came: put the model back now
+        _HELD.release()
+    held = _HeldUntilBackward(model) if torch.is_grad_enabled() and _checkpointed(model) else None
+    temperature = float(self.temperature)
+    chunk = batch_size or rows
+    log_probs: list[Tensor] = []
+    entropies: list[Tensor] = []
+    try:
+        for start in range(0, rows, chunk):
+            ids, mask = input_ids[start : start + chunk], attention_mask[start : start + chunk]
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            data = TensorDict(
+                {
+                    "input_ids": ids,
+                    "attention_mask": mask,
+                    "response_mask": mask[:, -logits_to_keep:],
+                    "position_ids": positions,
+                },
+                batch_size=[ids.shape[0]],
+            )
+            micro = left_right_2_no_padding(data)
+            with accelerator.autocast():
+                if compute_entropy:
+                    out = packed_logprobs(model, micro, temperature, calculate_entropy=True, tokens="response")
+                    log_prob, entropy = out["log_probs"], out["entropy"]
+                    entropies.append(no_padding_2_padding(entropy, micro, logits_to_keep))
+                else:
+                    log_prob = packed_logprobs(model, micro, temperature, tokens="response")
+            log_probs.append(no_padding_2_padding(log_prob, micro, logits_to_keep))
+    except BaseException:
+        if held is not None:  # nothing to hold for: the model as it was
+            held.release()
+        raise
+    if held is not None:
+        held.armed()
+        _HELD = held if held.holding else None
+    logps = torch.cat(log_probs)
+    return logps, torch.cat(entropies) if compute_entropy else None, None
+
+
+class _HeldUntilBackward:
+    """A model with activation checkpointing recomputes its layers in backward, after the forward's
+    :func:`nopad.modeling.packed_attention` block would have switched it back: so the switch is held
+    from before the first packed forward until backward has passed the input embeddings' output of
+    every chunk (after every checkpointed layer has recomputed), then released. Where that output
+    takes no gradient (frozen embeddings) there is nothing to wait on: refused by name."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        get_embeddings = getattr(model, "get_input_embeddings", None)
+        embeddings = get_embeddings() if callable(get_embeddings) else None
+        if not isinstance(embeddings, torch.nn.Module):
+            raise _refuse("gradient_checkpointing", "a model with input embeddings (get_input_embeddings())", "none")
+        self._context = packed_attention(model, "auto")
+        with torch.no_grad():  # switched here, so the packed forwards inside run on a switched model
+            self._context.__enter__()
+        self.holding, self._pending, self._untracked = True, 0, False
+        self._handle = embeddings.register_forward_hook(self._arm)
+
+    def _arm(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, Tensor) and output.requires_grad:
+            self._pending += 1
+            output.register_hook(self._passed)
+        else:
+            self._untracked = True
+
+    def _passed(self, grad: Tensor) -> None:
+        self._pending -= 1
+        if self._pending == 0:
+            self.release()
+
+    def armed(self) -> None:
+        """After the forwards: release now if backward has nothing to wait on (refused when it would need to)."""
+        self._handle.remove()
+        if self._untracked or self._pending == 0:
+            self.release()
+            raise _refuse(
+                "gradient_checkpointing",
+                "input embeddings whose output takes a gradient (their backward marks the end of the "
+                "layers' recomputation), or gradient_checkpointing=False",
+                "embeddings whose output takes none (frozen)",
+            )
+
+    def release(self) -> None:
+        global _HELD
+        if self.holding:
+            self.holding = False
+            self._handle.remove()
+            self._context.__exit__(None, None, None)
+        if _HELD is self:
+            _HELD = None
+
+
+_HELD: _HeldUntilBackward | None = None
+
+
+def _check_head_precision(trainer: Any, model: torch.nn.Module) -> None:
+    """``cast_lm_head_to_fp32``: served where nopad's head computes in float32 anyway, else refused."""
+    if not getattr(getattr(trainer, "args", None), "cast_lm_head_to_fp32", False):
+        return
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    weight = getattr(head, "weight", None)
+    mixed = str(getattr(trainer.accelerator, "mixed_precision", "no"))
+    if weight is None or weight.dtype != torch.float32 or mixed != "no":
+        got = f"head weights {getattr(weight, 'dtype', None)}, mixed precision {mixed!r}"
+        raise _refuse("cast_lm_head_to_fp32", "float32 head weights and no mixed precision (or False)", got)
+
+
+def _checkpointed(model: torch.nn.Module) -> bool:
+    """Whether some layer of ``model`` recomputes its forward in backward (transformers' flag or a wrapper)."""
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else ""
+    if getattr(model, flag or "is_gradient_checkpointing", False):
+        return True
+    return any(
+        type(m).__name__ == "CheckpointWrapper" or getattr(m, "gradient_checkpointing", False) is True
+        for m in model.modules()
+    )
+
+
+def _trl_version() -> str | None:
+    try:
+        return importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class TrlPatch:
+    """The handle :func:`install` returns: the trainer classes whose method it replaced, and
+    :meth:`uninstall` to put TRL's back. A context manager too."""
+
+    def __init__(self) -> None:
+        self.originals: dict[type, Callable[..., Any]] = {}  # trainer class -> TRL's method
+        self._replacements: dict[type, Callable[..., Any]] = {}
+        self.active = False
+
+    @property
+    def trainers(self) -> list[str]:
+        """Names of the trainer classes routed to nopad, sorted."""
+        return sorted(cls.__name__ for cls in self._replacements)
+
+    def uninstall(self) -> None:
+        """Put TRL's method back on every class where nopad's is still in place. Idempotent."""
+        global _ACTIVE
+        for cls, original in self.originals.items():
+            if cls.__dict__.get(_METHOD) is self._replacements.get(cls):
+                setattr(cls, _METHOD, original)
+        self._replacements.clear()
+        self.active = False
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    def __enter__(self) -> TrlPatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    def __repr__(self) -> str:
+        return f"TrlPatch(active={self.active}, trainers={self.trainers})"
+
+
+_ACTIVE: TrlPatch | None = None
+
+
+def install(*, check_version: bool = True) -> TrlPatch:
+    """Route ``GRPOTrainer`` and ``RLOOTrainer``'s ``_get_per_token_logps_and_entropies`` to nopad's
+    packed forward; returns the handle (also a context manager).
+
+    Idempotent: a second call returns the active handle. Raises ImportError when TRL is not
+    installed, and RuntimeError for a TRL other than 1.16.0 (``check_version=False`` skips that
+    check) or one whose method takes parameters this replacement does not know (never skipped:
+    an argument would be ignored).
+    """
+    global _ACTIVE
+    if not isinstance(check_version, bool):
+        raise _refuse("check_version", "True or False (a bool)", repr(check_version))
+    if _ACTIVE is not None and _ACTIVE.active:
+        return _ACTIVE
+    version = _trl_version()
+    if version is None:
+        raise ImportError("nopad.integrations.trl: TRL is not installed (pip install trl==1.16.0)")
+    if check_version and version not in _SUPPORTED_VERSIONS:
+        raise RuntimeError(
+            f"nopad.integrations.trl: found trl {version}, but this integration was checked against trl "
+            f"{', '.join(_SUPPORTED_VERSIONS)} only; install it or pass check_version=False to try anyway"
+        )
+    from trl.extras.profiling import profiling_decorator
+
+    patch = TrlPatch()
+    for module_name, class_name in _TRAINERS:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        original = cls.__dict__.get(_METHOD)
+        if original is None:
+            continue
+        parameters = tuple(inspect.signature(original).parameters)
+        if parameters != _PARAMETERS:
+            unknown = [p for p in parameters if p not in _PARAMETERS]
+            missing = [p for p in _PARAMETERS if p not in parameters]
+            raise RuntimeError(
+                f"nopad.integrations.trl: {class_name}.{_METHOD} of trl {version} takes {list(parameters)}: "
+                f"unknown to nopad {unknown}, gone {missing}; nopad would ignore or misplace them, so it does not "
+                "install"
+            )
+        replacement = profiling_decorator(_named(_packed_per_token_logps_and_entropies))
+        patch.originals[cls] = original
+        patch._replacements[cls] = replacement
+    for cls, replacement in patch._replacements.items():
+        setattr(cls, _METHOD, replacement)
+    patch.active = True
+    _ACTIVE = patch
+    return patch
+
+
+def _named(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``function`` under TRL's method name (TRL's profiling names its timings by it)."""
+
+    def _get_per_token_logps_and_entropies(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    _get_per_token_logps_and_entropies.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
+    _get_per_token_logps_and_entropies.__doc__ = function.__doc__
+    return _get_per_token_logps_and_entropies
+
+
+def uninstall() -> None:
+    """Undo the active :func:`install` (nothing when none is active)."""
+    if _ACTIVE is not None:
+        _ACTIVE.uninstall()

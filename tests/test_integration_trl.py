@@ -1,0 +1,386 @@
+"""nopad.integrations.trl against TRL 1.16's own ``_get_per_token_logps_and_entropies`` (GRPO and RLOO).
+
+The replaced method is called directly on a padded GRPO batch (prompts left-padded, completions
+right-padded, long-tailed completion lengths, num_generations=4, a prompt of one token) and must
+equal TRL's to 1e-5 in float32: log-probs, entropies and the parameter gradients of a weighted sum,
+on a Llama-style and a Qwen3.5-style (gated delta net hybrid) tiny random-weight model. Then the
+handle (install / uninstall restore TRL's method) and the refusals (every argument nopad does not
+serve is a ValueError naming it). Skipped without TRL unless NOPAD_REQUIRE_TRL=1.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+try:
+    from accelerate import Accelerator
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    from trl.trainer.rloo_trainer import RLOOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+except Exception as exc:  # noqa: BLE001 - any failure to import TRL means these tests cannot run
+    if os.environ.get("NOPAD_REQUIRE_TRL") == "1":
+        raise
+    pytest.skip(f"trl is not importable here ({exc!r})", allow_module_level=True)
+
+from nopad.integrations import trl as nopad_trl  # noqa: E402
+from nopad.integrations.trl import _install  # noqa: E402  # private: the active patch, the checkpoint test, the call count
+from nopad.synthetic import tiny_causal_lm  # noqa: E402
+
+METHOD = "_get_per_token_logps_and_entropies"
+TRAINERS = (GRPOTrainer, RLOOTrainer)
+VOCAB, TOL = 97, 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _no_patch_left_behind():
+    yield
+    nopad_trl.uninstall()
+
+
+def trl_method(cls: type):
+    """TRL's own method, whatever is installed now."""
+    patch = _install._ACTIVE
+    if patch is not None and cls in patch.originals:
+        return patch.originals[cls]
+    return cls.__dict__[METHOD]
+
+
+def fake_trainer(temperature: float = 0.7, cast_lm_head_to_fp32: bool = False, accelerator=None):
+    """What the method reads of its trainer: the accelerator (autocast, unwrap), temperature, args."""
+    return types.SimpleNamespace(
+        accelerator=accelerator if accelerator is not None else Accelerator(cpu=True),
+        temperature=temperature,
+        args=types.SimpleNamespace(cast_lm_head_to_fp32=cast_lm_head_to_fp32),
+    )
+
+
+def model_of(arch: str, temperature: float = 0.7) -> torch.nn.Module:
+    """A tiny random-weight model with TRL's fused head added, as GRPOTrainer's __init__ does."""
+    model = tiny_causal_lm(arch, vocab=VOCAB, hidden=32, layers=2, seed=0)
+    model.train()
+    add_fused_lm_head(model, temperature=temperature, outputs=("log_probs", "entropy"))
+    return model
+
+
+def grpo_batch(num_generations: int = 4, seed: int = 0):
+    """A GRPO batch as TRL pads it: 3 prompts (lengths 1, 5, 3) each repeated num_generations times,
+    prompts left-padded to P, completions right-padded to C, long-tailed completion lengths (most
+    short, one of the full width C, one empty as a truncated completion whose mask TRL zeroes)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = [1, 5, 3]
+    P, C = max(prompt_lens), 24
+    rows = len(prompt_lens) * num_generations
+    lengths = (torch.distributions.Exponential(0.4).sample((rows,)).ceil().long()).clamp(1, C)
+    lengths[0], lengths[-1] = C, 0
+    input_ids = torch.randint(1, VOCAB, (rows, P + C), generator=g)
+    mask = torch.zeros(rows, P + C, dtype=torch.long)
+    for i in range(rows):
+        p = prompt_lens[i // num_generations]
+        input_ids[i, P - p : P] = input_ids[(i // num_generations) * num_generations, P - p : P]
+        mask[i, P - p : P] = 1
+        mask[i, P : P + int(lengths[i])] = 1
+    return input_ids.masked_fill(mask == 0, 0), mask, C
+
+
+def run(method, trainer, model, input_ids, mask, C, **kwargs):
+    model.zero_grad(set_to_none=True)
+    logps, entropies, aux = method(trainer, model, input_ids, mask, C, compute_entropy=True, **kwargs)
+    weights = torch.linspace(-1.0, 1.0, logps.numel()).view_as(logps)
+    (logps * weights).sum().add((entropies * weights.flip(0)).sum()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logps.detach(), entropies.detach(), aux, grads
+
+
+@pytest.mark.parametrize("cls", TRAINERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("batch_size", [None, 5])
+def test_packed_method_equals_trl_s_own_log_probs_entropies_and_gradients(cls, arch, batch_size):
+    torch.manual_seed(0)
+    model, trainer = model_of(arch), fake_trainer()
+    input_ids, mask, C = grpo_batch()
+    ref = run(trl_method(cls), trainer, model, input_ids, mask, C, batch_size=batch_size)
+    with nopad_trl.install():
+        ours = run(getattr(cls, METHOD), trainer, model, input_ids, mask, C, batch_size=batch_size)
+    assert ours[0].shape == ref[0].shape == (input_ids.shape[0], C)
+    assert ours[0].dtype == ref[0].dtype and ours[2] is None and ref[2] is None
+    assert (ours[0][mask[:, -C:] == 0] == 0).all() and (ours[1][mask[:, -C:] == 0] == 0).all()
+    torch.testing.assert_close(ours[0], ref[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(ours[1], ref[1], atol=TOL, rtol=0)
+    assert ours[3].keys() == ref[3].keys() and ref[3]
+    for name in ref[3]:
+        torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_checkpointed_model_recomputes_packed_in_backward_and_is_restored_after(arch):
+    """GRPOConfig checkpoints activations by default: the layers recompute in backward, after the
+    forward returned; the packed attention must still be in place then, and gone after."""
+    torch.manual_seed(0)
+    model, trainer = model_of(arch), fake_trainer()
+    model.gradient_checkpointing_enable()
+    implementation = model.config._attn_implementation
+    input_ids, mask, C = grpo_batch(seed=2)
+    ref = run(trl_method(GRPOTrainer), trainer, model, input_ids, mask, C, batch_size=5)
+    with nopad_trl.install():
+        ours = run(GRPOTrainer._get_per_token_logps_and_entropies, trainer, model, input_ids, mask, C, batch_size=5)
+        assert model.config._attn_implementation == implementation  # released once backward passed
+        with torch.no_grad():  # the old-policy / reference forwards: nothing held
+            plain = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)[0]
+        assert model.config._attn_implementation == implementation
+        # a forward whose backward never comes: released at the next call, before its forward
+        GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)
+        assert model.config._attn_implementation != implementation
+        GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)[0].sum().backward()
+        assert model.config._attn_implementation == implementation
+        holed = mask.clone()
+        holed[0, -C + 2] = 0  # refused while converting, after the switch: the model is put back at once
+        with pytest.raises(ValueError, match="attention_mask row 0"):
+            GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, holed, C)
+        assert model.config._attn_implementation == implementation
+    torch.testing.assert_close(plain, ref[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(ours[0], ref[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(ours[1], ref[1], atol=TOL, rtol=0)
+    assert ours[3].keys() == ref[3].keys() and ref[3]
+    for name in ref[3]:
+        torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
+
+
+def test_entropy_not_asked_is_none_and_log_probs_equal():
+    model, trainer = model_of("llama"), fake_trainer()
+    input_ids, mask, C = grpo_batch(seed=1)
+    with torch.no_grad():
+        ref, ref_entropy, _ = trl_method(GRPOTrainer)(trainer, model, input_ids, mask, C)
+        with nopad_trl.install():
+            ours, entropy, aux = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)
+    assert entropy is None and ref_entropy is None and aux is None
+    torch.testing.assert_close(ours, ref, atol=TOL, rtol=0)
+
+
+def test_install_replaces_both_trainers_and_uninstall_restores_trl_s_method():
+    originals = {cls: cls.__dict__[METHOD] for cls in TRAINERS}
+    patch = nopad_trl.install()
+    assert patch.active and patch.trainers == ["GRPOTrainer", "RLOOTrainer"]
+    assert nopad_trl.install() is patch  # idempotent
+    for cls in TRAINERS:
+        assert cls.__dict__[METHOD] is not originals[cls]
+        assert patch.originals[cls] is originals[cls]
+        assert getattr(cls, METHOD).__name__ == METHOD  # TRL's profiling names its timings by it
+    patch.uninstall()
+    assert not patch.active
+    for cls in TRAINERS:
+        assert cls.__dict__[METHOD] is originals[cls]
+    patch.uninstall()  # idempotent
+    with nopad_trl.install() as scoped:
+        assert scoped.active and GRPOTrainer.__dict__[METHOD] is not originals[GRPOTrainer]
+    assert all(cls.__dict__[METHOD] is originals[cls] for cls in TRAINERS)
+    nopad_trl.install()
+    nopad_trl.uninstall()  # the module-level undo
+    assert all(cls.__dict__[METHOD] is originals[cls] for cls in TRAINERS)
+
+
+def test_install_refuses_a_trl_method_with_parameters_it_does_not_know(monkeypatch):
+    original = GRPOTrainer.__dict__[METHOD]
+
+    def newer(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, new_option=None):
+        return original(self, model, input_ids, attention_mask, logits_to_keep, batch_size)
+
+    monkeypatch.setattr(GRPOTrainer, METHOD, newer)
+    with pytest.raises(RuntimeError, match="new_option"):
+        nopad_trl.install()
+    assert GRPOTrainer.__dict__[METHOD] is newer and RLOOTrainer.__dict__[METHOD] is trl_method(RLOOTrainer)
+    with pytest.raises(ValueError, match="check_version"):
+        nopad_trl.install(check_version="no")
+
+
+VISION = {
+    "pixel_values": torch.zeros(1, 3),
+    "image_grid_thw": torch.ones(1, 3, dtype=torch.long),
+    "num_images": [1] * 12,
+    "pixel_attention_mask": torch.ones(1, 3),
+    "spatial_shapes": torch.ones(1, 2),
+    "num_tiles": [1] * 12,
+    "image_sizes": torch.ones(1, 2),
+    "token_type_ids": torch.zeros(12, 29, dtype=torch.long),
+    "mm_token_type_ids": torch.zeros(12, 29, dtype=torch.long),
+    "image_position_ids": torch.zeros(1, 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VISION))
+def test_every_input_nopad_does_not_serve_is_refused_by_name(name):
+    model, trainer = model_of("llama"), fake_trainer()
+    input_ids, mask, C = grpo_batch()
+    nopad_trl.install()
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C, **{name: VISION[name]})
+
+
+def test_aux_loss_head_precision_wrapped_models_and_bad_arguments_are_refused_by_name():
+    model, trainer = model_of("llama"), fake_trainer()
+    input_ids, mask, C = grpo_batch()
+    nopad_trl.install()
+    method = GRPOTrainer._get_per_token_logps_and_entropies
+    with pytest.raises(ValueError, match="compute_aux_loss"):
+        method(trainer, model, input_ids, mask, C, compute_aux_loss=True)
+    for bad in (0, input_ids.shape[1], 2.0, True):
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            method(trainer, model, input_ids, mask, bad)
+    with pytest.raises(ValueError, match="batch_size"):
+        method(trainer, model, input_ids, mask, C, batch_size=-1)
+    with pytest.raises(ValueError, match="attention_mask"):
+        method(trainer, model, input_ids, mask[:, 1:], C)
+    with pytest.raises(ValueError, match="compute_entropy"):
+        method(trainer, model, input_ids, mask, C, compute_entropy="yes")
+    # TRL's cast_lm_head_to_fp32: served where the head is float32 without mixed precision, else refused
+    fp32 = method(fake_trainer(cast_lm_head_to_fp32=True), model, input_ids, mask, C)[0]
+    torch.testing.assert_close(fp32, method(trainer, model, input_ids, mask, C)[0], atol=0, rtol=0)
+    model.lm_head.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32"):
+        method(fake_trainer(cast_lm_head_to_fp32=True), model, input_ids, mask, C)
+    model.lm_head.float()
+
+    class Wrapping:  # an accelerator whose unwrap_model finds a model inside the one TRL passes (DDP, ...)
+        is_main_process = True
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def unwrap_model(self, model):
+            return self.inner
+
+        def autocast(self):
+            return torch.autocast("cpu", enabled=False)
+
+    wrapper = torch.nn.Module()
+    with pytest.raises(ValueError, match=r"^nopad\.integrations\.trl: model"):
+        method(fake_trainer(accelerator=Wrapping(model)), wrapper, input_ids, mask, C)
+    # a row nopad cannot convert (a hole inside the completion) is refused by name, never guessed
+    holed = mask.clone()
+    holed[0, -C + 2] = 0
+    with pytest.raises(ValueError, match="attention_mask row 0"):
+        method(trainer, model, input_ids, holed, C)
+
+
+# --- TRL's trainers driven end to end: alone, then with install(), the same seed --------------------
+
+WORDS = ["<pad>", "<eos>", "<unk>"] + [chr(ord("a") + i) for i in range(17)]
+PROMPTS = ["a", "b c d e", "f g", "h i j k l m", "n", "o p q"]  # "a": a prompt of one token
+
+
+def word_tokenizer():
+    """A word-level tokenizer built here (no download), with pad and eos tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def length_reward(completions, **kwargs):
+    return [len(c.split()) / 10 for c in completions]
+
+
+def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
+    """Two steps of TRL's GRPO or RLOO trainer on CPU; returns (log history, grads before each
+    optimizer step, weights after each step, packed forwards run). The reference model (beta > 0)
+    is loaded by TRL from the tiny model saved under tmp_path (the policy's name_or_path)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, RLOOConfig
+
+    module = _install
+
+    saved = tmp_path / f"{arch}-model"
+    model = tiny_causal_lm(arch, vocab=len(WORDS), hidden=32, layers=2, seed=0)
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.eos_token_id = 0, 1
+    if not saved.exists():
+        model.save_pretrained(saved)
+    model.config._name_or_path = str(saved)
+
+    class Record(TrainerCallback):
+        grads: list = []
+        weights: list = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+            assert _install._checkpointed(model)  # TRL's default: the layers recomputed in this backward
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.weights.append({k: p.detach().clone() for k, p in model.named_parameters()})
+
+    calls = []
+    counted = module.packed_logprobs
+    monkeypatch.setattr(module, "packed_logprobs", lambda *a, **k: calls.append(1) or counted(*a, **k))
+    common = dict(
+        output_dir=str(tmp_path / f"{kind}-{arch}-{packed}"),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=12,  # truncates: about a third of the completions are cut
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        seed=7,
+        save_strategy="no",
+        # gradient_checkpointing left at TRL's default (on): the layers recompute packed in backward
+        optim="sgd",  # weights differ by lr x the gradients' difference (Adam would amplify the near-zero ones)
+        learning_rate=0.1,
+        temperature=0.7,  # TRL divides the logits by it, in generation and in the log-probs
+        bf16=False,  # float32: TRL's configs turn bf16 autocast on by default
+    )
+    record = Record()
+    record.grads, record.weights = [], []
+    if kind == "grpo":
+        args = GRPOConfig(**common, beta=0.04, num_iterations=2)  # a reference model and old log-probs
+        trainer_cls = GRPOTrainer
+    elif kind == "grpo-masks":  # entropy masking, and truncated completions masked out (prompt-only rows)
+        args = GRPOConfig(**common, top_entropy_quantile=0.2, mask_truncated_completions=True)
+        trainer_cls = GRPOTrainer
+    else:
+        args = RLOOConfig(**common)  # beta 0.05 by default: a reference model
+        trainer_cls = RLOOTrainer
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        processing_class=word_tokenizer(),
+        callbacks=[record],
+    )
+    if packed:
+        with nopad_trl.install():
+            trainer.train()
+    else:
+        trainer.train()
+    return trainer.state.log_history, record.grads, record.weights, len(calls)
+
+
+TIMINGS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["grpo", "grpo-masks", "rloo"])
+def test_trl_trainer_two_steps_alone_and_installed_log_the_same_and_train_the_same_weights(
+    kind, arch, tmp_path, monkeypatch
+):
+    logs, grads, weights, calls = drive(kind, arch, tmp_path, False, monkeypatch)
+    assert calls == 0
+    logs_nopad, grads_nopad, weights_nopad, calls_nopad = drive(kind, arch, tmp_path, True, monkeypatch)
+    assert calls_nopad > 0, "install() did not route the trainer's log-probs to nopad"
+    assert len(logs) == len(logs_nopad) == 3 and len(grads) == len(grads_nopad) == 2 == len(weights_nopad)
+    assert any("loss" in entry for entry in logs)
+    for ours, theirs in zip(logs_nopad, logs):
+        assert ours.keys() == theirs.keys()
+        for key in theirs:
+            if key not in TIMINGS:
+                assert ours[key] == pytest.approx(theirs[key], abs=1e-5, rel=0), (key, ours[key], theirs[key])
+    for ours, theirs in (*zip(grads_nopad, grads), *zip(weights_nopad, weights)):
+        assert ours.keys() == theirs.keys() and theirs
+        for name in theirs:
+            torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=0, msg=name)
