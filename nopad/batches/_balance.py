@@ -29,7 +29,7 @@ from nopad.batches._partition import (
 )
 from nopad.core._batch import check_choice
 from nopad.core._errors import check_flag, check_int, input_error
-from nopad.core._layout import device_to_host, round_up
+from nopad.core._layout import ceil_div, device_to_host, round_up
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def _one_reduce_count(work, tokens, budget, step, least, group, dp_group) -> lis
     """nopad's count: every rank's smallest fitting count, their max in one all_reduce."""
     groups = len(tokens)
     least = 1 if least is None else least
-    start = round_up(max(min(groups, -(-int(tokens.sum()) // budget)), least, 1), step)
+    start = round_up(max(min(groups, ceil_div(int(tokens.sum()), budget)), least, 1), step)
     fit_count, fitting = first_fit(work, tokens, budget, start, step)
     count, longest, fewest_groups = fit_count, int(tokens.max()), groups
     if dp_group is not None:
@@ -224,7 +224,7 @@ def _verl_count(work, tokens, budget, step, least, group, dp_group) -> list[list
     """verl's count, step for step: the lower bound, made equal over the group (MAX), rounded up to the
     step, raised until every rank's Karmarkar-Karp partition fits (a MIN all_reduce per try)."""
     groups = len(tokens)
-    count = min(groups, -(-int(tokens.sum()) // budget))
+    count = min(groups, ceil_div(int(tokens.sum()), budget))
     if least is not None:
         count = max(least, count)
     longest, fewest = int(tokens.max()), groups

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from nopad.core._layout import host_starts
+
 # A set: (-sum, -count, -first item, first item, last item); a state: the list of its non-empty sets,
 # ascending, so in descending order of (sum, count, first item). ``after[i]``: the item after i in its set.
 _Set = tuple[int, int, int, int, int]
@@ -139,7 +141,7 @@ def fits(partitions: list[list[int]], tokens: np.ndarray, budget: int) -> bool:
         return bool(partitions) and all(int(tokens[p].sum()) <= budget for p in partitions)
     sizes = np.fromiter((len(p) for p in partitions), dtype=np.int64, count=len(partitions))
     flat = tokens[np.fromiter((i for p in partitions for i in p), dtype=np.int64, count=int(sizes.sum()))]
-    return bool((np.add.reduceat(flat, np.cumsum(sizes) - sizes) <= budget).all())
+    return bool((np.add.reduceat(flat, host_starts(sizes)) <= budget).all())
 
 
 def split_until(partitions: list[list[int]], count: int, tokens: np.ndarray) -> list[list[int]]:
@@ -177,7 +179,7 @@ def order_partitions(partitions: list[list[int]], group: int, row_work: np.ndarr
         return rows
     sizes = np.fromiter((len(p) for p in rows), dtype=np.int64, count=len(rows))
     flat = np.fromiter((i for p in rows for i in p), dtype=np.int64, count=int(sizes.sum()))
-    starts = np.cumsum(sizes) - sizes
+    starts = host_starts(sizes)
     loads = np.add.reduceat(row_work[flat], starts[sizes > 0]) if flat.size else np.zeros(0, dtype=np.int64)
     load = np.zeros(len(rows), dtype=np.int64)
     load[sizes > 0] = loads  # an empty partition weighs 0

@@ -32,7 +32,9 @@ from nopad.core._layout import (
     device_to_host,
     expand_ranges,
     gather_index_dtype,
+    host_offsets,
     host_ranges,
+    host_starts,
     host_to_device,
     is_jagged,
     is_nested,
@@ -90,7 +92,7 @@ class RowPlan:
     @property
     def starts(self) -> np.ndarray:
         """(parts,) first output row of each part."""
-        return np.cumsum(self.sizes) - self.sizes
+        return host_starts(self.sizes)
 
     def pick(self, per_row: np.ndarray) -> np.ndarray:
         """A host per-source-row array in output order."""
@@ -320,26 +322,24 @@ class _TokenGroup:
     """The nested fields that share their sources' offsets: their token gather and the parts' offsets."""
 
     def __init__(self, lengths: np.ndarray, plan: RowPlan, width: int | None = None) -> None:
-        source_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=source_offsets[1:])
+        source_offsets = host_offsets(lengths)
         self.sources_total = int(source_offsets[-1])  # the gathers read tokens below it
         self.lengths = plan.pick(lengths)  # output row lengths
         self.plan = plan
-        ends = np.cumsum(self.lengths)
-        self.total = int(ends[-1]) if len(ends) else 0
-        part_ends = np.cumsum(plan.sizes)
-        bounds = np.concatenate([[0], ends])[np.concatenate([[0], part_ends])]
+        offsets = host_offsets(self.lengths)
+        self.total = int(offsets[-1])
+        bounds = offsets[host_offsets(plan.sizes)]
         self.tokens_per_part = np.diff(bounds)
         # every part's offsets, rebased to 0, back to back: (rows + parts,)
         at = host_ranges(plan.starts, plan.sizes + 1)
-        self.part_offsets = np.concatenate([[0], ends])[at] - np.repeat(bounds[:-1], plan.sizes + 1)
+        self.part_offsets = offsets[at] - np.repeat(bounds[:-1], plan.sizes + 1)
         self.steps = None
         if plan.rows is not None:
             self.steps = range_steps(source_offsets[plan.rows], self.lengths)
         self.row_starts: np.ndarray | None = None  # each output row's first padded slot in its part
         if width is not None:
             local_row = np.arange(plan.count) - np.repeat(plan.starts, plan.sizes)
-            self.row_starts = np.concatenate([np.concatenate([[0], ends]), local_row * width])
+            self.row_starts = np.concatenate([offsets, local_row * width])
         self.token_index: Tensor | None = None
         self.offsets: list[Tensor] = []
         self.row_starts_d: Tensor | None = None

@@ -89,6 +89,16 @@ def prepare_offsets(lengths: Tensor) -> Tensor:
     return torch.nn.functional.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
 
 
+def host_offsets(lengths: Any) -> np.ndarray:
+    """(B,) host lengths -> (B+1,) int64 offsets from 0: THE host twin of :func:`prepare_offsets`."""
+    return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+
+
+def host_starts(lengths: Any) -> np.ndarray:
+    """(B,) host lengths -> (B,) int64 start of each back-to-back run (its offset). Host math."""
+    return host_offsets(lengths)[:-1]
+
+
 def _is_integer(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
@@ -124,7 +134,12 @@ def as_lengths(lengths: Any, field: str, *, non_empty: bool = True) -> Tensor:
 def round_up(n: Any, multiple: Any) -> Any:
     """Smallest multiple of ``multiple`` that is >= ``n``: an int, or elementwise on a numpy array or a
     tensor. THE round-up of nopad (alignment, SP padding, bin counts). No sync."""
-    return -(-n // multiple) * multiple
+    return ceil_div(n, multiple) * multiple
+
+
+def ceil_div(n: Any, d: Any) -> Any:
+    """``ceil(n / d)`` in integers, as :func:`round_up` takes them (THE ceil split: pieces, chunks, bins)."""
+    return -(-n // d)
 
 
 def spread_over_tokens(per_row: Tensor, offsets: Tensor, total: int, *, plus_position: bool = False) -> Tensor:
@@ -186,8 +201,7 @@ def range_steps(firsts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np
     their concatenation, and the step the running sum takes there. Numpy, no device."""
     keep = lengths > 0
     firsts, lengths = firsts[keep], lengths[keep]
-    ends = np.cumsum(lengths)
-    positions = ends - lengths
+    positions = host_starts(lengths)
     steps = firsts.copy()
     steps[1:] -= firsts[:-1] + lengths[:-1] - 1  # from the previous range's last value
     return positions, steps
@@ -371,8 +385,7 @@ class IndexPlan:
         """
         device = torch.device(device)
         rows = np.arange(len(lengths), dtype=np.int64)
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = host_offsets(lengths)
         total = int(offsets[-1])
         firsts, spans = [rows * width + starts], [lengths]
         response_total, response_lens = 0, np.zeros(0, dtype=np.int64)

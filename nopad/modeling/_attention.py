@@ -45,7 +45,9 @@ from nopad.core._errors import check_int, free_to_read, input_error
 from nopad.core._layout import (
     IndexPlan,
     block_causal_mask,
+    ceil_div,
     device_to_host,
+    host_offsets,
     host_to_device,
     known_host_lengths,
     remember_host_lengths,
@@ -570,11 +572,11 @@ def _split(cu_seqlens: Tensor, chunk: int) -> tuple[Tensor, int]:
     lengths = known_host_lengths(cu_seqlens)
     if lengths is None:
         lengths = np.diff(device_to_host(cu_seqlens.to(torch.int64)))
-    pieces = -(-lengths // chunk)
+    pieces = ceil_div(lengths, chunk)
     sizes = np.full(int(pieces.sum()), chunk, dtype=np.int64)
     last = np.cumsum(pieces) - 1
     sizes[last[pieces > 0]] = lengths[pieces > 0] - chunk * (pieces[pieces > 0] - 1)
-    cu = host_to_device(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), cu_seqlens.device)
+    cu = host_to_device(host_offsets(sizes), cu_seqlens.device)
     cu = cu.to(torch.int32)
     remember_host_lengths(cu, sizes)
     return cu, int(sizes.max()) if len(sizes) else 0

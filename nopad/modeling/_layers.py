@@ -38,7 +38,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nopad.core._errors import input_error
-from nopad.core._layout import IndexPlan, device_to_host, host_to_device, position_ids_of, spread_over_tokens
+from nopad.core._layout import (
+    IndexPlan,
+    ceil_div,
+    device_to_host,
+    host_offsets,
+    host_starts,
+    host_to_device,
+    position_ids_of,
+    spread_over_tokens,
+)
 from nopad.core._probe import probe
 
 
@@ -69,7 +78,7 @@ class PackedRow:
     def from_lengths(cls, lengths: Any, device: torch.device | str = "cpu") -> PackedRow:
         """From host lengths (a sequence of ints or an int64 array). No sync."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        cu = host_to_device(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), torch.device(device))
+        cu = host_to_device(host_offsets(lengths), torch.device(device))
         return cls(cu, lengths)
 
     @property
@@ -126,13 +135,13 @@ class ChunkLayout:
 
     def __init__(self, row: PackedRow, chunk: int) -> None:
         self.chunk = chunk
-        chunks = -(-row.lengths // chunk)  # n_i
+        chunks = ceil_div(row.lengths, chunk)  # n_i
         order = np.argsort(-chunks, kind="stable")
         rank = np.empty_like(order)
         rank[order] = np.arange(len(order))
         longest = int(chunks.max()) if len(chunks) else 0
         counts = (chunks[None, :] > np.arange(longest)[:, None]).sum(1)  # sequences with a c-th chunk
-        firsts = np.cumsum(counts) - counts
+        firsts = host_starts(counts)
         self.num_chunks = int(counts.sum())
         self.steps = list(zip(firsts.tolist(), counts.tolist()))
         first_d, rank_d = host_to_device(np.concatenate([firsts, rank]).astype(np.int64), row.device).split(
@@ -410,7 +419,7 @@ def _probe(form: str, device: str) -> str | None:
     backward; else why not (also warned once: :func:`nopad.core._probe.probe`). Host syncs: once per
     process and device."""
     lengths = np.array([37, 1, 5, 64, 20], dtype=np.int64)
-    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))  # each run's own row: made in its context
+    cu = torch.from_numpy(host_offsets(lengths))  # each run's own row: made in its context
 
     def on_row(run: Callable) -> Callable:
         def call(*tensors: Tensor) -> list[Tensor]:

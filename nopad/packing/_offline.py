@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from nopad.core._errors import check_int, input_error
-from nopad.core._layout import host_ranges, round_up
+from nopad.core._layout import ceil_div, host_offsets, host_ranges, host_starts, round_up
 from nopad.packing._algorithms import ALGORITHMS, bin_of_items
 from nopad.packing._rows import (
     TOKEN_FIELDS,
@@ -205,7 +205,7 @@ def _segments(lengths: np.ndarray, report: PackReport, overflow: str) -> _Segmen
         pieces = (~empty & ~too_long).astype(np.int64)
     else:
         report.split = np.flatnonzero(too_long).tolist()
-        pieces = -(-lengths // step)
+        pieces = ceil_div(lengths, step)
         report.split_pieces = int(pieces[too_long].sum())
     conversation = np.repeat(np.arange(len(lengths)), pieces)
     start = host_ranges(np.zeros_like(pieces), pieces) * step  # 0, step, 2 * step, ... inside each conversation
@@ -236,7 +236,7 @@ def _token_columns(
     token_mask = shifted[1:]
     target_ids = np.empty(total, dtype=np.int64)
     target_ids[:-1] = input_ids[1:]
-    no_label = host_ranges(np.cumsum(padded) - padded + real - 1, padded - real + 1)
+    no_label = host_ranges(host_starts(padded) + real - 1, padded - real + 1)
     token_mask[no_label] = 0
     target_ids[no_label] = pad
     position_ids = np.empty(total, dtype=np.int64)
@@ -265,8 +265,7 @@ def _columns(convs: _Conversations, segments: _Segments, bin_of: np.ndarray, ali
     padded = round_up(segments.length[order], alignment)
     row_sizes = np.bincount(bin_of)  # segments per row: every bin holds at least one
     values["packed_cu_seqlens"], cu_off = boundaries(padded, row_sizes)
-    row_off = np.zeros(len(row_sizes) + 1, dtype=np.int64)
-    row_off[1:] = np.cumsum(padded)[np.cumsum(row_sizes) - 1]  # where each row's last segment ends
+    row_off = host_offsets(padded)[host_offsets(row_sizes)]  # where each row's first segment starts
     return Columns(values, {f: row_off for f in TOKEN_FIELDS} | {"packed_cu_seqlens": cu_off})
 
 

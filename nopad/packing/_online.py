@@ -14,7 +14,15 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad.core._errors import check_int, input_error
-from nopad.core._layout import IndexPlan, check_nested, jagged_values, nested_offsets, position_ids_of, round_up
+from nopad.core._layout import (
+    IndexPlan,
+    check_nested,
+    host_starts,
+    jagged_values,
+    nested_offsets,
+    position_ids_of,
+    round_up,
+)
 from nopad.packing._algorithms import ALGORITHMS, Bins, pack_lengths
 from nopad.parallel._cp import CpLayout, cp_alignment
 
@@ -27,9 +35,7 @@ def bin_layout(bins: Bins, padded_lengths: np.ndarray) -> tuple[np.ndarray, np.n
     order = np.concatenate([np.sort(np.asarray(b, dtype=np.int64)) for b in bins]) if bins else np.zeros(0, np.int64)
     sizes = np.array([len(b) for b in bins], dtype=np.int64)
     bin_of_item = np.repeat(np.arange(len(bins)), sizes)
-    first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    ends = np.cumsum(padded_lengths[order])
-    begins = ends - padded_lengths[order]
+    first, begins = host_starts(sizes), host_starts(padded_lengths[order])
     seq_bin, seq_rank, seq_start = (np.empty_like(order) for _ in range(3))
     seq_bin[order] = bin_of_item
     seq_rank[order] = np.arange(len(order)) - first[bin_of_item]

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from nopad.core._errors import input_error
-from nopad.core._layout import prepare_offsets, row_ids_of
+from nopad.core._layout import host_offsets, host_starts, prepare_offsets, row_ids_of
 
 ROW_FIELDS = ("input_ids", "target_ids", "token_mask", "position_ids", "packed_cu_seqlens")
 TOKEN_FIELDS = ROW_FIELDS[:4]
@@ -64,14 +64,12 @@ def boundaries(padded: np.ndarray, row_sizes: np.ndarray) -> tuple[np.ndarray, n
     """Segment lengths in row order and how many segments each row holds -> packed_cu_seqlens, flat
     (each row's ``[0, b_1, ..., L]``) and its (rows+1,) offsets."""
     rows, segs = len(row_sizes), len(padded)
-    ends = np.cumsum(padded)
-    row_first = np.cumsum(row_sizes) - row_sizes  # first segment of each row
-    row_start = ends[row_first] - padded[row_first] if segs else np.zeros(rows, dtype=np.int64)
-    offsets = np.zeros(rows + 1, dtype=np.int64)
-    np.cumsum(row_sizes + 1, out=offsets[1:])
+    cu = host_offsets(padded)
+    row_start = cu[host_starts(row_sizes)]  # where each row's first segment starts
+    offsets = host_offsets(row_sizes + 1)
     flat = np.zeros(segs + rows, dtype=np.int64)  # each row's leading 0 stays
     segment_slot = np.arange(segs) + np.repeat(np.arange(1, rows + 1), row_sizes)
-    flat[segment_slot] = ends - np.repeat(row_start, row_sizes)
+    flat[segment_slot] = cu[1:] - np.repeat(row_start, row_sizes)
     return flat, offsets
 
 
@@ -107,7 +105,7 @@ class Columns:
             parts = [np.asarray(r[f], dtype=np.int64) for r in rows]
             joined = _back_to_back(parts)
             values[f] = joined if joined is not None else np.concatenate([np.zeros(0, dtype=np.int64), *parts])
-            offsets[f] = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
+            offsets[f] = host_offsets([len(p) for p in parts])
         return cls(values, offsets)
 
     def checksum(self) -> str:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nopad.core._errors import check_int, free_to_read, input_error
-from nopad.core._layout import prepare_offsets, round_up
+from nopad.core._layout import host_offsets, prepare_offsets, round_up
 
 CpLayout = Literal["zigzag", "contiguous"]
 CP_LAYOUTS = ("zigzag", "contiguous")
@@ -136,11 +136,7 @@ def real_token_pieces(cu_seqlens_padded: Any, lengths: Any, local_len: int, cp_s
     one sequence's real tokens inside one chunk: 2*cp_size per sequence under zigzag (some empty),
     else one. No sync.
     """
-    token_starts: Any
-    if isinstance(lengths, Tensor):
-        token_starts = prepare_offsets(lengths)
-    else:
-        token_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    token_starts: Any = prepare_offsets(lengths) if isinstance(lengths, Tensor) else host_offsets(lengths)
     cu = cu_seqlens_padded
     if cp_layout != "zigzag" or cp_size == 1:  # the gathered buffer is the padded buffer itself
         return token_starts[1:], cu[:-1] - token_starts[:-1]

@@ -36,6 +36,8 @@ from nopad.core._layout import (
     as_lengths,
     check_nested,
     device_to_host,
+    host_offsets,
+    host_starts,
     host_to_device,
     is_nested,
     jagged_values,
@@ -258,8 +260,7 @@ class ThdPlan:
         self.tp_size, self.cp_size, self.cp_rank = sizes.tp_size, sizes.cp_size, sizes.cp_rank
         self.cp_layout, self.alignment = sizes.cp_layout, sizes.alignment
         padded = padded_lengths_of(lengths, sizes.alignment, sizes.total_multiple)
-        cu = np.zeros(padded.shape[0] + 1, dtype=np.int64)
-        np.cumsum(padded, out=cu[1:])
+        cu = host_offsets(padded)
         self.total, self.source_len = int(lengths.sum()), source_len
         self.padded_total, self.padded_max_seqlen = int(cu[-1]), int(padded.max())
         self.local_len = self.padded_total // self.cp_size
@@ -271,7 +272,7 @@ class ThdPlan:
         self._sources: dict[bool, tuple[Tensor, Tensor]] = {}
         self._unshard_index: Tensor | None = None
         self._batch_offsets = batch_offsets
-        self._back_to_back = source_len == self.total and bool(np.array_equal(source_starts, cu_starts(lengths)))
+        self._back_to_back = source_len == self.total and bool(np.array_equal(source_starts, host_starts(lengths)))
 
     def _chunk_table(self, lengths: np.ndarray, source_starts: np.ndarray) -> dict[str, np.ndarray]:
         """Host arrays of this rank's chunks: their ends and sizes (the runs a slot is found in) and
@@ -506,13 +507,6 @@ def _pad_of(pad_value: float | int, dtype: torch.dtype) -> float | int | bool:
     return bool(pad_value) if dtype == torch.bool else int(pad_value)
 
 
-def cu_starts(lengths: np.ndarray) -> np.ndarray:
-    """Where each of back-to-back sequences of ``lengths`` starts: 0, cumsum(lengths)[:-1]. Host math."""
-    starts = np.zeros_like(lengths)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    return starts
-
-
 def _shown(values: np.ndarray, most: int = 8) -> str:
     items = values.tolist()
     return str(items) if len(items) <= most else f"{str(items[:most])[:-1]}, ... ({len(items)} in all)]"
@@ -559,7 +553,7 @@ def _checked_plan(
         raise input_error(f"{field}", row, "a sequence of >= 1 token", f"length {int(lengths[row])}")
     source_len = int(lengths.sum()) if source_len is None else source_len
     if source_starts is None:
-        source_starts = cu_starts(lengths)
+        source_starts = host_starts(lengths)
     else:
         outside = (source_starts < 0) | (source_starts + lengths > source_len)
         if outside.any():
