@@ -703,9 +703,7 @@ def shifted_loss_mask(loss_mask: Tensor) -> Tensor:
 
 
 def _shifted(loss_mask: Tensor) -> Tensor:
-    plan = IndexPlan.from_nested(loss_mask)
-    values = loss_mask.values().bool()
-    return torch.roll(values, -1, 0) & ~plan.last_token_mask
+    return IndexPlan.from_nested(loss_mask).next_token_labels(loss_mask.values().bool(), False)
 
 
 # ---- helpers --------------------------------------------------------------------------------
