@@ -35,11 +35,10 @@ from nopad.modeling._logprobs import (
     TOKENS,
     ScoredTokens,
     check_label_range,
-    check_temperature,
+    checked_temperature,
     default_tile,
     logits_log_probs,
     scored_tokens,
-    temperature_tensor,
 )
 from nopad.parallel._ulysses import SP_GROUP_KWARG, ULYSSES_PREFIX, gather_seq, padded_length, slice_for_rank
 
@@ -138,12 +137,8 @@ def _checked_nested(micro_batch) -> tuple[Tensor, Tensor]:
 
 def _token_temperature(temperature, plan: IndexPlan, device) -> Tensor | float:
     """A Python float stays a float (no (T,) tensor); a (B,) or 0-d tensor expands per token."""
-    if temperature is None:
-        temperature = 1.0
-    if not isinstance(temperature, Tensor):
-        return check_temperature(temperature)
-    per_row = temperature_tensor(temperature, plan.batch_size, "temperature")
-    return per_row.to(device=device, dtype=torch.float32)[plan.row_ids.to(device)]
+    rows = plan.row_ids.to(device) if isinstance(temperature, Tensor) else None  # (T,) made only when read
+    return checked_temperature(1.0 if temperature is None else temperature, plan.batch_size, rows)
 
 
 def _pad_last(x: Tensor, pad: int, value: Tensor | float) -> Tensor:
@@ -612,10 +607,8 @@ def padded_logprobs(
         rows_per_forward = check_int(rows_per_forward, "rows_per_forward", low=1)
     if temperature is None:
         temperature = get_field(padded, "temperature", 1.0)
-    if isinstance(temperature, Tensor):
-        temperature = temperature_tensor(temperature.cpu(), batch, "temperature").to(temperature.device)
-    else:
-        temperature = check_temperature(temperature)
+    # a tensor is read on the host (a bad row is named on any device); every use below moves it back
+    temperature = checked_temperature(temperature.cpu() if isinstance(temperature, Tensor) else temperature, batch)
     if rows_per_forward is not None and rows_per_forward < batch:
         temperatures = temperature if isinstance(temperature, Tensor) else None
         return torch.cat(

@@ -30,7 +30,7 @@ from torch import Tensor
 from nopad.core._errors import check_flag, free_to_read, input_error
 from nopad.core._layout import check_nested, is_nested, jagged_values, nested_offsets, wrap_jagged
 from nopad.core._torch_internals import cached_seqlens
-from nopad.modeling._logprobs import check_temperature, head_log_probs, temperature_tensor
+from nopad.modeling._logprobs import checked_head
 from nopad.parallel._cp import CpLayout, check_cp_args, check_padded_boundaries, gather_cp_flat, real_tokens_index
 from nopad.parallel._thd import (
     ThdPlan,
@@ -206,12 +206,7 @@ def thd_logprobs(
         got = f"shape {tuple(hidden.shape)}" if isinstance(hidden, Tensor) else type(hidden).__name__
         raise input_error("hidden", None, "Megatron's (local_len, 1, hidden) decoder output of one THD row", got)
     labels = plan.shard(input_ids_nested, need_roll=True)[0]
-    if isinstance(temperature, Tensor):
-        per_row = temperature_tensor(temperature, plan.batch_size, "temperature")
-        temperature = per_row.to(device=labels.device, dtype=torch.float32).index_select(0, plan.segment)
-    else:
-        temperature = check_temperature(temperature)
-    log_probs, entropy = head_log_probs(
+    log_probs, entropy = checked_head(
         hidden[:, 0],
         weight,
         labels,
@@ -221,6 +216,7 @@ def thd_logprobs(
         bias=bias,
         tp_group=tp_group,
         sequence_parallel=sequence_parallel,
+        per_row=(plan.batch_size, plan.segment),
     )
     per_slot = log_probs if entropy is None else torch.stack([log_probs, entropy], -1)
     nested = postprocess_thd(per_slot.unsqueeze(0), packed_seq_params, input_ids_nested, plan=plan, cp_group=cp_group)

@@ -543,6 +543,15 @@ def check_temperature(value: Any, field: str = "temperature") -> float:
     return check_real(value, field, low=0, low_open=True)
 
 
+def checked_temperature(value: Any, rows: int, token_rows: Tensor | None = None) -> Tensor | float:
+    """THE temperature check: a float stays a float (:func:`check_temperature`); a 0-d or (rows,) tensor
+    -> (rows,) by :func:`temperature_tensor`, or float32 per token given ``token_rows`` (T,). No sync."""
+    if not isinstance(value, Tensor):
+        return check_temperature(value)
+    per_row = temperature_tensor(value, rows, "temperature")
+    return per_row if token_rows is None else per_row.to(token_rows.device, torch.float32).index_select(0, token_rows)
+
+
 def temperature_tensor(temperature: Tensor, rows: int, field: str) -> Tensor:
     """(rows,) per-row temperatures from a 0-d or (rows,) tensor of real numbers, checked.
 
@@ -646,11 +655,7 @@ def token_log_probs(
     _check_rows_and_labels(logits, "logits", "(tokens, vocab)", labels)
     check_label_range(labels, logits.shape[1])
     with_entropy = check_flag(with_entropy, "with_entropy")
-    if isinstance(temperature, Tensor):
-        temperature = temperature_tensor(temperature, logits.shape[0], "temperature")
-    else:
-        temperature = check_temperature(temperature)
-    return logits_log_probs(logits, labels, temperature, with_entropy)
+    return logits_log_probs(logits, labels, checked_temperature(temperature, logits.shape[0]), with_entropy)
 
 
 def logits_log_probs(
@@ -746,9 +751,11 @@ def checked_head(
     tp_group: Any = None,
     sequence_parallel: bool = False,
     reduce_hidden_grad: bool = True,
+    per_row: tuple[int, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`head_log_probs`, every argument checked here; ``reduce_hidden_grad=False`` leaves each rank
-    of a ``tp_group`` its own part of the gradient of hidden (what verl's kernel returns: its callers sum it)."""
+    of a ``tp_group`` its own part of the gradient of hidden (what verl's kernel returns: its callers sum it);
+    ``per_row`` (B, each token's row): a temperature tensor is per row, checked as such, read per token."""
     shard = None
     if sequence_parallel is not False:
         sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
@@ -776,10 +783,7 @@ def checked_head(
     logit_scale = check_real(logit_scale, "logit_scale", low=0, low_open=True)
     if softcap is not None:
         softcap = check_real(softcap, "softcap", low=0, low_open=True)
-    if isinstance(temperature, Tensor):
-        temperature = temperature_tensor(temperature, labels.shape[0], "temperature")
-    else:
-        temperature = check_temperature(temperature)
+    temperature = checked_temperature(temperature, *(per_row or (labels.shape[0],)))
     tile = None
     if chunk_size is not None:
         tile = (check_int(chunk_size, "chunk_size", low=1), default_tile(hidden.device)[1])
