@@ -8,6 +8,7 @@ tensor's values, so none adds a host sync. THE int, flag and mask checks (``chec
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Collection, Mapping
@@ -21,6 +22,21 @@ from nopad.core._errors import bounds, input_error
 from nopad.core._layout import is_nested, jagged_values
 
 _SCALARS = (type(None), bool, str, bytes, numbers.Number)
+
+
+def parameters_of(fn: Any) -> Mapping[str, inspect.Parameter]:
+    """``fn``'s parameters by name; empty where its signature cannot be read. THE reading of a signature."""
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def takes(fn: Any, name: str, *, any_keyword: bool = True) -> bool:
+    """Whether ``fn`` (a forward, a kernel, an ``__init__``) takes the keyword ``name``; a ``**kwargs`` counts
+    unless ``any_keyword=False``. False where its signature cannot be read."""
+    params = parameters_of(fn)
+    return name in params or (any_keyword and any(p.kind is p.VAR_KEYWORD for p in params.values()))
 
 
 def get_field(batch: Any, key: str, default: Any = None) -> Any:

@@ -12,7 +12,6 @@ row does not have, is dropped inside each sequence, and no other sequence moves)
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nopad.core._batch import check_real
+from nopad.core._batch import check_real, takes
 from nopad.core._errors import check_flag, check_int, input_error
 from nopad.core._layout import IndexPlan
 from nopad.engines._fsdp import prepare_model_inputs
@@ -153,14 +152,6 @@ def probe_lengths(config: Any) -> tuple[int, ...]:
     return PROBE_LENGTHS if limits and longest > min(limits) else (*PROBE_LENGTHS, longest)
 
 
-def _takes(model: torch.nn.Module, name: str) -> bool:
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
 @contextlib.contextmanager
 def _reference_attention(model: torch.nn.Module) -> Iterator[None]:
     """The model's attention as transformers defines it, for the runs alone: an implementation that
@@ -266,7 +257,7 @@ def _compare_alone(
     ids = micro_batch["input_ids"].values()
     positions = micro_batch["position_ids"].values() if "position_ids" in micro_batch else None  # (T,) or (C, T)
     offsets = plan.offsets.tolist()
-    use_cache = {"use_cache": False} if _takes(model, "use_cache") else {}
+    use_cache = {"use_cache": False} if takes(model.forward, "use_cache") else {}
 
     def alone_inputs(i: int) -> dict[str, Any]:
         start, end = offsets[i], offsets[i + 1]

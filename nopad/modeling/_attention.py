@@ -30,7 +30,6 @@ import functools
 import importlib
 import importlib.abc
 import importlib.util
-import inspect
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nopad.core._batch import parameters_of
 from nopad.core._errors import check_int, free_to_read, input_error
 from nopad.core._layout import (
     IndexPlan,
@@ -154,7 +154,7 @@ def _params(fn: Callable) -> frozenset[str]:
     """The keyword names a kernel takes (an aten op's from its schema). Read once per kernel."""
     if isinstance(fn, torch._ops.OpOverloadPacket):
         return frozenset(a.name for a in fn.default._schema.arguments)
-    return frozenset(inspect.signature(fn).parameters)
+    return frozenset(parameters_of(fn))
 
 
 def _refusal(kernel: str, needs: Needs) -> str | None:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nopad.core._batch import takes
 from nopad.core._errors import input_error
 from nopad.core._layout import IndexPlan, known_host_lengths, remember_host_lengths
 from nopad.core._memo import memo, recall, remember
@@ -893,11 +894,8 @@ def _reads_positions(model: torch.nn.Module) -> bool:
     for name, module in model.named_modules():
         if _TOWER.search(name) or "Embedding" in type(module).__name__:
             continue
-        try:
-            if "position_ids" in inspect.signature(module.forward).parameters:
-                return True
-        except (TypeError, ValueError):
-            continue
+        if takes(module.forward, "position_ids", any_keyword=False):
+            return True
     return False
 
 
@@ -1011,15 +1009,7 @@ def _without_cache(kwargs: dict, owner: str, takes_it: bool) -> dict:
 
 def _takes(module: torch.nn.Module, name: str) -> bool:
     """Whether ``module``'s forward takes the keyword ``name`` (or any keyword). Read once per module."""
-
-    def read() -> bool:
-        try:
-            parameters = inspect.signature(module.forward).parameters
-        except (TypeError, ValueError):
-            return False
-        return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-
-    return memo(module, ("takes", name), read)
+    return memo(module, ("takes", name), lambda: takes(module.forward, name))
 
 
 def _row_boundaries(args: tuple, kwargs: dict) -> tuple[Tensor, int] | None:

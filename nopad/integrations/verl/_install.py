@@ -44,7 +44,6 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
-import inspect
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -58,7 +57,7 @@ import nopad.batches._padding as _padding
 import nopad.integrations.verl._head as _head
 import nopad.integrations.verl._models as _models
 import nopad.integrations.verl._rows as _rows
-from nopad.core._batch import get_field
+from nopad.core._batch import get_field, takes
 from nopad.core._errors import check_flag, check_int, check_optional_int, input_error
 from nopad.core._layout import is_nested, known_host_lengths, nested_offsets, remember_host_lengths
 from nopad.core._torch_internals import cached_seqlens, jagged_values, wrap_jagged
@@ -220,7 +219,7 @@ def preprocess_thd_engine(
     if pad_to_length_bucket is not None and pad_to_length_bucket <= 0:
         raise input_error("pad_to_length_bucket", None, "a positive integer", f"{pad_to_length_bucket}")
     params_cls = util.PackedSeqParams  # type: ignore[union-attr]
-    has_mode = _accepts(params_cls, "cp_partition_mode")
+    has_mode = takes(params_cls.__init__, "cp_partition_mode")
     if cp_layout != "zigzag" and cp_size > 1 and not has_mode:
         raise input_error(
             "cp_layout",
@@ -430,14 +429,6 @@ REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
         "_packed_chunk_gated_delta_rule": _packed_chunk_gated_delta_rule,
     },
 }
-
-
-def _accepts(cls: Any, field: str) -> bool:
-    try:
-        params = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        return False
-    return field in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _verl_thd_shard(plan: Any, values: Tensor, need_roll: bool) -> tuple[Tensor, Tensor]:
