@@ -22,7 +22,7 @@ from torch import Tensor
 from nopad._apps.progress import QUIET, Progress
 from nopad.batches._balance import Workload, balanced_partitions
 from nopad.batches._rows import micro_batches, select_rows
-from nopad.core._layout import IndexPlan, nested_offsets
+from nopad.core._layout import IndexPlan, ceil_div, nested_offsets
 from nopad.diagnostics import OpCounter
 
 BUDGET = 16_384
@@ -80,7 +80,7 @@ def loop_partitions(values: list[int], k: int) -> list[list[int]]:
 def loop_micro_batches(td: TensorDict, budget: int) -> tuple[list[TensorDict], list[list[int]]]:
     lengths = td["input_ids"].offsets().diff().tolist()
     work = Workload()(np.array(lengths)).tolist()
-    count = max(1, -(-sum(lengths) // budget))
+    count = max(1, ceil_div(sum(lengths), budget))
     while True:
         parts = loop_partitions(work, count)
         if all(sum(lengths[i] for i in p) <= budget for p in parts):

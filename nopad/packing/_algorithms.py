@@ -14,7 +14,6 @@ a packer calls them once per batch on lengths it already fetched, never per toke
 from __future__ import annotations
 
 import heapq
-import math
 import random
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ from itertools import chain
 import numpy as np
 
 from nopad.core._errors import check_int, input_error
-from nopad.core._layout import round_up
+from nopad.core._layout import ceil_div, round_up
 
 Bins = list[list[int]]
 Lengths = Sequence[int] | np.ndarray
@@ -357,7 +356,7 @@ def packing_metrics(bins: Bins, lengths: Lengths, capacity: int) -> PackingMetri
             f"bins[{over[0]}]", None, f"at most the capacity of {capacity} tokens", f"{loads[over[0]]} tokens"
         )
     total = int(ls.sum())
-    lower = math.ceil(total / capacity)
+    lower = ceil_div(total, capacity)
     slots = len(bins) * capacity
     return PackingMetrics(
         bins=len(bins),
