@@ -398,6 +398,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_head_arguments(parser)
     parser.add_argument(
+        "--trl",
+        action="store_true",
+        help="instead: the per-token log-prob call of one GRPO step, TRL 1.16 alone against "
+        "nopad.integrations.trl.install(): time and peak memory (needs trl)",
+    )
+    from nopad._apps.bench_trl import add_arguments as add_trl_arguments
+
+    add_trl_arguments(parser)
+    parser.add_argument(
         "--plot", metavar="FILE.png", help="write time against batch size to this PNG (default: no plot)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -473,6 +482,10 @@ def run(args: argparse.Namespace) -> int:
         from nopad._apps.bench_head import run as run_head
 
         return run_head(args, format_table)
+    if args.trl:
+        from nopad._apps.bench_trl import run as run_trl
+
+        return run_trl(args, format_table)
     if args.all:
         args.engines = args.packing = args.steps = args.batches = True
     with Progress("nopad bench", _steps(args), quiet=args.quiet) as progress:

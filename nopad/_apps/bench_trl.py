@@ -1,0 +1,356 @@
+"""`nopad bench --trl`: the per-token log-prob call of one GRPO step, TRL alone against ``install()``.
+
+TRL 1.16's ``GRPOTrainer._get_per_token_logps_and_entropies`` scores the completions of a padded
+GRPO batch: prompts left-padded, completions right-padded, ``num_generations`` completions per prompt
+with long-tailed lengths (most short, one per batch of the full width). This bench calls that method
+twice on the same batch and the same model, TRL's own and the one :func:`nopad.integrations.trl.install`
+puts in its place, on a tiny random-weight Llama built here (no download) with a real vocabulary
+(151,936 by default, Qwen's) and TRL's fused head added as ``GRPOTrainer.__init__`` adds it. The
+trainer ``self`` is a stand-in holding what the method reads (``accelerator``, ``temperature``,
+``args.cast_lm_head_to_fp32``), as ``tests/test_integration_trl.py`` builds it.
+
+Two calls per contender, as a GRPO step makes them:
+
+- ``no_grad``: ``compute_entropy=False`` under ``torch.no_grad()`` (the old policy's and the
+  reference model's calls);
+- ``fwd+bwd``: ``compute_entropy=True`` and the backward of the completion tokens' summed log-probs
+  (the policy's call inside the loss).
+
+Timings are the median over ``rounds`` rounds after one warm-up round, the contenders in turn
+(their order swapped every round), all in one process. Peak memory above the model and the batch:
+on CUDA ``torch.cuda.max_memory_allocated`` over the timed calls; on a CPU torch keeps no allocator
+statistics, so the untimed warm-up calls run under a dispatch mode that counts the bytes of every
+tensor storage an op creates while it lives (gradients included, the kernels' own scratch buffers
+not). The ``max |nopad - TRL|`` table compares nopad's log-probs, entropies and parameter gradients
+with TRL's from the warm-up round; the bench stops with an ``AssertionError`` where they disagree.
+
+On a CPU TRL's fused head scores every position of the padded batch (it keeps only the positions
+with a label where Triton runs, on CUDA), nopad's only the completion tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+import types
+import weakref
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nopad._apps.progress import Progress
+
+GIB = 1024**3
+CONTENDERS = ("trl", "nopad")
+METHOD = "_get_per_token_logps_and_entropies"
+# the largest |difference| between TRL's and nopad's results before the bench refuses its timings
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
+CUDA_MEMORY = "torch.cuda.max_memory_allocated above the model and batch"
+CPU_MEMORY = "peak live tensor storage above the model and batch (a dispatch mode: torch keeps no CPU allocator stats)"
+
+
+@dataclass(frozen=True)
+class TrlShape:
+    """A GRPO batch (``prompts`` x ``generations`` rows, prompts up to ``prompt_len`` tokens, completions
+    up to ``completion_len``) on a Llama of ``hidden`` x ``layers`` with a ``vocab``-token head."""
+
+    prompts: int = 2
+    generations: int = 8
+    prompt_len: int = 32
+    completion_len: int = 64
+    vocab: int = 151_936
+    hidden: int = 64
+    layers: int = 2
+    temperature: float = 0.9
+    batch_size: int | None = None  # TRL's row chunks; None: every row in one forward
+    seed: int = 0
+
+
+def grpo_batch(shape: TrlShape, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(input_ids, attention_mask, C)`` as TRL pads them: each prompt (length in [P/4, P]) repeated
+    ``generations`` times and left-padded to P, completions right-padded to C with long-tailed lengths
+    (exponential, mean C/4, at least 1; the first row's of the full width C)."""
+    gen = torch.Generator().manual_seed(shape.seed)
+    P, C = shape.prompt_len, shape.completion_len
+    rows = shape.prompts * shape.generations
+    prompt_lens = torch.randint(max(1, P // 4), P + 1, (shape.prompts,), generator=gen)
+    uniform = torch.rand(rows, generator=gen).clamp_min(1e-12)
+    lengths = (-uniform.log() * C / 4).ceil().long().clamp(1, C)
+    lengths[0] = C
+    input_ids = torch.randint(1, shape.vocab, (rows, P + C), generator=gen)
+    mask = torch.zeros(rows, P + C, dtype=torch.long)
+    for i in range(rows):
+        prompt = i // shape.generations
+        p = int(prompt_lens[prompt])
+        input_ids[i, P - p : P] = input_ids[prompt * shape.generations, P - p : P]  # one prompt, G completions
+        mask[i, P - p : P + int(lengths[i])] = 1
+    return input_ids.masked_fill(mask == 0, 0).to(device), mask.to(device), C
+
+
+def build_model(shape: TrlShape, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The tiny random-weight Llama with TRL's fused head, in training mode, as GRPOTrainer holds it."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from nopad.synthetic import tiny_causal_lm
+
+    model = tiny_causal_lm("llama", vocab=shape.vocab, hidden=shape.hidden, layers=shape.layers, seed=shape.seed)
+    model = model.to(device=device, dtype=dtype).train()
+    add_fused_lm_head(model, temperature=shape.temperature, outputs=("log_probs", "entropy"))
+    return model
+
+
+def fake_trainer(temperature: float, device: str) -> Any:
+    """What the method reads of its trainer: the accelerator (autocast, unwrap), temperature, args."""
+    from accelerate import Accelerator
+
+    return types.SimpleNamespace(
+        accelerator=Accelerator(cpu=torch.device(device).type == "cpu"),
+        temperature=temperature,
+        args=types.SimpleNamespace(cast_lm_head_to_fp32=False),
+    )
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the tensor storages ops create while the mode is on, each counted until it dies
+    (a view shares its base's storage; storages made before, ``ignore``d, never count)."""
+
+    def __init__(self, *before: torch.Tensor) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+        self._before = {t.untyped_storage()._cdata for t in before}
+
+    def _freed(self, key: int, size: int) -> None:
+        self._seen.discard(key)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in self._seen or key in self._before:
+                continue
+            self._seen.add(key)
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(call: Callable[[], Any], device: torch.device) -> tuple[float, float, Any]:
+    """ms of one call, its peak GiB above what was allocated before (CUDA; 0.0 elsewhere), its output."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    _sync(device)
+    start = time.perf_counter()
+    out = call()
+    _sync(device)
+    elapsed = (time.perf_counter() - start) * 1e3
+    gib = (torch.cuda.max_memory_allocated(device) - base) / GIB if cuda else 0.0
+    return elapsed, gib, out
+
+
+def bench_trl(
+    shape: TrlShape = TrlShape(),
+    device: str = "cpu",
+    rounds: int = 3,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """{"shape", "device", "dtype", "memory", "rows": [one per contender], "ratios", "diff"}.
+
+    Each row: median ms of the no_grad and of the fwd+bwd call, and their peak GiB above the inputs.
+    Ratios are TRL's over nopad's (above 1: nopad is faster or smaller)."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    from nopad.integrations import trl as nopad_trl
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    input_ids, mask, C = grpo_batch(shape, device)
+    model = build_model(shape, device, dtype)
+    trainer = fake_trainer(shape.temperature, device)
+    completion_mask = mask[:, -C:]
+    params = [p for p in model.parameters() if p.requires_grad]
+    patch = nopad_trl.install()
+    try:
+        methods = {"trl": patch.originals[GRPOTrainer], "nopad": GRPOTrainer.__dict__[METHOD]}
+
+        def no_grad(name: str) -> tuple[torch.Tensor, None, None]:
+            with torch.no_grad():
+                logps, _, _ = methods[name](trainer, model, input_ids, mask, C, shape.batch_size)
+            return logps, None, None
+
+        def fwd_bwd(name: str) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+            model.zero_grad(set_to_none=True)
+            logps, entropy, _ = methods[name](trainer, model, input_ids, mask, C, shape.batch_size, True)
+            (logps * completion_mask).sum().backward()
+            grads = [p.grad for p in params]
+            model.zero_grad(set_to_none=True)
+            return logps.detach(), entropy.detach(), grads
+
+        calls: dict[str, Callable[[str], tuple[Any, Any, Any]]] = {"no_grad": no_grad, "fwd+bwd": fwd_bwd}
+        times: dict[tuple[str, str], list[float]] = {(c, k): [] for c in CONTENDERS for k in calls}
+        peak: dict[tuple[str, str], float] = {(c, k): 0.0 for c in CONTENDERS for k in calls}
+        warm: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        if progress is not None:
+            progress.add(len(CONTENDERS) * len(calls) * (rounds + 1))
+        before = (input_ids, mask, *params, *model.buffers())
+        for round_ in range(rounds + 1):
+            order = CONTENDERS if round_ % 2 == 0 else CONTENDERS[::-1]
+            for name in order:
+                for kind, call in calls.items():
+                    with _step(progress, f"{name} {kind}, {'warm-up' if round_ == 0 else f'round {round_}'}"):
+                        if round_ == 0:  # warms up, gives the results compared and (on a CPU) the memory
+                            with nullcontext() if cuda else LiveBytes(*before) as live:
+                                warm[name, kind] = call(name)
+                            peak[name, kind] = 0.0 if live is None else live.peak / GIB
+                            continue
+                        elapsed, gib, out = _timed(functools.partial(call, name), dev)
+                        del out
+                        times[name, kind].append(elapsed)
+                        if cuda:
+                            peak[name, kind] = max(peak[name, kind], gib)
+        diff = _differences(warm, completion_mask)
+    finally:
+        patch.uninstall()
+    tolerance = TOLERANCE[dtype]
+    worst = max(diff.values())
+    if not worst <= tolerance:
+        raise AssertionError(f"nopad bench --trl: nopad's results differ from TRL's by {worst:.3g} (> {tolerance:g})")
+    measures = ("no_grad_ms", "fwd_bwd_ms", "no_grad_gib", "fwd_bwd_gib")
+    value: dict[tuple[str, str], float] = {}
+    for name in CONTENDERS:
+        for key in measures:
+            kind = "no_grad" if key.startswith("no_grad") else "fwd+bwd"
+            value[name, key] = statistics.median(times[name, kind]) if key.endswith("_ms") else peak[name, kind]
+    rows: list[dict[str, Any]] = [
+        {"contender": "TRL alone" if name == "trl" else "nopad install()", **{k: value[name, k] for k in measures}}
+        for name in CONTENDERS
+    ]
+    ratios = {
+        f"trl/nopad {key.rsplit('_', 1)[0]} {'time' if key.endswith('_ms') else 'memory'}": (
+            value["trl", key] / value["nopad", key] if value["nopad", key] else None
+        )
+        for key in measures
+    }
+    real = int(mask.sum())
+    return {
+        "shape": asdict(shape),
+        "rows_real_padded": f"{mask.shape[0]} rows, {real}/{mask.numel()} real tokens, "
+        f"{int(completion_mask.sum())} completion tokens",
+        "device": str(dev),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "rounds": rounds,
+        "memory": CUDA_MEMORY if cuda else CPU_MEMORY,
+        "rows": rows,
+        "ratios": ratios,
+        "max_abs_diff": diff,
+    }
+
+
+def _step(progress: Progress | None, label: str) -> Any:
+    return nullcontext() if progress is None else progress.step(label)
+
+
+def _differences(warm: dict[tuple[str, str], tuple[Any, Any, Any]], completion_mask: torch.Tensor) -> dict[str, float]:
+    """The largest |nopad - TRL| of the log-probs (both calls), entropies and gradients."""
+    keep = completion_mask.bool()
+
+    def most(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+    logps = max(most(warm["nopad", k][0][keep], warm["trl", k][0][keep]) for k in ("no_grad", "fwd+bwd"))
+    entropy = most(warm["nopad", "fwd+bwd"][1][keep], warm["trl", "fwd+bwd"][1][keep])
+    grads = [
+        most(a, b)
+        for a, b in zip(warm["nopad", "fwd+bwd"][2], warm["trl", "fwd+bwd"][2])
+        if a is not None and b is not None
+    ]
+    return {"log_probs": logps, "entropy": entropy, "grads": max(grads, default=0.0)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``nopad bench --trl`` adds (each prefixed ``--trl-``)."""
+    default = TrlShape()
+    parser.add_argument("--trl-prompts", type=int, default=default.prompts, help="prompts of the GRPO batch")
+    parser.add_argument(
+        "--trl-generations", type=int, default=default.generations, help="completions per prompt (num_generations)"
+    )
+    parser.add_argument("--trl-prompt-len", type=int, default=default.prompt_len, help="padded prompt width P")
+    parser.add_argument(
+        "--trl-completion-len",
+        type=int,
+        default=default.completion_len,
+        help="padded completion width C (one completion of it, the others long-tailed, mean C/4)",
+    )
+    parser.add_argument("--trl-vocab", type=int, default=default.vocab, help="the model's vocabulary")
+    parser.add_argument("--trl-hidden", type=int, default=default.hidden, help="the model's hidden size")
+    parser.add_argument("--trl-layers", type=int, default=default.layers, help="the model's decoder layers")
+    parser.add_argument(
+        "--trl-batch-size", type=int, default=None, help="TRL's row chunks (batch_size; default: every row at once)"
+    )
+    parser.add_argument("--trl-rounds", type=int, default=3, help="timed rounds, the median kept (after a warm-up)")
+
+
+def shape_of(args: argparse.Namespace) -> TrlShape:
+    return TrlShape(
+        prompts=args.trl_prompts,
+        generations=args.trl_generations,
+        prompt_len=args.trl_prompt_len,
+        completion_len=args.trl_completion_len,
+        vocab=args.trl_vocab,
+        hidden=args.trl_hidden,
+        layers=args.trl_layers,
+        batch_size=args.trl_batch_size,
+    )
+
+
+def format_result(result: dict[str, Any], format_table: Callable[[list[dict[str, Any]]], str]) -> str:
+    shape = result["shape"]
+    head = (
+        f"device={result['device']}  dtype={result['dtype']}  threads={result['threads']}  "
+        f"Llama h={shape['hidden']} layers={shape['layers']} V={shape['vocab']}  "
+        f"{shape['prompts']} prompts x num_generations={shape['generations']}, P={shape['prompt_len']} "
+        f"C={shape['completion_len']}: {result['rows_real_padded']}\n"
+        f"GRPOTrainer._get_per_token_logps_and_entropies, TRL 1.16 alone against nopad.integrations.trl.install(); "
+        f"median of {result['rounds']} rounds, contenders in turn; memory: {result['memory']}"
+    )
+    ratios = [{"ratio": name, "value": value} for name, value in result["ratios"].items()]
+    diff = [{"max |nopad - TRL|": name, "value": value} for name, value in result["max_abs_diff"].items()]
+    return "\n\n".join([head, format_table(result["rows"]), format_table(ratios), format_table(diff)])
+
+
+def run(args: argparse.Namespace, format_table: Callable[[list[dict[str, Any]]], str]) -> int:
+    """``nopad bench --trl`` (``format_table`` is the bench's table printer)."""
+    try:
+        import trl  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"--trl: expected TRL 1.16.0 to be importable ({e})") from e
+    with Progress("nopad bench --trl", 0, quiet=args.quiet) as progress:
+        result = bench_trl(shape_of(args), args.device, args.trl_rounds, progress)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_result(result, format_table))
+    sys.stdout.flush()
+    return 0

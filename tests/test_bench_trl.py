@@ -1,0 +1,64 @@
+"""``nopad bench --trl``: TRL 1.16's per-token log-prob call of a GRPO step, alone and under
+``nopad.integrations.trl.install()``, timed on the same batch; both contenders named in its table and
+its JSON, the ratios given, and the two results equal (the bench's own max |difference| columns).
+Skipped without TRL unless NOPAD_REQUIRE_TRL=1."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+try:
+    import trl  # noqa: F401
+    from accelerate import Accelerator  # noqa: F401
+except Exception as exc:  # noqa: BLE001 - any failure to import TRL means the bench cannot run
+    if os.environ.get("NOPAD_REQUIRE_TRL") == "1":
+        raise
+    pytest.skip(f"trl is not importable here ({exc!r})", allow_module_level=True)
+
+from nopad._apps.cli import main  # noqa: E402
+
+TINY = ["bench", "--trl", "--trl-vocab", "512", "--trl-hidden", "16", "--trl-prompt-len", "6"]
+TINY += ["--trl-completion-len", "24", "--trl-generations", "4", "--trl-rounds", "1", "-q"]
+
+
+def test_bench_trl_table_names_both_contenders_the_ratios_and_equal_results(capsys):
+    assert main(TINY) == 0
+    out = capsys.readouterr().out
+    for text in ("TRL alone", "nopad install()", "no_grad_ms", "fwd_bwd_ms", "no_grad_gib", "fwd_bwd_gib"):
+        assert text in out, out
+    for text in ("trl/nopad no_grad time", "trl/nopad fwd_bwd time", "trl/nopad fwd_bwd memory", "num_generations=4"):
+        assert text in out, out
+    assert "max |nopad - TRL|" in out and "log_probs" in out and "grads" in out, out
+
+
+def test_bench_trl_json_results_equal_to_1e_5_and_every_measure_present(capsys):
+    assert main([*TINY, "--trl-batch-size", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [row["contender"] for row in result["rows"]] == ["TRL alone", "nopad install()"]
+    for row in result["rows"]:
+        for key in ("no_grad_ms", "fwd_bwd_ms", "no_grad_gib", "fwd_bwd_gib"):
+            assert row[key] > 0, (key, row)
+    assert set(result["ratios"]) == {
+        "trl/nopad no_grad time",
+        "trl/nopad fwd_bwd time",
+        "trl/nopad no_grad memory",
+        "trl/nopad fwd_bwd memory",
+    }
+    assert all(value > 0 for value in result["ratios"].values()), result["ratios"]
+    assert result["shape"]["generations"] == 4 and result["shape"]["batch_size"] == 3
+    assert result["max_abs_diff"].keys() == {"log_probs", "entropy", "grads"}
+    assert max(result["max_abs_diff"].values()) <= 1e-5, result["max_abs_diff"]
+    assert "dispatch mode" in result["memory"]  # on a CPU: which memory is measured, said
+
+
+def test_bench_trl_refuses_its_timings_when_nopad_and_trl_disagree(monkeypatch):
+    import torch
+
+    from nopad._apps import bench_trl
+
+    monkeypatch.setitem(bench_trl.TOLERANCE, torch.float32, -1.0)  # any difference, even 0, is too much
+    with pytest.raises(AssertionError, match="differ from TRL's"):
+        main(TINY)
