@@ -62,3 +62,17 @@ def test_bench_trl_refuses_its_timings_when_nopad_and_trl_disagree(monkeypatch):
     monkeypatch.setitem(bench_trl.TOLERANCE, torch.float32, -1.0)  # any difference, even 0, is too much
     with pytest.raises(AssertionError, match="differ from TRL's"):
         main(TINY)
+
+
+def test_bench_trl_leaves_an_install_made_before_it_in_place_and_removes_its_own(capsys):
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    from nopad.integrations import trl as nopad_trl
+
+    original = GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"]
+    assert main(TINY) == 0
+    assert GRPOTrainer.__dict__["_get_per_token_logps_and_entropies"] is original
+    with nopad_trl.install() as patch:
+        assert main(TINY) == 0
+        assert patch.active
+    capsys.readouterr()

@@ -190,7 +190,9 @@ def bench_trl(
     trainer = fake_trainer(shape.temperature, device)
     completion_mask = mask[:, -C:]
     params = [p for p in model.parameters() if p.requires_grad]
+    already = GRPOTrainer.__dict__[METHOD]
     patch = nopad_trl.install()
+    installed_here = GRPOTrainer.__dict__[METHOD] is not already  # a patch the caller holds stays
     try:
         methods = {"trl": patch.originals[GRPOTrainer], "nopad": GRPOTrainer.__dict__[METHOD]}
 
@@ -231,7 +233,8 @@ def bench_trl(
                             peak[name, kind] = max(peak[name, kind], gib)
         diff = _differences(warm, completion_mask)
     finally:
-        patch.uninstall()
+        if installed_here:
+            patch.uninstall()
     tolerance = TOLERANCE[dtype]
     worst = max(diff.values())
     if not worst <= tolerance:
