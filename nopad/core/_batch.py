@@ -32,7 +32,7 @@ def parameters_of(fn: Any) -> Mapping[str, inspect.Parameter]:
         return {}
 
 
-def takes(fn: Any, name: str, *, any_keyword: bool = True) -> bool:
+def takes_keyword(fn: Any, name: str, *, any_keyword: bool = True) -> bool:
     """Whether ``fn`` (a forward, a kernel, an ``__init__``) takes the keyword ``name``; a ``**kwargs`` counts
     unless ``any_keyword=False``. False where its signature cannot be read."""
     params = parameters_of(fn)

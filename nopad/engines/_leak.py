@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nopad.core._batch import check_real, takes
+from nopad.core._batch import check_real, takes_keyword
 from nopad.core._errors import check_flag, check_int, input_error
 from nopad.core._layout import IndexPlan
 from nopad.engines._fsdp import prepare_model_inputs
@@ -257,7 +257,7 @@ def _compare_alone(
     ids = micro_batch["input_ids"].values()
     positions = micro_batch["position_ids"].values() if "position_ids" in micro_batch else None  # (T,) or (C, T)
     offsets = plan.offsets.tolist()
-    use_cache = {"use_cache": False} if takes(model.forward, "use_cache") else {}
+    use_cache = {"use_cache": False} if takes_keyword(model.forward, "use_cache") else {}
 
     def alone_inputs(i: int) -> dict[str, Any]:
         start, end = offsets[i], offsets[i + 1]

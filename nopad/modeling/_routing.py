@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nopad.core._batch import takes
+from nopad.core._batch import takes_keyword
 from nopad.core._errors import input_error
 from nopad.core._layout import IndexPlan, known_host_lengths, remember_host_lengths
 from nopad.core._memo import memo, recall, remember
@@ -894,7 +894,7 @@ def _reads_positions(model: torch.nn.Module) -> bool:
     for name, module in model.named_modules():
         if _TOWER.search(name) or "Embedding" in type(module).__name__:
             continue
-        if takes(module.forward, "position_ids", any_keyword=False):
+        if takes_keyword(module.forward, "position_ids", any_keyword=False):
             return True
     return False
 
@@ -1009,7 +1009,7 @@ def _without_cache(kwargs: dict, owner: str, takes_it: bool) -> dict:
 
 def _takes(module: torch.nn.Module, name: str) -> bool:
     """Whether ``module``'s forward takes the keyword ``name`` (or any keyword). Read once per module."""
-    return memo(module, ("takes", name), lambda: takes(module.forward, name))
+    return memo(module, ("takes", name), lambda: takes_keyword(module.forward, name))
 
 
 def _row_boundaries(args: tuple, kwargs: dict) -> tuple[Tensor, int] | None:

@@ -57,7 +57,7 @@ import nopad.batches._padding as _padding
 import nopad.integrations.verl._head as _head
 import nopad.integrations.verl._models as _models
 import nopad.integrations.verl._rows as _rows
-from nopad.core._batch import get_field, takes
+from nopad.core._batch import get_field, takes_keyword
 from nopad.core._errors import check_flag, check_int, check_optional_int, input_error
 from nopad.core._layout import is_nested, known_host_lengths, nested_offsets, remember_host_lengths
 from nopad.core._torch_internals import cached_seqlens, jagged_values, wrap_jagged
@@ -219,7 +219,7 @@ def preprocess_thd_engine(
     if pad_to_length_bucket is not None and pad_to_length_bucket <= 0:
         raise input_error("pad_to_length_bucket", None, "a positive integer", f"{pad_to_length_bucket}")
     params_cls = util.PackedSeqParams  # type: ignore[union-attr]
-    has_mode = takes(params_cls.__init__, "cp_partition_mode")
+    has_mode = takes_keyword(params_cls.__init__, "cp_partition_mode")
     if cp_layout != "zigzag" and cp_size > 1 and not has_mode:
         raise input_error(
             "cp_layout",

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nopad.core._batch import takes
+from nopad.core._batch import takes_keyword
 from nopad.core._layout import known_host_lengths, remember_host_lengths
 from nopad.modeling._layers import PackedRow, causal_conv1d, gated_delta_rule
 from nopad.modeling._routing import packed_row_of
@@ -62,7 +62,7 @@ def packed_chunk_gated_delta_rule(
     :func:`nopad.modeling.gated_delta_rule`. A kernel takes ``cu_seqlens`` as a parameter of its own: verl
     also counts a ``**kwargs``, which makes transformers' torch fallback look as if it took them; it ignores
     them, and verl's packed Qwen3.5 then runs the row as one sequence (measured: 2e-4 off per sequence)."""
-    takes_them = takes(self.chunk_gated_delta_rule, "cu_seqlens", any_keyword=False)
+    takes_them = takes_keyword(self.chunk_gated_delta_rule, "cu_seqlens", any_keyword=False)
     if cu_seqlens is None or cp_context is not None or takes_them:
         return original(self, query, key, value, g, beta, cu_seqlens, cu_seqlens_cpu, cp_context)
     row = _row(cu_seqlens, cu_seqlens_cpu)
