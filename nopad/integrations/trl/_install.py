@@ -13,6 +13,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad.batches import left_right_2_no_padding, no_padding_2_padding
+from nopad.core._errors import input_error
 from nopad.engines import packed_logprobs
 from nopad.modeling import packed_attention
 
@@ -46,7 +47,7 @@ _PARAMETERS = (
 
 
 def _refuse(name: str, expected: str, got: str) -> ValueError:
-    return ValueError(f"nopad.integrations.trl: {name}: expected {expected}, got {got}")
+    return input_error(f"nopad.integrations.trl: {name}", None, expected, got)
 
 
 def _packed_per_token_logps_and_entropies(
