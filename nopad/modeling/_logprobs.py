@@ -30,7 +30,6 @@ soft-capping derivative), and the label's one-hot part is added once per token o
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nopad.batches._padding import no_padding_2_padding
-from nopad.core._batch import check_choice, check_real, check_real_dtype
+from nopad.core._batch import check_choice, check_real, check_real_dtype, parameters_of
 from nopad.core._errors import check_flag, check_int, check_mask, free_to_read, input_error
 from nopad.core._layout import is_nested, jagged_values, nested_offsets, response_gather
 from nopad.core._probe import probe
@@ -415,7 +414,7 @@ def _head_refusal(kernel: str, device: torch.device, needs: HeadNeeds) -> str | 
         return f"{kernel} gives log-probs only, not the entropy"
     if needs.softcap and not needs.temperature_is_one:
         return f"{kernel} caps the logits before a temperature could divide them"
-    if needs.bias and "bias" not in inspect.signature(_kernel_function(kernel)).parameters:
+    if needs.bias and "bias" not in parameters_of(_kernel_function(kernel)):
         return f"this {kernel} takes no bias (its PyPI release 25.1.1 has none)"
     if needs.bias and needs.per_token_temperature:
         return f"{kernel} takes one bias: a per-token temperature cannot scale it"
