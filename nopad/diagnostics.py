@@ -30,6 +30,23 @@ _ALWAYS_SYNC = {
     _aten._unique2.default,
 }
 
+# Metadata queries: they read a tensor's shape or layout and launch nothing. Some torch releases
+# dispatch them to a mode (2.9 does ``dim`` on a nested tensor's way), newer ones answer them in C++:
+# counted, they would make an op count depend on the release rather than on the work.
+_METADATA = {
+    _aten.dim.default,
+    _aten.sym_size.default,
+    _aten.sym_size.int,
+    _aten.sym_stride.default,
+    _aten.sym_stride.int,
+    _aten.sym_numel.default,
+    _aten.sym_storage_offset.default,
+    _aten.is_contiguous.default,
+    _aten.is_contiguous.memory_format,
+    torch.ops.prim.layout.default,
+    torch.ops.prim.device.default,
+}
+
 # Tensor methods that hand a value to the host.
 _HOST_READS = frozenset(
     {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__", "__complex__"}
@@ -86,6 +103,7 @@ class OpCounter(TorchDispatchMode):
     """``with OpCounter() as c: ...`` then ``c.ops`` (total _aten ops), ``c.syncs``, ``c.by_op``.
 
     ``c.host_reads`` counts the reads by method name (``item``, ``tolist``, ``__bool__``, ...).
+    Metadata queries (``dim``, ``sym_size``, ...) launch nothing and are not counted.
     """
 
     def __init__(self) -> None:
@@ -117,6 +135,8 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _METADATA:
+            return func(*args, **kwargs)
         self.by_op[str(func)] += 1
         if not self._reading:  # a read already counted once at the Python level
             self.syncs += _is_sync(func, args, kwargs)
