@@ -294,7 +294,7 @@ def _body_peaks(
     """The model's own activations: peak GiB of its decoder stack alone (no head) on the batch's real
     tokens as one packed row (nopad's packed attention keeps the sequences apart), under
     ``torch.no_grad()`` and with the backward of the hidden states' sum; measured as the contenders are."""
-    from nopad.modeling import packed_attention
+    from nopad.modeling._attention import packed_attention
 
     keep = mask.bool()
     ids = input_ids[keep][None]
