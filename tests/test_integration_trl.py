@@ -399,14 +399,14 @@ SFT_TEXTS = [  # 12 documents of 2 to 19 words: three batches of 4, each packed 
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
-def sft_drive(tmp_path, padding_free: bool, packed: bool, steps: int = 3):
+def sft_drive(tmp_path, padding_free: bool, packed: bool, steps: int = 3, arch: str = "qwen3_5"):
     """``steps`` steps of TRL's SFTTrainer on CPU (TRL's defaults but float32 and plain SGD: activation
     checkpointing on), then one evaluation; returns (log history, weights after each step, eval loss)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import SFTConfig
 
-    model = tiny_causal_lm("qwen3_5", vocab=len(WORDS), hidden=32, layers=2, seed=0)
+    model = tiny_causal_lm(arch, vocab=len(WORDS), hidden=32, layers=2, seed=0)
     for config in (model.config, model.generation_config):
         config.pad_token_id, config.eos_token_id = 0, 1
     implementation = model.config._attn_implementation
@@ -420,7 +420,7 @@ def sft_drive(tmp_path, padding_free: bool, packed: bool, steps: int = 3):
             self.weights.append({k: p.detach().clone() for k, p in model.named_parameters()})
 
     args = SFTConfig(
-        output_dir=str(tmp_path / f"sft-{padding_free}-{packed}"),
+        output_dir=str(tmp_path / f"sft-{arch}-{padding_free}-{packed}"),
         max_steps=steps,
         per_device_train_batch_size=4,
         per_device_eval_batch_size=4,
@@ -474,28 +474,42 @@ def losses(logs):
 
 @pytest.fixture(scope="module")
 def padded_sft(tmp_path_factory):
-    """TRL alone, padded (padding_free=False): a hybrid is exact on right-padded rows."""
-    return sft_drive(tmp_path_factory.mktemp("padded"), padding_free=False, packed=False)
+    """TRL alone, padded (padding_free=False), by architecture: a hybrid is exact on right-padded rows."""
+    runs = {}
+
+    def run(arch):
+        if arch not in runs:
+            runs[arch] = sft_drive(tmp_path_factory.mktemp("padded"), padding_free=False, packed=False, arch=arch)
+        return runs[arch]
+
+    return run
 
 
-def test_padding_free_sft_on_a_hybrid_installed_trains_as_the_padded_run(padded_sft, tmp_path):
-    """Qwen3.5-style (gated delta nets, attention): every step's loss, grad norm, entropy and token
-    accuracy, the weights after each step and the evaluation loss equal the padded run's to 1e-5."""
-    packed = sft_drive(tmp_path, padding_free=True, packed=True)
-    print("SFT losses padded", losses(padded_sft[0]), "padding-free with nopad", losses(packed[0]))
-    assert_same_training(packed, padded_sft)
-    assert_same_training(sft_drive(tmp_path, padding_free=False, packed=True), padded_sft)  # padded: untouched
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba"])
+def test_padding_free_sft_on_a_hybrid_installed_trains_as_the_padded_run(arch, padded_sft, tmp_path):
+    """Qwen3.5-style (gated delta nets, attention) and Bamba-style (Mamba2, attention): every step's
+    loss, grad norm, entropy and token accuracy, the weights after each step and the evaluation loss
+    equal the padded run's to 1e-5. Alone, TRL 1.16's packed row reaches transformers' CPU fallbacks
+    of the state layers, which refuse its boundaries."""
+    padded = padded_sft(arch)
+    packed = sft_drive(tmp_path, padding_free=True, packed=True, arch=arch)
+    print(f"{arch} SFT losses padded", losses(padded[0]), "padding-free with nopad", losses(packed[0]))
+    assert_same_training(packed, padded)
+    assert_same_training(sft_drive(tmp_path, padding_free=False, packed=True, arch=arch), padded)  # untouched
+    with pytest.raises(ValueError, match="can't keep packed sequences apart"):
+        sft_drive(tmp_path, padding_free=True, packed=False, arch=arch)
 
 
-def test_padding_free_sft_on_a_hybrid_without_nopad_is_refused_or_wrong(padded_sft, tmp_path, monkeypatch):
-    """Alone, TRL 1.16's packed row reaches transformers' CPU fallbacks of the gated delta net's conv
-    and scan, which refuse its boundaries; handed the position ids only (the boundaries dropped from
-    the collator's batch) they run across the sequences and train something else. Installed, both
-    train as the padded run (nopad finds the boundaries in the restarting position ids)."""
+def test_padding_free_sft_on_a_hybrid_given_only_position_ids_mixes_alone_and_not_installed(
+    padded_sft, tmp_path, monkeypatch
+):
+    """Handed the position ids only (the boundaries dropped from the collator's batch), transformers'
+    CPU fallbacks of the gated delta net's conv and scan run across the sequences and train something
+    else, without a word. Installed, nopad finds the boundaries in the restarting position ids and
+    trains as the padded run."""
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    with pytest.raises(ValueError, match="can't keep packed sequences apart"):
-        sft_drive(tmp_path, padding_free=True, packed=False)
+    padded_sft = padded_sft("qwen3_5")
     collate = DataCollatorForLanguageModeling.torch_call
 
     def positions_only(self, examples):

@@ -33,8 +33,9 @@ padding).
 The same ``install()`` serves TRL's padding-free SFT on hybrids: ``SFTTrainer`` with ``padding_free``
 (``SFTConfig(padding_free=True)``, or ``packing=True`` with a ``bfd`` strategy) hands the model one
 row of end-to-end sequences (restarting ``position_ids``, their boundaries as ``cu_seq_lens_q`` and
-``seq_idx``, no attention mask), which transformers 5.25's CPU fallbacks of a gated delta net's conv
-and scan refuse (or, handed only the position ids, run across the sequences).
+``seq_idx``, no attention mask), which transformers 5.25's CPU fallbacks of the state layers (a gated
+delta net's conv and scan, Mamba2's scan) refuse (or, handed only the position ids, run across the
+sequences).
 ``SFTTrainer.training_step`` and ``prediction_step`` run there within
 :func:`nopad.modeling.packed_attention` (backward included: a checkpointed layer recomputes routed):
 every layer keeps the sequences apart, or the one that cannot is a ``ValueError`` naming it; the

@@ -383,8 +383,8 @@ def uninstall() -> None:
 # end, ``position_ids`` restarting at each, no attention mask, their boundaries as ``cu_seq_lens_q`` /
 # ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` and each token's sequence as ``seq_idx``.
 # transformers' attention reads those boundaries; the CPU fallbacks of its state layers (a gated delta
-# net's causal conv and scan, in transformers 5.25) do not, and refuse the row where their CUDA kernels
-# are missing (handed only the position ids, they run across the sequences). Under
+# net's causal conv and scan, Mamba2's scan, in transformers 5.25) do not, and refuse the row where their
+# CUDA kernels are missing (handed only the position ids, they run across the sequences). Under
 # :func:`nopad.modeling.packed_attention` every such layer runs its packed form (state reset where each
 # sequence starts) and the attention runs through ``nopad_varlen``.
 #
