@@ -199,6 +199,15 @@ def test_install_refuses_a_trl_method_with_parameters_it_does_not_know(monkeypat
     assert GRPOTrainer.__dict__[METHOD] is newer and RLOOTrainer.__dict__[METHOD] is trl_method(RLOOTrainer)
     with pytest.raises(ValueError, match="check_version"):
         nopad_trl.install(check_version="no")
+    monkeypatch.undo()
+
+    def later_step(self, model, batch, num_items_in_batch=None):  # SFTTrainer's step, its batch renamed
+        return None
+
+    monkeypatch.setattr(SFTTrainer, "prediction_step", later_step)
+    with pytest.raises(RuntimeError, match="SFTTrainer.prediction_step"):
+        nopad_trl.install()
+    assert SFTTrainer.__dict__["prediction_step"] is later_step and GRPOTrainer.__dict__[METHOD] is original
 
 
 VISION = {

@@ -342,10 +342,13 @@ def install(*, check_version: bool = True) -> TrlPatch:
     for name, expected in _SFT_METHODS.items():
         original = getattr(sft, name)
         parameters = tuple(inspect.signature(original).parameters)
-        if parameters != expected:
+        base = next((k.__dict__[name] for k in sft.__mro__[1:] if name in k.__dict__), None)
+        passed_on = tuple(inspect.signature(base).parameters)[:3] if base is not None else ()
+        if parameters != expected or passed_on != ("self", "model", "inputs"):
             raise RuntimeError(
-                f"nopad.integrations.trl: {_SFT[1]}.{name} of trl {version} takes {list(parameters)}, where nopad "
-                f"knows {list(expected)}; nopad would misplace them, so it does not install"
+                f"nopad.integrations.trl: {_SFT[1]}.{name} of trl {version} takes {list(parameters)} (its base "
+                f"class's starts {list(passed_on)}), where nopad knows {list(expected)} (and a base taking self, "
+                "model, inputs first); nopad would misplace them, so it does not install"
             )
         patch._steps[sft, name] = (sft.__dict__.get(name, _INHERITED), _SFT_WRAPPERS[name](original))
     for cls, replacement in patch._replacements.items():
