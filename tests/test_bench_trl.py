@@ -32,6 +32,7 @@ def test_bench_trl_table_names_both_contenders_the_ratios_and_equal_results(caps
     for text in ("trl/nopad no_grad time", "trl/nopad fwd_bwd time", "trl/nopad fwd_bwd memory", "num_generations=4"):
         assert text in out, out
     assert "max |nopad - TRL|" in out and "log_probs" in out and "grads" in out, out
+    assert "the model's own activations" in out and "GiB above the model's own activations" in out, out
 
 
 def test_bench_trl_json_results_equal_to_1e_5_and_every_measure_present(capsys):
@@ -76,3 +77,21 @@ def test_bench_trl_leaves_an_install_made_before_it_in_place_and_removes_its_own
         assert main(TINY) == 0
         assert patch.active
     capsys.readouterr()
+
+
+def test_bench_trl_full_completions_and_the_model_s_own_activations(capsys):
+    """``--trl-full-completions``: every completion of the full width (rows x C completion tokens);
+    the JSON gives the decoder's own peak (no head) and each contender's peak above it."""
+    assert main([*TINY, "--trl-full-completions", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["shape"]["full"] is True
+    assert result["rows_real_padded"].endswith(f"{2 * 4 * 24} completion tokens"), result["rows_real_padded"]
+    assert set(result["body"]) == {"no_grad_gib", "fwd_bwd_gib"}
+    assert all(value > 0 for value in result["body"].values()), result["body"]
+    assert set(result["above_body_gib"]) == {
+        f"{contender} {kind}" for contender in ("TRL alone", "nopad install()") for kind in ("no_grad", "fwd+bwd")
+    }
+    rows = {row["contender"]: row for row in result["rows"]}
+    assert result["above_body_gib"]["nopad install() fwd+bwd"] == pytest.approx(
+        rows["nopad install()"]["fwd_bwd_gib"] - result["body"]["fwd_bwd_gib"]
+    )

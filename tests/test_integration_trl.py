@@ -10,6 +10,7 @@ serve is a ValueError naming it). Skipped without TRL unless NOPAD_REQUIRE_TRL=1
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
@@ -20,6 +21,7 @@ try:
     from accelerate import Accelerator
     from trl.trainer.grpo_trainer import GRPOTrainer
     from trl.trainer.rloo_trainer import RLOOTrainer
+    from trl.trainer.sft_trainer import SFTTrainer
     from trl.trainer.utils import add_fused_lm_head
 except Exception as exc:  # noqa: BLE001 - any failure to import TRL means these tests cannot run
     if os.environ.get("NOPAD_REQUIRE_TRL") == "1":
@@ -162,8 +164,10 @@ def test_entropy_not_asked_is_none_and_log_probs_equal():
 
 def test_install_replaces_both_trainers_and_uninstall_restores_trl_s_method():
     originals = {cls: cls.__dict__[METHOD] for cls in TRAINERS}
+    steps = {name: SFTTrainer.__dict__[name] for name in ("training_step", "prediction_step")}
     patch = nopad_trl.install()
-    assert patch.active and patch.trainers == ["GRPOTrainer", "RLOOTrainer"]
+    assert patch.active and patch.trainers == ["GRPOTrainer", "RLOOTrainer", "SFTTrainer"]
+    assert all(SFTTrainer.__dict__[name] is not step for name, step in steps.items())
     assert nopad_trl.install() is patch  # idempotent
     for cls in TRAINERS:
         assert cls.__dict__[METHOD] is not originals[cls]
@@ -180,6 +184,7 @@ def test_install_replaces_both_trainers_and_uninstall_restores_trl_s_method():
     nopad_trl.install()
     nopad_trl.uninstall()  # the module-level undo
     assert all(cls.__dict__[METHOD] is originals[cls] for cls in TRAINERS)
+    assert all(SFTTrainer.__dict__[name] is step for name, step in steps.items())
 
 
 def test_install_refuses_a_trl_method_with_parameters_it_does_not_know(monkeypatch):
@@ -194,6 +199,15 @@ def test_install_refuses_a_trl_method_with_parameters_it_does_not_know(monkeypat
     assert GRPOTrainer.__dict__[METHOD] is newer and RLOOTrainer.__dict__[METHOD] is trl_method(RLOOTrainer)
     with pytest.raises(ValueError, match="check_version"):
         nopad_trl.install(check_version="no")
+    monkeypatch.undo()
+
+    def later_step(self, model, batch, num_items_in_batch=None):  # SFTTrainer's step, its batch renamed
+        return None
+
+    monkeypatch.setattr(SFTTrainer, "prediction_step", later_step)
+    with pytest.raises(RuntimeError, match="SFTTrainer.prediction_step"):
+        nopad_trl.install()
+    assert SFTTrainer.__dict__["prediction_step"] is later_step and GRPOTrainer.__dict__[METHOD] is original
 
 
 VISION = {
@@ -384,3 +398,216 @@ def test_trl_trainer_two_steps_alone_and_installed_log_the_same_and_train_the_sa
         assert ours.keys() == theirs.keys() and theirs
         for name in theirs:
             torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=0, msg=name)
+
+
+# --- padding-free SFT (and DPO) on a hybrid: TRL's packed row, routed by install() -------------------
+
+SFT_TEXTS = [  # 12 documents of 2 to 19 words: three batches of 4, each packed into one row padding-free
+    " ".join(WORDS[3 + (7 * i + 3 * j) % 17] for j in range(2 + (5 * i) % 18)) for i in range(12)
+]
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def sft_drive(tmp_path, padding_free: bool, packed: bool, steps: int = 3, arch: str = "qwen3_5"):
+    """``steps`` steps of TRL's SFTTrainer on CPU (TRL's defaults but float32 and plain SGD: activation
+    checkpointing on), then one evaluation; returns (log history, weights after each step, eval loss)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig
+
+    model = tiny_causal_lm(arch, vocab=len(WORDS), hidden=32, layers=2, seed=0)
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.eos_token_id = 0, 1
+    implementation = model.config._attn_implementation
+
+    class Record(TrainerCallback):
+        def __init__(self):
+            self.weights = []
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            assert model.config._attn_implementation == implementation  # as it was, between the steps
+            self.weights.append({k: p.detach().clone() for k, p in model.named_parameters()})
+
+    args = SFTConfig(
+        output_dir=str(tmp_path / f"sft-{arch}-{padding_free}-{packed}"),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        padding_free=padding_free,
+        max_length=None,  # padding-free without packing enforces no max_length (TRL refuses one)
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        seed=7,
+        save_strategy="no",
+        optim="sgd",
+        learning_rate=0.1,
+        bf16=False,
+    )
+    record = Record()
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_dict({"text": SFT_TEXTS}),
+        eval_dataset=Dataset.from_dict({"text": SFT_TEXTS[:8]}),
+        processing_class=word_tokenizer(),
+        callbacks=[record],
+    )
+    assert trainer.padding_free is padding_free and args.gradient_checkpointing  # TRL's default: on
+    with nopad_trl.install() if packed else contextlib.nullcontext():
+        trainer.train()
+        eval_loss = trainer.evaluate()["eval_loss"]
+    assert model.config._attn_implementation == implementation
+    return trainer.state.log_history, record.weights, eval_loss
+
+
+def assert_same_training(ours, theirs):
+    (logs, weights, eval_loss), (ref_logs, ref_weights, ref_eval_loss) = ours, theirs
+    assert len(logs) == len(ref_logs) and len(weights) == len(ref_weights) == 3
+    assert sum("loss" in entry for entry in ref_logs) == 3
+    for entry, ref in zip(logs, ref_logs):
+        assert entry.keys() == ref.keys()
+        for key in ref:
+            timing = key in TIMINGS or key.endswith(("_runtime", "_per_second"))
+            if not timing and key != "total_flos":  # transformers' flos count the padded tokens too
+                assert entry[key] == pytest.approx(ref[key], abs=1e-5, rel=0), (key, entry[key], ref[key])
+    for step, ref_step in zip(weights, ref_weights):
+        for name in ref_step:
+            torch.testing.assert_close(step[name], ref_step[name], atol=1e-5, rtol=0, msg=name)
+    assert eval_loss == pytest.approx(ref_eval_loss, abs=1e-5, rel=0)
+
+
+def losses(logs):
+    return [entry["loss"] for entry in logs if "loss" in entry]
+
+
+@pytest.fixture(scope="module")
+def padded_sft(tmp_path_factory):
+    """TRL alone, padded (padding_free=False), by architecture: a hybrid is exact on right-padded rows."""
+    runs = {}
+
+    def run(arch):
+        if arch not in runs:
+            runs[arch] = sft_drive(tmp_path_factory.mktemp("padded"), padding_free=False, packed=False, arch=arch)
+        return runs[arch]
+
+    return run
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba"])
+def test_padding_free_sft_on_a_hybrid_installed_trains_as_the_padded_run(arch, padded_sft, tmp_path):
+    """Qwen3.5-style (gated delta nets, attention) and Bamba-style (Mamba2, attention): every step's
+    loss, grad norm, entropy and token accuracy, the weights after each step and the evaluation loss
+    equal the padded run's to 1e-5. Alone, TRL 1.16's packed row reaches transformers' CPU fallbacks
+    of the state layers, which refuse its boundaries."""
+    padded = padded_sft(arch)
+    packed = sft_drive(tmp_path, padding_free=True, packed=True, arch=arch)
+    print(f"{arch} SFT losses padded", losses(padded[0]), "padding-free with nopad", losses(packed[0]))
+    assert_same_training(packed, padded)
+    assert_same_training(sft_drive(tmp_path, padding_free=False, packed=True, arch=arch), padded)  # untouched
+    with pytest.raises(ValueError, match="can't keep packed sequences apart"):
+        sft_drive(tmp_path, padding_free=True, packed=False, arch=arch)
+
+
+def test_padding_free_sft_on_a_hybrid_given_only_position_ids_mixes_alone_and_not_installed(
+    padded_sft, tmp_path, monkeypatch
+):
+    """Handed the position ids only (the boundaries dropped from the collator's batch), transformers'
+    CPU fallbacks of the gated delta net's conv and scan run across the sequences and train something
+    else, without a word. Installed, nopad finds the boundaries in the restarting position ids and
+    trains as the padded run."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    padded_sft = padded_sft("qwen3_5")
+    collate = DataCollatorForLanguageModeling.torch_call
+
+    def positions_only(self, examples):
+        batch = collate(self, examples)
+        return {k: v for k, v in batch.items() if k not in BOUNDARY_KEYS}
+
+    monkeypatch.setattr(DataCollatorForLanguageModeling, "torch_call", positions_only)
+    mixed = sft_drive(tmp_path, padding_free=True, packed=False)
+    print("SFT losses padded", losses(padded_sft[0]), "padding-free without nopad", losses(mixed[0]))
+    # the sequences mixed in the conv and the scan: not the padded run, by far more than the 1e-5 the
+    # installed run agrees to (small, as a random tiny model's state carries little from one sequence on)
+    differences = [abs(a - b) for a, b in zip(losses(mixed[0]), losses(padded_sft[0]))]
+    assert max(differences) > 5e-5, differences
+    norms = [abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(mixed[0], padded_sft[0]) if "grad_norm" in b]
+    assert min(norms) > 1e-3, norms
+    weights = max(float((mixed[1][-1][k] - w).abs().max()) for k, w in padded_sft[1][-1].items())
+    assert weights > 1e-4, weights
+    assert_same_training(sft_drive(tmp_path, padding_free=True, packed=True), padded_sft)
+
+
+def test_padding_free_sft_refuses_a_seq_idx_that_disagrees_with_the_boundaries(tmp_path, monkeypatch):
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    collate = DataCollatorForLanguageModeling.torch_call
+
+    def shifted(self, examples):
+        batch = collate(self, examples)
+        return {**batch, "seq_idx": batch["seq_idx"].roll(1, dims=-1)}
+
+    monkeypatch.setattr(DataCollatorForLanguageModeling, "torch_call", shifted)
+    with pytest.raises(ValueError, match=r"^nopad\.integrations\.trl: SFTTrainer seq_idx"):
+        sft_drive(tmp_path, padding_free=True, packed=True, steps=1)
+
+
+def test_padding_free_sft_refuses_a_model_accelerate_wrapped():
+    accelerator = types.SimpleNamespace(unwrap_model=lambda m: m.module)  # DDP's, say: the model inside
+    trainer = types.SimpleNamespace(padding_free=True, accelerator=accelerator)
+    wrapper = torch.nn.Module()
+    wrapper.module = model_of("qwen3_5")
+    nopad_trl.install()
+    with pytest.raises(ValueError, match=r"^nopad\.integrations\.trl: SFTTrainer model"):
+        SFTTrainer.training_step(trainer, wrapper, {})
+    with pytest.raises(ValueError, match=r"^nopad\.integrations\.trl: SFTTrainer model"):
+        SFTTrainer.prediction_step(trainer, wrapper, {}, True)
+
+
+def test_dpo_has_no_padding_free_mode_in_trl_1_16_and_installed_trains_as_alone(tmp_path):
+    """TRL 1.16's DPOTrainer turns padding_free=True off (a warning: padded rows, the prompt and the
+    completion right-padded): on a hybrid that is exact, and install() leaves DPO as it is."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    def lm():
+        model = tiny_causal_lm("qwen3_5", vocab=len(WORDS), hidden=32, layers=2, seed=0)
+        for config in (model.config, model.generation_config):
+            config.pad_token_id, config.eos_token_id = 0, 1
+        return model
+
+    data = {
+        "prompt": [t[:5] for t in SFT_TEXTS[:8]],
+        "chosen": [t[5:15] or "a" for t in SFT_TEXTS[:8]],
+        "rejected": [t[15:] or "b" for t in SFT_TEXTS[:8]],
+    }
+
+    def drive(padding_free, packed):
+        args = DPOConfig(
+            output_dir=str(tmp_path / f"dpo-{padding_free}-{packed}"),
+            max_steps=2,
+            per_device_train_batch_size=4,
+            padding_free=padding_free,
+            report_to="none",
+            use_cpu=True,
+            logging_steps=1,
+            seed=7,
+            save_strategy="no",
+            optim="sgd",
+            learning_rate=0.1,
+            bf16=False,
+        )
+        dataset, tokenizer = Dataset.from_dict(data), word_tokenizer()
+        trainer = DPOTrainer(model=lm(), ref_model=lm(), args=args, train_dataset=dataset, processing_class=tokenizer)
+        assert trainer.padding_free is False  # TRL 1.16: "temporarily unavailable", padded instead
+        with nopad_trl.install() if packed else contextlib.nullcontext():
+            trainer.train()
+        return trainer.state.log_history
+
+    alone, installed = drive(False, False), drive(True, True)
+    assert len(losses(alone)) == 2
+    for entry, ref in zip(installed, alone):
+        for key in ref:
+            if key not in TIMINGS:
+                assert entry[key] == pytest.approx(ref[key], abs=1e-5, rel=0), key

@@ -72,12 +72,14 @@ class TrlShape:
     temperature: float = 0.9
     batch_size: int | None = None  # TRL's row chunks; None: every row in one forward
     seed: int = 0
+    full: bool = False  # every completion of the full width C (else long-tailed)
 
 
 def grpo_batch(shape: TrlShape, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(input_ids, attention_mask, C)`` as TRL pads them: each prompt (length in [P/4, P]) repeated
     ``generations`` times and left-padded to P, completions right-padded to C with long-tailed lengths
-    (exponential, mean C/4, at least 1; the first row's of the full width C)."""
+    (exponential, mean C/4, at least 1; the first row's of the full width C), or all of the full width
+    C with ``shape.full``."""
     gen = torch.Generator().manual_seed(shape.seed)
     P, C = shape.prompt_len, shape.completion_len
     rows = shape.prompts * shape.generations
@@ -85,6 +87,8 @@ def grpo_batch(shape: TrlShape, device: str = "cpu") -> tuple[torch.Tensor, torc
     uniform = torch.rand(rows, generator=gen).clamp_min(1e-12)
     lengths = (-uniform.log() * C / 4).ceil().long().clamp(1, C)
     lengths[0] = C
+    if shape.full:
+        lengths[:] = C
     input_ids = torch.randint(1, shape.vocab, (rows, P + C), generator=gen)
     mask = torch.zeros(rows, P + C, dtype=torch.long)
     for i in range(rows):
@@ -214,7 +218,7 @@ def bench_trl(
         peak: dict[tuple[str, str], float] = {(c, k): 0.0 for c in CONTENDERS for k in calls}
         warm: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         if progress is not None:
-            progress.add(len(CONTENDERS) * len(calls) * (rounds + 1))
+            progress.add(len(CONTENDERS) * len(calls) * (rounds + 1) + len(calls))  # + the model body's
         before = (input_ids, mask, *params, *model.buffers())
         for round_ in range(rounds + 1):
             order = CONTENDERS if round_ % 2 == 0 else CONTENDERS[::-1]
@@ -232,6 +236,7 @@ def bench_trl(
                         if cuda:
                             peak[name, kind] = max(peak[name, kind], gib)
         diff = _differences(warm, completion_mask)
+        body = _body_peaks(model, input_ids, mask, dev, before, progress)
     finally:
         if installed_here:
             patch.uninstall()
@@ -256,6 +261,11 @@ def bench_trl(
         for key in measures
     }
     real = int(mask.sum())
+    above_body = {
+        f"{'TRL alone' if name == 'trl' else 'nopad install()'} {kind}": value[name, key] - body[key]
+        for name in CONTENDERS
+        for kind, key in (("no_grad", "no_grad_gib"), ("fwd+bwd", "fwd_bwd_gib"))
+    }
     return {
         "shape": asdict(shape),
         "rows_real_padded": f"{mask.shape[0]} rows, {real}/{mask.numel()} real tokens, "
@@ -267,8 +277,53 @@ def bench_trl(
         "memory": CUDA_MEMORY if cuda else CPU_MEMORY,
         "rows": rows,
         "ratios": ratios,
+        "body": body,
+        "above_body_gib": above_body,
         "max_abs_diff": diff,
     }
+
+
+def _body_peaks(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    device: torch.device,
+    before: tuple[torch.Tensor, ...],
+    progress: Progress | None,
+) -> dict[str, float]:
+    """The model's own activations: peak GiB of its decoder stack alone (no head) on the batch's real
+    tokens as one packed row (nopad's packed attention keeps the sequences apart), under
+    ``torch.no_grad()`` and with the backward of the hidden states' sum; measured as the contenders are."""
+    from nopad.modeling._attention import packed_attention
+
+    keep = mask.bool()
+    ids = input_ids[keep][None]
+    positions = (mask.long().cumsum(-1) - 1)[keep][None]
+    lengths = mask.sum(-1)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max())
+    boundaries = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    decoder: Any = model.get_decoder()  # type: ignore[operator]
+    cuda = device.type == "cuda"
+
+    def call(grad: bool) -> None:
+        with torch.set_grad_enabled(grad):
+            hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, **boundaries).last_hidden_state
+            if grad:
+                hidden.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    peaks: dict[str, float] = {}
+    with packed_attention(model):
+        for key, grad in (("no_grad_gib", False), ("fwd_bwd_gib", True)):
+            with _step(progress, f"model body {'fwd+bwd' if grad else 'no_grad'}"):
+                if cuda:
+                    peaks[key] = _timed(functools.partial(call, grad), device)[1]
+                else:
+                    with LiveBytes(*before, ids, positions, cu) as live:
+                        call(grad)
+                    peaks[key] = live.peak / GIB
+    return peaks
 
 
 def _step(progress: Progress | None, label: str) -> Any:
@@ -306,6 +361,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=default.completion_len,
         help="padded completion width C (one completion of it, the others long-tailed, mean C/4)",
     )
+    parser.add_argument(
+        "--trl-full-completions",
+        action="store_true",
+        help="every completion of the full width C (rows x C completion tokens) instead of long-tailed lengths",
+    )
     parser.add_argument("--trl-vocab", type=int, default=default.vocab, help="the model's vocabulary")
     parser.add_argument("--trl-hidden", type=int, default=default.hidden, help="the model's hidden size")
     parser.add_argument("--trl-layers", type=int, default=default.layers, help="the model's decoder layers")
@@ -325,6 +385,7 @@ def shape_of(args: argparse.Namespace) -> TrlShape:
         hidden=args.trl_hidden,
         layers=args.trl_layers,
         batch_size=args.trl_batch_size,
+        full=args.trl_full_completions,
     )
 
 
@@ -340,7 +401,17 @@ def format_result(result: dict[str, Any], format_table: Callable[[list[dict[str,
     )
     ratios = [{"ratio": name, "value": value} for name, value in result["ratios"].items()]
     diff = [{"max |nopad - TRL|": name, "value": value} for name, value in result["max_abs_diff"].items()]
-    return "\n\n".join([head, format_table(result["rows"]), format_table(ratios), format_table(diff)])
+    body = result["body"]
+    above = [
+        {"GiB above the model's own activations": name, "value": value}
+        for name, value in result["above_body_gib"].items()
+    ]
+    own = (
+        f"the model's own activations (its decoder alone, no head, on the packed row): "
+        f"no_grad {body['no_grad_gib']:.4f} GiB, fwd+bwd {body['fwd_bwd_gib']:.4f} GiB"
+    )
+    tables = [head, format_table(result["rows"]), format_table(ratios), own, format_table(above), format_table(diff)]
+    return "\n\n".join(tables)
 
 
 def run(args: argparse.Namespace, format_table: Callable[[list[dict[str, Any]]], str]) -> int:

@@ -1,4 +1,5 @@
-"""One line to run TRL's GRPO and RLOO log-probs packed: ``nopad.integrations.trl.install()``.
+"""One line to run TRL's GRPO and RLOO log-probs packed, and padding-free SFT exactly on hybrids:
+``nopad.integrations.trl.install()``.
 
 TRL 1.16's ``GRPOTrainer`` and ``RLOOTrainer`` score completions with
 ``_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
@@ -28,6 +29,21 @@ marks that point); a model wrapped by accelerate (DDP, FSDP, DeepSpeed) is
 refused: served is the single-process path, where accelerate hands the model over unwrapped.
 ``batch_size`` keeps TRL's row chunks (one packed forward per chunk: the same results, without
 padding).
+
+The same ``install()`` serves TRL's padding-free SFT on hybrids: ``SFTTrainer`` with ``padding_free``
+(``SFTConfig(padding_free=True)``, or ``packing=True`` with a ``bfd`` strategy) hands the model one
+row of end-to-end sequences (restarting ``position_ids``, their boundaries as ``cu_seq_lens_q`` and
+``seq_idx``, no attention mask), which transformers 5.25's CPU fallbacks of the state layers (a gated
+delta net's conv and scan, Mamba2's scan) refuse (or, handed only the position ids, run across the
+sequences).
+``SFTTrainer.training_step`` and ``prediction_step`` run there within
+:func:`nopad.modeling.packed_attention` (backward included: a checkpointed layer recomputes routed):
+every layer keeps the sequences apart, or the one that cannot is a ``ValueError`` naming it; the
+model is as it was after each step. ``seq_idx`` is checked against ``cu_seq_lens_q`` (refused where
+they disagree) and left out of the model's inputs: nopad's layers read the boundaries. A trainer
+that is not padding-free runs TRL's steps unchanged, and a model accelerate wrapped is refused.
+TRL 1.16's ``DPOTrainer`` has no padding-free mode (it turns ``padding_free=True`` off and pads), so
+there is nothing to route.
 
 The handle undoes it (``uninstall()``, or use it as a context manager); ``install()`` is idempotent::
 

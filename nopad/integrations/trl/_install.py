@@ -1,11 +1,14 @@
-"""TRL's per-token log-probs on nopad's packed forward: the patch behind ``nopad.integrations.trl``."""
+"""TRL's per-token log-probs on nopad's packed forward, and its padding-free SFT steps routed: the patch
+behind ``nopad.integrations.trl``."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,6 +23,7 @@ from nopad.modeling import packed_attention
 _SUPPORTED_VERSIONS = ("1.16.0",)
 _METHOD = "_get_per_token_logps_and_entropies"
 _TRAINERS = (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
+_SFT = ("trl.trainer.sft_trainer", "SFTTrainer")  # padding-free steps routed (nopad.integrations.trl._sft)
 # the vision / multimodal inputs TRL may pass: refused unless None
 _REFUSED_INPUTS = (
     "pixel_values",
@@ -248,22 +252,31 @@ class TrlPatch:
     :meth:`uninstall` to put TRL's back. A context manager too."""
 
     def __init__(self) -> None:
-        self.originals: dict[type, Callable[..., Any]] = {}  # trainer class -> TRL's method
+        self.originals: dict[type, Callable[..., Any]] = {}  # trainer class -> TRL's log-prob method
         self._replacements: dict[type, Callable[..., Any]] = {}
+        # (class, method name) -> (TRL's method, nopad's): SFTTrainer's steps, routed when padding-free
+        self._steps: dict[tuple[type, str], tuple[Callable[..., Any], Callable[..., Any]]] = {}
         self.active = False
 
     @property
     def trainers(self) -> list[str]:
         """Names of the trainer classes routed to nopad, sorted."""
-        return sorted(cls.__name__ for cls in self._replacements)
+        return sorted({cls.__name__ for cls in self._replacements} | {cls.__name__ for cls, _ in self._steps})
 
     def uninstall(self) -> None:
-        """Put TRL's method back on every class where nopad's is still in place. Idempotent."""
+        """Put TRL's methods back on every class where nopad's are still in place. Idempotent."""
         global _ACTIVE
         for cls, original in self.originals.items():
             if cls.__dict__.get(_METHOD) is self._replacements.get(cls):
                 setattr(cls, _METHOD, original)
+        for (cls, name), (original, replacement) in self._steps.items():
+            if cls.__dict__.get(name) is replacement:
+                if original is _INHERITED:
+                    delattr(cls, name)
+                else:
+                    setattr(cls, name, original)
         self._replacements.clear()
+        self._steps.clear()
         self.active = False
         if _ACTIVE is self:
             _ACTIVE = None
@@ -279,11 +292,13 @@ class TrlPatch:
 
 
 _ACTIVE: TrlPatch | None = None
+_INHERITED: Any = object()  # a method the class did not define itself (uninstall() removes nopad's)
 
 
 def install(*, check_version: bool = True) -> TrlPatch:
     """Route ``GRPOTrainer`` and ``RLOOTrainer``'s ``_get_per_token_logps_and_entropies`` to nopad's
-    packed forward; returns the handle (also a context manager).
+    packed forward, and ``SFTTrainer``'s padding-free steps (``training_step``, ``prediction_step``)
+    through :func:`nopad.modeling.packed_attention`; returns the handle (also a context manager).
 
     Idempotent: a second call returns the active handle. Raises ImportError when TRL is not
     installed, and RuntimeError for a TRL other than 1.16.0 (``check_version=False`` skips that
@@ -323,8 +338,23 @@ def install(*, check_version: bool = True) -> TrlPatch:
         replacement = profiling_decorator(_named(_packed_per_token_logps_and_entropies))
         patch.originals[cls] = original
         patch._replacements[cls] = replacement
+    sft = getattr(importlib.import_module(_SFT[0]), _SFT[1])
+    for name, expected in _SFT_METHODS.items():
+        original = getattr(sft, name)
+        parameters = tuple(inspect.signature(original).parameters)
+        base = next((k.__dict__[name] for k in sft.__mro__[1:] if name in k.__dict__), None)
+        passed_on = tuple(inspect.signature(base).parameters)[:3] if base is not None else ()
+        if parameters != expected or passed_on != ("self", "model", "inputs"):
+            raise RuntimeError(
+                f"nopad.integrations.trl: {_SFT[1]}.{name} of trl {version} takes {list(parameters)} (its base "
+                f"class's starts {list(passed_on)}), where nopad knows {list(expected)} (and a base taking self, "
+                "model, inputs first); nopad would misplace them, so it does not install"
+            )
+        patch._steps[sft, name] = (sft.__dict__.get(name, _INHERITED), _SFT_WRAPPERS[name](original))
     for cls, replacement in patch._replacements.items():
         setattr(cls, _METHOD, replacement)
+    for (cls, name), (_, replacement) in patch._steps.items():
+        setattr(cls, name, replacement)
     patch.active = True
     _ACTIVE = patch
     return patch
@@ -345,3 +375,109 @@ def uninstall() -> None:
     """Undo the active :func:`install` (nothing when none is active)."""
     if _ACTIVE is not None:
         _ACTIVE.uninstall()
+
+
+# ---- padding-free SFT: each step routed ---------------------------------------------------------
+# TRL's padding-free SFT on nopad's routing: each step of a ``padding_free`` ``SFTTrainer`` runs with
+# its model's layers keeping the packed row's sequences apart.
+#
+# TRL 1.16's ``DataCollatorForLanguageModeling(padding_free=True)`` (``SFTConfig(padding_free=True)``, or
+# ``packing=True`` with the ``bfd`` strategies) hands the model one row: the batch's sequences end to
+# end, ``position_ids`` restarting at each, no attention mask, their boundaries as ``cu_seq_lens_q`` /
+# ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` and each token's sequence as ``seq_idx``.
+# transformers' attention reads those boundaries; the CPU fallbacks of its state layers (a gated delta
+# net's causal conv and scan, Mamba2's scan, in transformers 5.25) do not, and refuse the row where their
+# CUDA kernels are missing (handed only the position ids, they run across the sequences). Under
+# :func:`nopad.modeling.packed_attention` every such layer runs its packed form (state reset where each
+# sequence starts) and the attention runs through ``nopad_varlen``.
+#
+# ``training_step`` (forward and backward, so the layers a checkpointed forward recomputes in backward
+# are still routed) and ``prediction_step`` (evaluation) are wrapped: a trainer whose ``padding_free``
+# is off runs TRL's own unchanged; one whose is on runs TRL's own within the block, the model as it was
+# after each step. ``seq_idx`` says again what ``cu_seq_lens_q`` says (nopad's layers read the
+# boundaries from there): it is checked to agree (one host read) and left out of the model's inputs,
+# since ``nopad_varlen`` refuses a per-token tensor it would ignore; one that disagrees is refused.
+
+# the methods of SFTTrainer (or a base class) wrapped, with the parameters TRL 1.16 gives them
+_SFT_METHODS = {
+    "training_step": ("self", "args", "kwargs"),
+    "prediction_step": ("self", "model", "inputs", "prediction_loss_only", "ignore_keys"),
+}
+
+
+def _refuse_sft(name: str, expected: str, got: str) -> ValueError:
+    return input_error(f"nopad.integrations.trl: SFTTrainer {name}", None, expected, got)
+
+
+def _packed_inputs(inputs: Any) -> Any:
+    """The padding-free collator's batch for a routed forward: ``seq_idx`` checked against the
+    boundaries and left out; anything else as it came."""
+    if not isinstance(inputs, dict) or "seq_idx" not in inputs:
+        return inputs
+    seq_idx, cu = inputs["seq_idx"], inputs.get("cu_seq_lens_q")
+    if isinstance(seq_idx, Tensor) and isinstance(cu, Tensor) and seq_idx.dim() == 2 and seq_idx.shape[0] == 1:
+        counts = cu.diff()
+        expected = torch.repeat_interleave(torch.arange(counts.numel(), device=cu.device), counts)
+        if expected.numel() == seq_idx.shape[1] and torch.equal(expected.to(seq_idx.dtype), seq_idx[0]):
+            return {key: value for key, value in inputs.items() if key != "seq_idx"}
+    shape = tuple(getattr(seq_idx, "shape", ()))
+    raise _refuse_sft(
+        "seq_idx",
+        "the sequence index of each token of the packed row, as cu_seq_lens_q bounds the sequences "
+        "(what TRL's padding-free collator makes)",
+        f"a {shape} value that disagrees with cu_seq_lens_q {tuple(getattr(cu, 'shape', ()))}",
+    )
+
+
+@contextmanager
+def _routed(trainer: Any, model: torch.nn.Module) -> Iterator[None]:
+    """``model`` routed (packed attention and packed state layers) within the block, as it was after.
+
+    Entered outside autograd: :func:`nopad.modeling.packed_attention` refuses a checkpointed model
+    whose backward would come after its block; here the block holds the backward too."""
+    inner = trainer.accelerator.unwrap_model(model)
+    if inner is not model:
+        raise _refuse_sft(
+            "model",
+            "the model as accelerate hands it over in a single process (unwrapped)",
+            f"{type(model).__name__} around {type(inner).__name__} (not served yet: call uninstall())",
+        )
+    context = packed_attention(model, "auto")
+    with torch.no_grad():
+        context.__enter__()
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)
+
+
+def _training_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """TRL's ``training_step``, routed when the trainer is padding-free."""
+
+    @functools.wraps(original)
+    def training_step(self: Any, model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "padding_free", False):
+            return original(self, model, inputs, *args, **kwargs)
+        with _routed(self, model):
+            return original(self, model, _packed_inputs(inputs), *args, **kwargs)
+
+    return training_step
+
+
+def _prediction_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """TRL's ``prediction_step`` (evaluation), routed when the trainer is padding-free."""
+
+    @functools.wraps(original)
+    def prediction_step(self: Any, model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "padding_free", False):
+            return original(self, model, inputs, *args, **kwargs)
+        with _routed(self, model):
+            return original(self, model, _packed_inputs(inputs), *args, **kwargs)
+
+    return prediction_step
+
+
+_SFT_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "training_step": _training_step,
+    "prediction_step": _prediction_step,
+}
