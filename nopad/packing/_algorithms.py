@@ -23,23 +23,22 @@ from itertools import chain
 import numpy as np
 
 from nopad.core._errors import check_int, input_error
-from nopad.core._layout import ceil_div, round_up
+from nopad.core._layout import ceil_div, host_lengths, round_up
 
 Bins = list[list[int]]
 Lengths = Sequence[int] | np.ndarray
 
 
 def _as_lengths(lengths: Lengths, capacity: int) -> list[int]:
+    """The lengths (THE reading, host path: no tensor made) as ints, each from 1 to ``capacity``."""
     capacity = check_int(capacity, "capacity", low=1)
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise input_error("lengths", None, "a 1-D sequence of integers", f"shape {arr.shape} dtype {arr.dtype}")
+    arr = host_lengths(lengths, "lengths")
     if arr.size:
         bad = np.flatnonzero((arr <= 0) | (arr > capacity))
         if bad.size:
             i = int(bad[0])
             raise input_error(f"lengths item {i}", None, f"1 <= length <= capacity {capacity}", f"{int(arr[i])}")
-    return arr.astype(np.int64).tolist()
+    return arr.tolist()
 
 
 def _decreasing_order(lengths: list[int]) -> list[int]:
@@ -340,7 +339,7 @@ def packing_metrics(bins: Bins, lengths: Lengths, capacity: int) -> PackingMetri
     (a bin over it would report a utilisation above 1 and a negative waste).
     """
     capacity = check_int(capacity, "capacity", low=1)
-    ls = np.asarray(_as_lengths(lengths, np.iinfo(np.int64).max), dtype=np.int64)
+    ls = host_lengths(lengths, "lengths", low=1)
     if not isinstance(bins, (list, tuple)):
         raise input_error("bins", None, "a list of bins, each a list of item indices", type(bins).__name__)
     for b, items in enumerate(bins):
