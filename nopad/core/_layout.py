@@ -86,6 +86,8 @@ def prepare_offsets(lengths: Tensor) -> Tensor:
     if not isinstance(lengths, Tensor) or not _is_integer(lengths.dtype):
         got = f"dtype {lengths.dtype}" if isinstance(lengths, Tensor) else type(lengths).__name__
         raise input_error("lengths", None, "an integer tensor", got)
+    if lengths.dim() != 1:
+        raise input_error("lengths", None, "a 1-D tensor", f"shape {tuple(lengths.shape)}")
     return torch.nn.functional.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
 
 
@@ -195,6 +197,9 @@ def prepare_position_ids(offsets: Tensor, total: int) -> Tensor:
 
     ``offsets`` must run from 0 to ``total``: checked where free (host memory), as in
     :func:`prepare_row_ids`."""
+    if not isinstance(offsets, Tensor):  # THE reading (host input becomes a tensor; a tensor is kept)
+        offsets = as_lengths(offsets, "offsets")
+    integer_values(offsets, "offsets")
     _check_ends_at(offsets, total, "the last offset")
     return position_ids_of(offsets, total)
 
@@ -545,7 +550,10 @@ class IndexPlan:
         ``DataCollatorWithFlattening`` and TRL's padding-free collators produce. Offsets index the
         B * S tokens of the flattened rows. One host sync: the start flags come over in one copy.
         """
-        if position_ids.dim() not in (1, 2) or position_ids.shape[-1] == 0:
+        if not isinstance(position_ids, Tensor) or is_nested(position_ids):
+            got = "a nested tensor" if isinstance(position_ids, Tensor) else type(position_ids).__name__
+            raise input_error("position_ids", None, "a dense (seqlen,) or (batch, seqlen) tensor", got)
+        if position_ids.dim() not in (1, 2) or position_ids.numel() == 0:
             raise input_error(
                 "position_ids",
                 None,
