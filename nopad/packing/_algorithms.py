@@ -29,7 +29,7 @@ Bins = list[list[int]]
 Lengths = Sequence[int] | np.ndarray
 
 
-def _as_lengths(lengths: Lengths, capacity: int) -> list[int]:
+def _fitting_lengths(lengths: Lengths, capacity: int) -> list[int]:
     """The lengths (THE reading, host path: no tensor made) as ints, each from 1 to ``capacity``."""
     capacity = check_int(capacity, "capacity", low=1)
     arr = host_lengths(lengths, "lengths")
@@ -90,7 +90,7 @@ def _first_fit_into(order: list[int], lengths: list[int], capacity: int, bins: B
 
 def first_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
     """Each item, longest first, goes to the first (oldest) bin with room. O(n log n)."""
-    ls = _as_lengths(lengths, capacity)
+    ls = _fitting_lengths(lengths, capacity)
     return _first_fit_into(_decreasing_order(ls), ls, capacity, [])
 
 
@@ -138,7 +138,7 @@ def best_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
 
     Within a bin, items are listed in the order they were placed (longest first).
     """
-    order, placed = _best_fit_placement(_as_lengths(lengths, capacity), capacity)
+    order, placed = _best_fit_placement(_fitting_lengths(lengths, capacity), capacity)
     bins: Bins = [[] for _ in range(max(placed, default=-1) + 1)]
     for i, b in zip(order, placed):
         bins[b].append(i)
@@ -155,7 +155,7 @@ def modified_first_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
     largest small that still fits; (4) forward over all bins, while the smallest remaining item
     fits, add the largest that fits; (5) first fit decreasing for what is left, in new bins.
     """
-    ls = _as_lengths(lengths, capacity)
+    ls = _fitting_lengths(lengths, capacity)
     order = _decreasing_order(ls)
     large = [i for i in order if 2 * ls[i] > capacity]
     medium = [i for i in order if 3 * ls[i] > capacity >= 2 * ls[i]]
@@ -206,7 +206,7 @@ def first_fit_shuffle(lengths: Lengths, capacity: int, seed: int = 0) -> Bins:
     indices, so the same lengths and seed always give the same bins. The shuffle mixes long and
     short sequences in every bin (no bin of only the longest items, as decreasing orders make).
     """
-    ls = _as_lengths(lengths, capacity)
+    ls = _fitting_lengths(lengths, capacity)
     order = list(range(len(ls)))
     random.Random(check_int(seed, "seed")).shuffle(order)
     return _first_fit_into(order, ls, capacity, [])
@@ -214,7 +214,7 @@ def first_fit_shuffle(lengths: Lengths, capacity: int, seed: int = 0) -> Bins:
 
 def concatenative(lengths: Lengths, capacity: int) -> Bins:
     """Next fit in the given order: a bin closes as soon as the next item does not fit. O(n)."""
-    ls = _as_lengths(lengths, capacity)
+    ls = _fitting_lengths(lengths, capacity)
     bins: Bins = []
     room = 0
     for i, s in enumerate(ls):
@@ -242,7 +242,7 @@ def bin_of_items(lengths: Lengths, capacity: int, algorithm: str = "best_fit_dec
     """
     if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
-    ls = _as_lengths(lengths, capacity)
+    ls = _fitting_lengths(lengths, capacity)
     capacity = int(capacity)
     bin_of = np.empty(len(ls), dtype=np.int64)
     if algorithm == "best_fit_decreasing":
@@ -307,7 +307,7 @@ def pack_lengths(
         raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
     min_bins = check_int(min_bins, "min_bins", low=0)
     bins_multiple_of = check_int(bins_multiple_of, "bins_multiple_of", low=1)
-    ls = _as_lengths(lengths, capacity)
+    ls = _fitting_lengths(lengths, capacity)
     capacity = int(capacity)
     bins = ALGORITHMS[algorithm](ls, capacity)
     target = max(len(bins), min_bins if ls else 0)
