@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nopad.core._errors import check_int, free_to_read, input_error
-from nopad.core._layout import as_lengths, host_offsets, prepare_offsets, round_up
+from nopad.core._layout import as_lengths, host_offsets, integer_values, prepare_offsets, round_up
 
 CpLayout = Literal["zigzag", "contiguous"]
 CP_LAYOUTS = ("zigzag", "contiguous")
@@ -250,9 +250,10 @@ def unshard_index(
 
 def _index_args(cu: Any, local_len: Any, cp_size: Any, cp_layout: Any) -> tuple[Tensor, int, int, CpLayout]:
     """The checks of the shard index functions' arguments: boundaries by THE reading of an integer
-    argument (a tensor kept on its device, its values not read), the sizes and layout as
-    :func:`check_cp_args` has them. No sync."""
-    cu = as_lengths(cu, "cu_seqlens_padded")
+    argument (a tensor kept as it is, its values not read: the index math casts it where it needs
+    to, so no op is added), the sizes and layout as :func:`check_cp_args` has them. No sync."""
+    values = integer_values(cu, "cu_seqlens_padded")
+    cu = values if isinstance(values, Tensor) else torch.from_numpy(values)
     local_len = check_int(local_len, "local_len", low=0)
     _, cp_size, _, cp_layout = check_cp_args(1, cp_size, 0, cp_layout)
     return cu, local_len, cp_size, cp_layout
