@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from nopad.core._errors import input_error
+from nopad.core._errors import check_int, input_error
 
 
 def _long_tailed_lengths(n: int, width: int, *, low: int = 1, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -32,6 +32,10 @@ def synthetic_batch(
     Keys: input_ids (B, S), attention_mask (B, S), response_mask (B, R), position_ids (B, S) or
     (B, mrope, S), with S = prompt_width + resp_width and long-tailed lengths.
     """
+    B, seed, mrope = check_int(B, "B", low=0), check_int(seed, "seed", low=0), check_int(mrope, "mrope", low=0)
+    prompt_width = check_int(prompt_width, "prompt_width", low=1)
+    resp_width = check_int(resp_width, "resp_width", low=1)
+    vocab = check_int(vocab, "vocab", low=2)  # ids are drawn from [1, vocab): 0 is the padding
     g = torch.Generator().manual_seed(seed)
     prompt_lens = _long_tailed_lengths(B, prompt_width, generator=g)
     resp_lens = _long_tailed_lengths(B, resp_width, generator=g)
@@ -150,8 +154,15 @@ def tiny_causal_lm(
     """
     import transformers
 
-    if arch not in ARCHS:
+    if not isinstance(arch, str) or arch not in ARCHS:
         raise input_error("arch", None, f"one of {sorted(ARCHS)}", f"{arch!r}")
+    vocab, hidden = check_int(vocab, "vocab", low=1), check_int(hidden, "hidden", low=1)
+    layers, seed = check_int(layers, "layers", low=1), check_int(seed, "seed", low=0)
+    heads, kv_heads = check_int(heads, "heads", low=1), check_int(kv_heads, "kv_heads", low=1)
+    if hidden % heads:
+        raise input_error("hidden", None, f"a multiple of heads={heads}", f"{hidden}")
+    if heads % kv_heads:
+        raise input_error("kv_heads", None, f"a divisor of heads={heads}", f"{kv_heads}")
     config_cls, model_cls = (getattr(transformers, name) for name in ARCHS[arch])
     config = config_cls(
         vocab_size=vocab,

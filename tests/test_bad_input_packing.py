@@ -1446,8 +1446,7 @@ PACKER_CASES = [
         "coercion",
         "float lengths to metrics",
         _metrics([[0]], [3.5], 4),
-        r"lengths: expected a 1-D sequence of "
-        r"integers, got shape \(1,\) dtype float64",
+        r"lengths: expected a 1-D tensor or sequence of integers \(nothing is rounded\), got list of dtype float64",
     ),
     (
         "wrong result",

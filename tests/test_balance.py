@@ -123,8 +123,16 @@ def test_micro_batch_partitions_are_verls_cut(lengths, slack, step, least, balan
     ("call", "words"),
     [
         (lambda: karmarkar_karp([3, -1], 1, False), "values row 1: expected a value >= 0, got -1"),
-        (lambda: karmarkar_karp([1.5, 2.0], 1, False), "values: expected integers, got values of dtype float64"),
-        (lambda: karmarkar_karp(torch.tensor([1.0]), 1, False), "integers, got a tensor of dtype torch.float32"),
+        # THE reading of an integer argument (core._layout.integer_values), as IndexPlan.from_lengths words it
+        (
+            lambda: karmarkar_karp([1.5, 2.0], 1, False),
+            "values: expected a 1-D tensor or sequence of integers (nothing is rounded), got list of dtype float64",
+        ),
+        (
+            lambda: karmarkar_karp(torch.tensor([1.0]), 1, False),
+            "values: expected a 1-D tensor or sequence of integers, got dtype torch.float32",
+        ),
+        (lambda: karmarkar_karp([[1, 2]], 1, False), "values: expected a 1-D sequence, got shape (1, 2)"),
         (lambda: karmarkar_karp([1, 2], 3, False), "k_partitions: expected at most 2, the number of items"),
         (lambda: karmarkar_karp([1, 2, 3], 2, True), "a divisor of 3 items (equal_size=True)"),
         (lambda: karmarkar_karp([1, 2], 0, False), "k_partitions: expected an int >= 1, got 0"),

@@ -29,7 +29,7 @@ from nopad.batches._partition import (
 )
 from nopad.core._batch import check_choice
 from nopad.core._errors import check_flag, check_int, input_error
-from nopad.core._layout import ceil_div, device_to_host, round_up
+from nopad.core._layout import ceil_div, host_lengths, round_up
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Workload:
     def __call__(self, lengths: Any) -> np.ndarray:
         """(B,) lengths (host ints, a numpy array or a tensor) -> (B,) int64 workloads. A tensor on a
         device is read (one host sync)."""
-        lengths = _host_ints(lengths, "lengths")
+        lengths = host_lengths(lengths, "lengths", low=0)
         return self.linear * lengths + self.quadratic * lengths * lengths
 
     @classmethod
@@ -79,23 +79,6 @@ def _has(config: Any, name: str) -> bool:
     return (name in config) if isinstance(config, Mapping) else getattr(config, name, None) is not None
 
 
-def _host_ints(values: Any, field: str) -> np.ndarray:
-    """1-D non-negative integers as a host int64 array (a device tensor is read: one host sync)."""
-    if isinstance(values, Tensor):
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise input_error(field, None, "integers", f"a tensor of dtype {values.dtype}")
-        values = device_to_host(values)
-    array = np.asarray(values)
-    if array.dtype == object or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
-        raise input_error(field, None, "integers", f"values of dtype {array.dtype}")
-    if array.ndim != 1:
-        raise input_error(field, None, "a 1-D sequence", f"shape {array.shape}")
-    if array.size and array.min() < 0:
-        row = int(np.flatnonzero(array < 0)[0])
-        raise input_error(field, row, "a value >= 0", f"{array[row]}")
-    return array.astype(np.int64, copy=False)
-
-
 def _check_partitioning(values: np.ndarray, k: int, equal_size: bool, field: str) -> None:
     if len(values) < k:
         raise input_error("k_partitions", None, f"at most {len(values)}, the number of items in {field}", f"{k}")
@@ -110,7 +93,7 @@ def _check_partitioning(values: np.ndarray, k: int, equal_size: bool, field: str
 def karmarkar_karp(values: Sequence[int] | np.ndarray | Tensor, k_partitions: int, equal_size: bool) -> list[list[int]]:
     """verl's ``karmarkar_karp``: k lists of item indices, each in the order its items joined, the
     lists in descending order of their sums. Integers >= 0. Host only (a device tensor is read)."""
-    array = _host_ints(values, "values")
+    array = host_lengths(values, "values", low=0)
     k = check_int(k_partitions, "k_partitions", low=1)
     equal_size = check_flag(equal_size, "equal_size")
     _check_partitioning(array, k, equal_size, "values")
@@ -174,7 +157,7 @@ def micro_batch_partitions(
     agree; on one process both give verl's partitions. Host work otherwise; a device tensor of
     lengths is read.
     """
-    lengths = _host_ints(lengths, "lengths")
+    lengths = host_lengths(lengths, "lengths", low=0)
     budget = check_int(max_token_len, "max_token_len", low=1)
     group = check_int(force_group_size, "force_group_size", low=1)
     step = 1 if num_batches_divided_by is None else check_int(num_batches_divided_by, "num_batches_divided_by", low=1)

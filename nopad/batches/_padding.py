@@ -401,6 +401,8 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
         max_response_len = check_int(max_response_len, "max_response_len", low=0)
     if not isinstance(tensor, Tensor):
         raise input_error("tensor", None, "a nested (B, j, *) or flat (total, *) tensor", type(tensor).__name__)
+    if not isinstance(data, TensorDict):
+        raise input_error("data", None, "a TensorDict", type(data).__name__)
     nested = _is_nested(tensor)
     values = jagged_values(tensor) if nested else tensor
     if nested and ragged_dim(tensor) != 1:
@@ -556,6 +558,8 @@ def embeds_padding_2_no_padding(data: TensorDict) -> TensorDict:
 
     The mask may have any pattern; only the marked positions are kept. Returns a new TensorDict.
     """
+    if not isinstance(data, TensorDict):
+        raise input_error("data", None, "a TensorDict", type(data).__name__)
     out = data.copy()
     for prefix in ("prompt", "negative_prompt"):
         key = f"{prefix}_embeds"

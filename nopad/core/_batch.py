@@ -107,6 +107,15 @@ def _same(a: Any, b: Any) -> bool:
 
 # ---- checks of the arguments of a public entry point --------------------------------------------
 # (THE int, flag and mask checks live in nopad.core._errors, below every module: check_int, check_flag, check_mask)
+def check_transformers_model(model: Any, field: str = "model") -> Any:
+    """THE check of a model argument: a transformers model, a torch module whose config names its
+    attention implementation (where nopad sets it). Returns it."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(getattr(model, "config", None), "_attn_implementation"):
+        got = type(model).__name__ + ("" if isinstance(model, torch.nn.Module) else " (not a torch module)")
+        raise input_error(field, None, "a transformers model (a module with a config naming its attention)", got)
+    return model
+
+
 def check_choice(value: Any, field: str, choices: Collection[str]) -> str:
     """One of ``choices`` (strings); anything else names them."""
     if not isinstance(value, str) or value not in choices:

@@ -86,6 +86,8 @@ def prepare_offsets(lengths: Tensor) -> Tensor:
     if not isinstance(lengths, Tensor) or not _is_integer(lengths.dtype):
         got = f"dtype {lengths.dtype}" if isinstance(lengths, Tensor) else type(lengths).__name__
         raise input_error("lengths", None, "an integer tensor", got)
+    if lengths.dim() != 1:
+        raise input_error("lengths", None, "a 1-D tensor", f"shape {tuple(lengths.shape)}")
     return torch.nn.functional.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
 
 
@@ -103,32 +105,57 @@ def _is_integer(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def as_lengths(lengths: Any, field: str, *, non_empty: bool = True) -> Tensor:
-    """THE reading of a (B,) integer argument (lengths, offsets, starts): a 1-D tensor of an integer
-    dtype, or a sequence / numpy array of integers, as an int64 tensor (on the tensor's device).
+INTEGERS_WORDS = "a 1-D tensor or sequence of integers"
+
+
+def integer_values(values: Any, field: str, *, non_empty: bool = True) -> Tensor | np.ndarray:
+    """THE reading of a (B,) integer argument (lengths, offsets, starts, workloads), its rules in one
+    place: a 1-D tensor of an integer dtype comes back as it is (its values not read); anything else
+    (a sequence, a numpy array) comes back as a host int64 numpy array, no tensor made.
 
     Nothing is rounded or converted: floats (3.7), bools and strings are refused, and so are unsigned
-    values past int64. Reads no tensor values (no sync)."""
-    if isinstance(lengths, Tensor):
-        if is_nested(lengths) or not _is_integer(lengths.dtype):
-            got = "a nested tensor" if is_nested(lengths) else f"dtype {lengths.dtype}"
-            raise input_error(field, None, "a 1-D tensor or sequence of integers", got)
-        tensor = lengths
-    else:
-        try:
-            array = np.asarray(lengths)
-        except (TypeError, ValueError):
-            array = np.asarray(None)
-        if array.dtype.kind not in "iu" and not (array.dtype.kind == "f" and array.size == 0):
-            got = f"{type(lengths).__name__} of dtype {array.dtype}" if array.ndim else type(lengths).__name__
-            raise input_error(field, None, "a 1-D tensor or sequence of integers (nothing is rounded)", got)
-        if array.dtype.kind == "u" and array.size and array.max() > np.iinfo(np.int64).max:
-            raise input_error(field, None, "integers below 2**63", f"{int(array.max())}")
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
-    if tensor.dim() != 1 or (non_empty and tensor.shape[0] == 0):
-        expected = "a non-empty 1-D tensor" if non_empty else "a 1-D tensor"
-        raise input_error(field, None, expected, f"shape {tuple(tensor.shape)}")
-    return tensor.to(torch.int64)
+    values past int64. No sync. :func:`as_lengths` and :func:`host_lengths` are its two paths."""
+    if isinstance(values, Tensor):
+        if is_nested(values) or not _is_integer(values.dtype):
+            got = "a nested tensor" if is_nested(values) else f"dtype {values.dtype}"
+            raise input_error(field, None, INTEGERS_WORDS, got)
+        _check_rank(values.dim(), values.shape, field, non_empty, "tensor")
+        return values
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError):
+        array = np.asarray(None)
+    if array.dtype.kind not in "iu" and not (array.dtype.kind == "f" and array.size == 0):
+        got = f"{type(values).__name__} of dtype {array.dtype}" if array.ndim else type(values).__name__
+        raise input_error(field, None, f"{INTEGERS_WORDS} (nothing is rounded)", got)
+    if array.dtype.kind == "u" and array.size and array.max() > np.iinfo(np.int64).max:
+        raise input_error(field, None, "integers below 2**63", f"{int(array.max())}")
+    _check_rank(array.ndim, array.shape, field, non_empty, "sequence")
+    return array.astype(np.int64, copy=False)
+
+
+def _check_rank(ndim: int, shape: Any, field: str, non_empty: bool, kind: str) -> None:
+    if ndim != 1 or (non_empty and shape[0] == 0):
+        expected = f"a non-empty 1-D {kind}" if non_empty else f"a 1-D {kind}"
+        raise input_error(field, None, expected, f"shape {tuple(shape)}")
+
+
+def as_lengths(lengths: Any, field: str, *, non_empty: bool = True) -> Tensor:
+    """:func:`integer_values`' tensor path: an int64 tensor (on the tensor's device). No sync."""
+    values = integer_values(lengths, field, non_empty=non_empty)
+    return values.to(torch.int64) if isinstance(values, Tensor) else torch.from_numpy(np.ascontiguousarray(values))
+
+
+def host_lengths(lengths: Any, field: str, *, non_empty: bool = False, low: int | None = None) -> np.ndarray:
+    """:func:`integer_values`' host path: an int64 numpy array. A sequence or numpy array makes no
+    tensor and no sync; a tensor is read (:func:`device_to_host`: one host sync). With ``low``, a
+    value below it is refused naming its row (host memory: free)."""
+    values = integer_values(lengths, field, non_empty=non_empty)
+    array = device_to_host(values).astype(np.int64, copy=False) if isinstance(values, Tensor) else values
+    if low is not None and array.size and array.min() < low:
+        row = int(np.flatnonzero(array < low)[0])
+        raise input_error(field, row, f"a value >= {low}", f"{array[row]}")
+    return array
 
 
 def round_up(n: Any, multiple: Any) -> Any:
@@ -170,6 +197,9 @@ def prepare_position_ids(offsets: Tensor, total: int) -> Tensor:
 
     ``offsets`` must run from 0 to ``total``: checked where free (host memory), as in
     :func:`prepare_row_ids`."""
+    if not isinstance(offsets, Tensor):  # THE reading (host input becomes a tensor; a tensor is kept)
+        offsets = as_lengths(offsets, "offsets")
+    integer_values(offsets, "offsets")
     _check_ends_at(offsets, total, "the last offset")
     return position_ids_of(offsets, total)
 
@@ -520,7 +550,10 @@ class IndexPlan:
         ``DataCollatorWithFlattening`` and TRL's padding-free collators produce. Offsets index the
         B * S tokens of the flattened rows. One host sync: the start flags come over in one copy.
         """
-        if position_ids.dim() not in (1, 2) or position_ids.shape[-1] == 0:
+        if not isinstance(position_ids, Tensor) or is_nested(position_ids):
+            got = "a nested tensor" if isinstance(position_ids, Tensor) else type(position_ids).__name__
+            raise input_error("position_ids", None, "a dense (seqlen,) or (batch, seqlen) tensor", got)
+        if position_ids.dim() not in (1, 2) or position_ids.numel() == 0:
             raise input_error(
                 "position_ids",
                 None,

@@ -6,10 +6,17 @@ Shapes follow flash-attn: ``hidden`` is (batch, seqlen, ...), the unpadded form 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from nopad.core._errors import check_int, check_integer_tensor, free_to_read, input_error, mask_error, mask_flag
+
+
+def _check_first_axis(x: Any, field: str) -> None:
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        raise input_error(field, None, "a tensor with a first axis", f"{getattr(x, 'shape', type(x).__name__)}")
 
 
 def _check_indices(indices: Tensor, rows: int | None, field: str = "indices") -> None:
@@ -67,8 +74,7 @@ def index_first_axis(x: Tensor, indices: Tensor) -> Tensor:
     """Rows ``indices`` of an already flat first axis: (N, ...) -> (len(indices), ...). Autograd-aware.
 
     Indices on the CPU are checked to lie in [0, N); on a device they are not read (a host sync)."""
-    if not isinstance(x, Tensor) or x.dim() < 1:
-        raise input_error("x", None, "a tensor with a first axis", f"{getattr(x, 'shape', type(x).__name__)}")
+    _check_first_axis(x, "x")
     _check_indices(indices, None)
     _check_in_range(indices, x.shape[0])
     return _IndexFirstAxis.apply(x, indices)
@@ -79,6 +85,7 @@ def index_put_first_axis(values: Tensor, indices: Tensor, first_axis_dim: int) -
 
     Indices on the CPU are checked to lie in [0, first_axis_dim) and to be distinct (two values put
     in one row would keep one of them, silently); on a device they are not read."""
+    _check_first_axis(values, "values")
     _check_indices(indices, values.shape[0])
     first_axis_dim = check_int(first_axis_dim, "first_axis_dim", low=0)
     _check_in_range(indices, first_axis_dim)
@@ -138,4 +145,5 @@ def unpad_input(
 def pad_input(hidden: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
     """Inverse of :func:`unpad_input`: (total_nnz, ...) -> (batch, seqlen, ...), zeros at padding."""
     batch, seqlen = check_int(batch, "batch", low=0), check_int(seqlen, "seqlen", low=0)
+    _check_first_axis(hidden, "hidden")
     return index_put_first_axis(hidden, indices, batch * seqlen).view(batch, seqlen, *hidden.shape[1:])

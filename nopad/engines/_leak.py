@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nopad.core._batch import check_real, takes_keyword
+from nopad.core._batch import check_real, check_transformers_model, takes_keyword
 from nopad.core._errors import check_flag, check_int, input_error
 from nopad.core._layout import IndexPlan
 from nopad.engines._fsdp import prepare_model_inputs
@@ -211,7 +211,7 @@ def check_isolation(
     alone = check_flag(alone, "alone")
     if alone_atol is not None:
         alone_atol = check_real(alone_atol, "alone_atol", low=0)
-    config: Any = model.config
+    config: Any = check_transformers_model(model).config
     vocab: int = getattr(config, "vocab_size", None) or _text_config(config).vocab_size  # a composite's: its text's
     if micro_batch is None:
         micro_batch = probe_batch(vocab, probe_lengths(config), position_rows=4 if _is_mrope(config) else 1)

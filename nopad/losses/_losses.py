@@ -340,9 +340,11 @@ def compute_policy_loss(
         ("advantages", advantages),
         ("rollout_is_weights", rollout_is_weights),
     ):
-        if x is not None:
-            _check_same_shape(x, name, response_mask, "response_mask")
-            check_real_dtype(x, name, floating=True)
+        if x is None and name == "rollout_is_weights":  # the one optional tensor
+            continue
+        given: Any = x  # a None here is refused by the checks, naming the field
+        _check_same_shape(given, name, response_mask, "response_mask")
+        check_real_dtype(given, name, floating=True)
     only_01 = check_mask(response_mask, "response_mask")
     figures = _checked_figures(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
     _check_agg_mode(loss_agg_mode, "loss_agg_mode")

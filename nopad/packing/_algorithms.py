@@ -23,23 +23,22 @@ from itertools import chain
 import numpy as np
 
 from nopad.core._errors import check_int, input_error
-from nopad.core._layout import ceil_div, round_up
+from nopad.core._layout import ceil_div, host_lengths, round_up
 
 Bins = list[list[int]]
 Lengths = Sequence[int] | np.ndarray
 
 
-def _as_lengths(lengths: Lengths, capacity: int) -> list[int]:
+def _fitting_lengths(lengths: Lengths, capacity: int) -> list[int]:
+    """The lengths (THE reading, host path: no tensor made) as ints, each from 1 to ``capacity``."""
     capacity = check_int(capacity, "capacity", low=1)
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise input_error("lengths", None, "a 1-D sequence of integers", f"shape {arr.shape} dtype {arr.dtype}")
+    arr = host_lengths(lengths, "lengths")
     if arr.size:
         bad = np.flatnonzero((arr <= 0) | (arr > capacity))
         if bad.size:
             i = int(bad[0])
             raise input_error(f"lengths item {i}", None, f"1 <= length <= capacity {capacity}", f"{int(arr[i])}")
-    return arr.astype(np.int64).tolist()
+    return arr.tolist()
 
 
 def _decreasing_order(lengths: list[int]) -> list[int]:
@@ -91,7 +90,7 @@ def _first_fit_into(order: list[int], lengths: list[int], capacity: int, bins: B
 
 def first_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
     """Each item, longest first, goes to the first (oldest) bin with room. O(n log n)."""
-    ls = _as_lengths(lengths, capacity)
+    ls = _fitting_lengths(lengths, capacity)
     return _first_fit_into(_decreasing_order(ls), ls, capacity, [])
 
 
@@ -139,7 +138,7 @@ def best_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
 
     Within a bin, items are listed in the order they were placed (longest first).
     """
-    order, placed = _best_fit_placement(_as_lengths(lengths, capacity), capacity)
+    order, placed = _best_fit_placement(_fitting_lengths(lengths, capacity), capacity)
     bins: Bins = [[] for _ in range(max(placed, default=-1) + 1)]
     for i, b in zip(order, placed):
         bins[b].append(i)
@@ -156,7 +155,7 @@ def modified_first_fit_decreasing(lengths: Lengths, capacity: int) -> Bins:
     largest small that still fits; (4) forward over all bins, while the smallest remaining item
     fits, add the largest that fits; (5) first fit decreasing for what is left, in new bins.
     """
-    ls = _as_lengths(lengths, capacity)
+    ls = _fitting_lengths(lengths, capacity)
     order = _decreasing_order(ls)
     large = [i for i in order if 2 * ls[i] > capacity]
     medium = [i for i in order if 3 * ls[i] > capacity >= 2 * ls[i]]
@@ -207,7 +206,7 @@ def first_fit_shuffle(lengths: Lengths, capacity: int, seed: int = 0) -> Bins:
     indices, so the same lengths and seed always give the same bins. The shuffle mixes long and
     short sequences in every bin (no bin of only the longest items, as decreasing orders make).
     """
-    ls = _as_lengths(lengths, capacity)
+    ls = _fitting_lengths(lengths, capacity)
     order = list(range(len(ls)))
     random.Random(check_int(seed, "seed")).shuffle(order)
     return _first_fit_into(order, ls, capacity, [])
@@ -215,7 +214,7 @@ def first_fit_shuffle(lengths: Lengths, capacity: int, seed: int = 0) -> Bins:
 
 def concatenative(lengths: Lengths, capacity: int) -> Bins:
     """Next fit in the given order: a bin closes as soon as the next item does not fit. O(n)."""
-    ls = _as_lengths(lengths, capacity)
+    ls = _fitting_lengths(lengths, capacity)
     bins: Bins = []
     room = 0
     for i, s in enumerate(ls):
@@ -243,7 +242,7 @@ def bin_of_items(lengths: Lengths, capacity: int, algorithm: str = "best_fit_dec
     """
     if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
-    ls = _as_lengths(lengths, capacity)
+    ls = _fitting_lengths(lengths, capacity)
     capacity = int(capacity)
     bin_of = np.empty(len(ls), dtype=np.int64)
     if algorithm == "best_fit_decreasing":
@@ -308,7 +307,7 @@ def pack_lengths(
         raise input_error("algorithm", None, f"one of {sorted(ALGORITHMS)}", f"{algorithm!r}")
     min_bins = check_int(min_bins, "min_bins", low=0)
     bins_multiple_of = check_int(bins_multiple_of, "bins_multiple_of", low=1)
-    ls = _as_lengths(lengths, capacity)
+    ls = _fitting_lengths(lengths, capacity)
     capacity = int(capacity)
     bins = ALGORITHMS[algorithm](ls, capacity)
     target = max(len(bins), min_bins if ls else 0)
@@ -340,7 +339,7 @@ def packing_metrics(bins: Bins, lengths: Lengths, capacity: int) -> PackingMetri
     (a bin over it would report a utilisation above 1 and a negative waste).
     """
     capacity = check_int(capacity, "capacity", low=1)
-    ls = np.asarray(_as_lengths(lengths, np.iinfo(np.int64).max), dtype=np.int64)
+    ls = host_lengths(lengths, "lengths", low=1)
     if not isinstance(bins, (list, tuple)):
         raise input_error("bins", None, "a list of bins, each a list of item indices", type(bins).__name__)
     for b, items in enumerate(bins):

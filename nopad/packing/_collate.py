@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.core._errors import check_int, input_error
+from nopad.core._errors import check_int, check_integer_tensor, input_error
 from nopad.core._layout import (
     position_ids_of,
     prepare_offsets,
@@ -183,6 +183,8 @@ def packed_to_nested(
         raise input_error("batch", None, "the fields of collate_packed or pack_online", f"missing {missing}")
     alignment = check_int(alignment, "alignment", low=1)
     cu, count = batch["packed_cu_seqlens"], batch["packed_cu_seqlens_lengths"]
+    check_integer_tensor(cu, "packed_cu_seqlens")  # a dtype check (float boundaries would index nothing)
+    check_integer_tensor(count, "packed_cu_seqlens_lengths")
     width = batch["input_ids"].shape[1]
     if cu.dim() != 2 or count.shape != cu.shape[:1]:
         got = f"packed_cu_seqlens {tuple(cu.shape)}, packed_cu_seqlens_lengths {tuple(count.shape)}"

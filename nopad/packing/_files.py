@@ -73,6 +73,7 @@ def write_packed(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    path = checked_path(path)
     pack_length, alignment = check_int(pack_length, "pack_length", low=1), check_int(alignment, "alignment", low=1)
     tp_size, cp_size = check_int(tp_size, "tp_size", low=1), check_int(cp_size, "cp_size", low=1)
     pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
@@ -451,6 +452,15 @@ def _stored_identity(meta: Mapping[str, Any]) -> TokenizerIdentity | None:
     return TokenizerIdentity(**tok)
 
 
+def checked_path(path: Any, field: str = "path") -> str:
+    """A file path (a str or an os.PathLike such as pathlib.Path), as a str; else ValueError naming ``field``."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise input_error(
+            field, None, "a file path (a str or an os.PathLike such as pathlib.Path)", type(path).__name__
+        )
+    return os.fspath(path)  # type: ignore[return-value]
+
+
 def check_packed(path: str | os.PathLike[str], *, tokenizer: TokenizerIdentity | None = None) -> PackedCheck:
     """Every problem with the packed file at ``path``, in order: metadata (each key's type and range,
     then its checksum), the tokenizer (against ``tokenizer``, the run's, when given), the schema,
@@ -459,7 +469,7 @@ def check_packed(path: str | os.PathLike[str], *, tokenizer: TokenizerIdentity |
     A file that cannot be read at all (not Parquet, no nopad metadata) has that one problem; a
     missing file raises FileNotFoundError.
     """
-    path = os.fspath(path)
+    path = checked_path(path)
     if tokenizer is not None and not isinstance(tokenizer, TokenizerIdentity):
         expected = "a TokenizerIdentity (e.g. load_tokenizer(...).identity) or None"
         raise input_error("tokenizer", None, expected, type(tokenizer).__name__)

@@ -102,6 +102,9 @@ class _Conversations:
         2**63 would wrap negative. Lists of ids are converted here, once, and checked the same way."""
         ids: list[TokenSeq] = []
         masks: list[TokenSeq] = []
+        if not isinstance(conversations, Iterable):
+            expected = "an iterable of (input_ids, loss_mask) pairs"
+            raise input_error("conversations", None, expected, type(conversations).__name__)
         for pair in conversations:
             try:
                 seq_ids, seq_mask = pair

@@ -195,6 +195,9 @@ def encode_record(
     refused with the record's line and what to fix.
     """
     where = "record" if line is None else f"record line {line}"
+    if not isinstance(getattr(tokenizer, "identity", None), TokenizerIdentity):
+        expected = "a tokenizer with an identity (load_tokenizer(...), ByteTokenizer() or PreTokenized(...))"
+        raise input_error("tokenizer", None, expected, type(tokenizer).__name__)
     kind = record_kind(record, where)
     if kind == "input_ids":
         ids = token_ids(record["input_ids"], tokenizer.identity, where)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nopad.core._errors import check_int, free_to_read, input_error
-from nopad.core._layout import host_offsets, prepare_offsets, round_up
+from nopad.core._layout import as_lengths, host_offsets, integer_values, prepare_offsets, round_up
 
 CpLayout = Literal["zigzag", "contiguous"]
 CP_LAYOUTS = ("zigzag", "contiguous")
@@ -217,6 +217,9 @@ def shard_index(
     Under zigzag the boundaries must run from 0 to cp_size * local_len in segments that are
     multiples of 2 * cp_size: checked where free (boundaries in host memory); on a device they
     are not read (a sync) and the caller vouches for them."""
+    cu_seqlens_padded, local_len, cp_size, cp_layout = _index_args(cu_seqlens_padded, local_len, cp_size, cp_layout)
+    if cp_rank is not None:
+        check_cp_args(1, cp_size, cp_rank, cp_layout)
     if cp_layout == "zigzag" and cp_size > 1:
         if free_to_read(cu_seqlens_padded):
             check_padded_boundaries(cu_seqlens_padded, None, local_len, cp_size, cp_layout)
@@ -235,11 +238,25 @@ def unshard_index(
     of 2 * cp_size under zigzag), and ``total`` be the lengths' sum: checked where free (host
     memory); on a device not read (a sync), the caller vouching for them.
     """
+    cu_seqlens_padded, local_len, cp_size, cp_layout = _index_args(cu_seqlens_padded, local_len, cp_size, cp_layout)
+    lengths = as_lengths(lengths, "lengths", non_empty=False)
+    total = check_int(total, "total", low=0)
     if free_to_read(cu_seqlens_padded, lengths):
         check_padded_boundaries(cu_seqlens_padded, lengths, local_len, cp_size, cp_layout)
         if int(lengths.sum()) != total:
             raise input_error("total", None, f"the sum of the lengths, {int(lengths.sum())}", f"{total}")
     return real_tokens_index(cu_seqlens_padded, lengths, total, local_len, cp_size, cp_layout)
+
+
+def _index_args(cu: Any, local_len: Any, cp_size: Any, cp_layout: Any) -> tuple[Tensor, int, int, CpLayout]:
+    """The checks of the shard index functions' arguments: boundaries by THE reading of an integer
+    argument (a tensor kept as it is, its values not read: the index math casts it where it needs
+    to, so no op is added), the sizes and layout as :func:`check_cp_args` has them. No sync."""
+    values = integer_values(cu, "cu_seqlens_padded")
+    cu = values if isinstance(values, Tensor) else torch.from_numpy(values)
+    local_len = check_int(local_len, "local_len", low=0)
+    _, cp_size, _, cp_layout = check_cp_args(1, cp_size, 0, cp_layout)
+    return cu, local_len, cp_size, cp_layout
 
 
 def real_tokens_index(
@@ -258,6 +275,10 @@ def gather_cp_shards(local: Tensor, cp_size: int, cp_rank: int, group=None) -> T
     Other ranks' shards arrive detached; this rank's slot IS ``local``, so its autograd graph is
     kept and a loss over the gathered batch sends each rank exactly its own shard's gradient.
     """
+    if not isinstance(local, Tensor) or getattr(local, "is_nested", False):
+        got = "a nested tensor" if isinstance(local, Tensor) else type(local).__name__
+        raise input_error("local", None, "a dense (local_len, ...) tensor", got)
+    _, cp_size, cp_rank, _ = check_cp_args(1, cp_size, cp_rank, "contiguous")
     if cp_size == 1:
         return local.unsqueeze(0)
     if not dist.is_initialized():

@@ -36,9 +36,11 @@ from nopad.core._layout import (
     as_lengths,
     check_nested,
     device_to_host,
+    host_lengths,
     host_offsets,
     host_starts,
     host_to_device,
+    integer_values,
     is_nested,
     jagged_values,
     nested_offsets,
@@ -185,7 +187,8 @@ class ThdPlan:
         field: str = "lengths",
         device: torch.device | str | None = None,
     ) -> ThdPlan:
-        """Plan this CP rank's THD shard from (B,) sequence lengths. ONE host read (of the lengths).
+        """Plan this CP rank's THD shard from (B,) sequence lengths. ONE host read (of the lengths) for
+        a tensor; host lengths (a sequence or numpy array) are read as they are, no tensor made.
 
         ``source_starts`` (B,) says where each sequence starts in the flat
         values of ``source_len`` tokens later passed to :meth:`ThdPlan.shard` (default: back to back,
@@ -200,18 +203,26 @@ class ThdPlan:
         """
         sizes = thd_sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
         field = field if isinstance(field, str) else "lengths"
-        lengths = as_lengths(lengths, field)
+        values = integer_values(lengths, field)  # THE reading: a tensor kept, host input a numpy array
         source_len = check_optional_int(source_len, "source_len", low=0)
-        host_starts = None
+        if isinstance(values, np.ndarray):  # host lengths: no tensor made, nothing read
+            starts_h = None if source_starts is None else host_lengths(source_starts, "source_starts")
+            if starts_h is not None and starts_h.shape != values.shape:
+                raise input_error("source_starts", None, f"shape {values.shape}", f"{starts_h.shape}")
+            device = torch.device("cpu") if device is None else torch.device(device)
+            starts_own = None if starts_h is None else starts_h.copy()
+            return _checked_plan(values.copy(), starts_own, source_len, sizes, device, field)  # the plan's own
+        lengths = values.to(torch.int64)
+        read_starts = None
         if source_starts is None:
-            host_lengths = device_to_host(lengths)  # int64 (as_lengths), a fresh array
+            read_lengths = device_to_host(lengths)  # int64, a fresh array
         else:
             starts = as_lengths(source_starts, "source_starts", non_empty=False).to(lengths.device)
             if starts.shape != lengths.shape:
                 raise input_error("source_starts", None, f"shape {tuple(lengths.shape)}", f"{tuple(starts.shape)}")
-            host_lengths, host_starts = device_to_host(torch.stack([lengths, starts]))  # both in the one read
+            read_lengths, read_starts = device_to_host(torch.stack([lengths, starts]))  # both in the one read
         device = lengths.device if device is None else torch.device(device)
-        return _checked_plan(host_lengths, host_starts, source_len, sizes, device, field)
+        return _checked_plan(read_lengths, read_starts, source_len, sizes, device, field)
 
     @classmethod
     def from_nested(

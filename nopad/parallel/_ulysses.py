@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nopad.core._batch import check_transformers_model
 from nopad.core._errors import check_int, input_error
 from nopad.core._layout import block_causal_mask, round_up
 from nopad.core._memo import recall, remember
@@ -48,6 +49,12 @@ def local_range(padded_total: int, sp_size: int, sp_rank: int) -> tuple[int, int
 
 def slice_for_rank(x: Tensor, sp_size: int, sp_rank: int, dim: int = -1) -> Tensor:
     """This rank's contiguous slice of ``x`` along ``dim`` (whose size must divide by ``sp_size``)."""
+    if not isinstance(x, Tensor) or getattr(x, "is_nested", False) or x.dim() == 0:
+        got = type(x).__name__ if not isinstance(x, Tensor) else "a nested tensor" if x.is_nested else "a 0-d tensor"
+        raise input_error("x", None, "a dense tensor with the dim to slice", got)
+    sp_size = check_int(sp_size, "sp_size", low=1)
+    sp_rank = check_int(sp_rank, "sp_rank", low=0)
+    dim = check_int(dim, "dim", low=-x.dim(), high=x.dim() - 1)
     start, stop = local_range(x.shape[dim], sp_size, sp_rank)
     return x.narrow(dim, start, stop - start)
 
@@ -213,7 +220,7 @@ def enable_ulysses(model: torch.nn.Module) -> torch.nn.Module:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    config: Any = model.config
+    config: Any = check_transformers_model(model).config
     base: str = config._attn_implementation
     if base.startswith(ULYSSES_PREFIX):
         return model
