@@ -236,3 +236,52 @@ def test_the_attention_refuses_a_model_it_has_not_checked_and_a_missing_plan():
     use_shared_prefix_attention(model)
     with pytest.raises(ValueError, match=r"shared_prefixes: expected the shared-prefix plan"):
         model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+def test_a_sliding_window_applies_inside_each_row_as_alone():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=3,
+    )
+    reference = MistralForCausalLM(config).eval()
+    model = MistralForCausalLM(MistralConfig(**config.to_dict())).eval()  # its own config: the switch is per config
+    model.load_state_dict(reference.state_dict())
+    use_shared_prefix_attention(model)
+    prompts, completions = grpo_rows(2, [5, 1], [3, 2], 6)
+    input_ids, prompt_lengths = join_prompts(nested(prompts), nested(completions))
+    plan = plan_shared_prefixes(input_ids, prompt_lengths, tile=2)
+    packed, positions = plan.pack(input_ids.values())[None], plan.position_ids[None]
+    out = model(input_ids=packed, position_ids=positions, shared_prefixes=plan)
+    rows = plan.unpack_nested(out.logits[0])
+    for row, p, c in zip(rows.unbind(), prompts, completions):
+        torch.testing.assert_close(row, reference(input_ids=torch.tensor([p + c])).logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_attention_is_a_fixed_number_of_ops_whatever_the_rows():
+    from nopad.modeling._prefixes import tiled_attention
+
+    counts = []
+    for rows in (8, 512):
+        groups = range(rows // 8)
+        prompts, completions = grpo_rows(rows, [1 + g % 9 for g in groups], [8] * len(groups), 6)
+        plan = plan_shared_prefixes(*join_prompts(nested(prompts), nested(completions)), tile=4)
+        q, k = torch.randn(plan.total, 4, 8), torch.randn(plan.total, 2, 8)
+        with OpCounter() as counter:
+            tiled_attention(q, k, k, plan, scale=0.3, window=5)
+        counts.append((counter.ops, counter.syncs))
+    assert counts[0] == counts[1] and counts[0][1] == 0, counts
+
+
+def test_a_layer_type_it_does_not_serve_is_refused_by_name():
+    model = tiny_llama()
+    model.config.layer_types = ["chunked_attention", "full_attention"]  # as Llama 4's local layers say it
+    with pytest.raises(ValueError, match=r"got LlamaForCausalLM's \['chunked_attention'\]"):
+        use_shared_prefix_attention(model)

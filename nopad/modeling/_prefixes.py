@@ -43,6 +43,9 @@ from nopad.parallel._ulysses import set_attn_implementation
 IMPLEMENTATION = "nopad_shared"
 PLAN_KWARG = "shared_prefixes"
 _CHECKED = "shared prefixes checked"
+# the layer kinds of transformers' ``config.layer_types`` this attention serves; any other (Llama 4's
+# chunked attention, a linear attention) is refused rather than run as full attention
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, plan: Any, *, scale: float, window: int | None = None) -> Tensor:
@@ -108,10 +111,21 @@ def shared_prefix_attention(
     if softcap is not None or dropout > 0:
         feature = "soft-capping" if softcap is not None else "attention dropout"
         raise input_error(f"{owner} attention", None, "no soft-capping and no dropout", f"{feature}")
+    if sliding_window is None:  # a layer whose window only transformers' mask carries (Qwen2-MoE)
+        sliding_window = _config_window(module)
     scale = D**-0.5 if scaling is None else scaling
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D) views
     out = tiled_attention(q, k, v, plan, scale=scale, window=sliding_window)
     return out.unsqueeze(0), None
+
+
+def _config_window(module: torch.nn.Module) -> int | None:
+    """The window of a "sliding_attention" layer of ``config.layer_types``, where the call passes none."""
+    config = getattr(module, "config", None)
+    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if not types or not isinstance(index, int) or not 0 <= index < len(types) or types[index] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 @functools.cache
@@ -146,6 +160,11 @@ def use_shared_prefix_attention(model: torch.nn.Module) -> torch.nn.Module:
             "a model whose every position-mixing layer is softmax attention (shared prefixes do not yet "
             "carry a prompt's final state into its completions)",
             f"{type(model).__name__}, whose {classes} layers carry state along the sequence",
+        )
+    unserved = sorted({t for t in getattr(config, "layer_types", None) or [] if t not in SERVED_LAYER_TYPES})
+    if unserved:
+        raise input_error(
+            "model", None, f"layers of the types {list(SERVED_LAYER_TYPES)}", f"{type(model).__name__}'s {unserved}"
         )
     for name, _ in found.attention:
         remember(model.get_submodule(name), _CHECKED, True)
