@@ -285,3 +285,25 @@ def test_a_layer_type_it_does_not_serve_is_refused_by_name():
     model.config.layer_types = ["chunked_attention", "full_attention"]  # as Llama 4's local layers say it
     with pytest.raises(ValueError, match=r"got LlamaForCausalLM's \['chunked_attention'\]"):
         use_shared_prefix_attention(model)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches(), st.integers(1, 5), st.one_of(st.none(), st.integers(1, 4)))
+def test_the_tiled_attention_equals_causal_attention_over_each_row(batch, tile, window):
+    from nopad.modeling._prefixes import tiled_attention
+
+    prompts, completions = batch
+    plan = plan_shared_prefixes(*join_prompts(nested(prompts), nested(completions)), tile=tile)
+    gen = torch.Generator().manual_seed(plan.total)
+    q, k, v = (torch.randn(plan.total, heads, 4, generator=gen, dtype=torch.float64) for heads in (4, 2, 2))
+    got = plan.unpack(tiled_attention(q, k, v, plan, scale=0.7, window=window))
+    rows_q, rows_k, rows_v = (plan.unpack(t) for t in (q, k, v))
+    for r in range(plan.rows):
+        span = slice(int(plan.row_offsets[r]), int(plan.row_offsets[r + 1]))
+        n = span.stop - span.start
+        at = torch.arange(n)
+        allowed = (at[None] <= at[:, None]) & (at[None] > at[:, None] - (window or n))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(t[span].transpose(0, 1) for t in (rows_q, rows_k, rows_v)), attn_mask=allowed, scale=0.7, enable_gqa=True
+        )
+        torch.testing.assert_close(got[span], want.transpose(0, 1))
