@@ -75,6 +75,17 @@ def check_layout(plan, prompts, completions, values):
     order = plan.block_order.tolist()
     assert keys.tolist() == [t for r in order for t in prompts[r] + completions[r]]
     assert plan.cu_seqlens_k.diff().tolist() == [len(prompts[r]) + len(completions[r]) for r in order]
+    # a completion token's label, and the packed token read for its log-prob: the one before it in its row
+    assert values.index_select(0, plan.label_index).tolist() == [t for c in completions for t in c]
+    before = [len(p) - 1 + t for p, c in zip(prompts, completions) for t in range(len(c))]
+    assert plan.position_ids.index_select(0, plan.logprob_index).tolist() == before
+    rows_of = plan.unpack(torch.arange(plan.total))  # the packed token each row token reads
+    read = [
+        int(rows_of[int(plan.row_offsets[r]) + t])
+        for r, c in enumerate(completions)
+        for t in range(len(prompts[r]) - 1, len(prompts[r]) - 1 + len(c))
+    ]
+    assert plan.logprob_index.tolist() == read
 
 
 @settings(max_examples=60, deadline=None)
@@ -166,6 +177,15 @@ def completion_logprobs(logits_rows: torch.Tensor, plan, values: torch.Tensor) -
     return out
 
 
+def plan_logprobs(logits: torch.Tensor, plan, values: torch.Tensor) -> list[torch.Tensor]:
+    """The same from the packed logits by the plan's indices (no loop): each completion token's
+    log-prob read at the packed token before it in its row, split per row."""
+    read = logits.log_softmax(-1).index_select(0, plan.logprob_index)
+    logps = read.gather(1, values.index_select(0, plan.label_index).unsqueeze(1)).squeeze(1)
+    assert torch.equal(plan.completion_offsets.diff(), plan.completion_lengths)
+    return list(logps.split(plan.completion_lengths.tolist()))
+
+
 @pytest.mark.parametrize("tile", [128, 3])
 def test_a_llama_on_the_shared_layout_equals_each_row_alone(tile):
     prompts, completions = grpo_rows(1, [1, 6, 4, 9, 2], [8, 1, 3, 2, 5], 7)
@@ -188,6 +208,8 @@ def test_a_llama_on_the_shared_layout_equals_each_row_alone(tile):
     )
     hidden_rows = plan.unpack(out.hidden_states[-1][0])
     shared = completion_logprobs(plan.unpack(out.logits[0]), plan, values)
+    for got, want in zip(plan_logprobs(out.logits[0], plan, values), shared):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
     loss_of(shared).backward()
     alone_logps = []
     for r, (p, c) in enumerate(zip(prompts, completions)):
@@ -209,7 +231,7 @@ def test_a_llama_on_the_shared_layout_equals_each_row_alone(tile):
         shared_prefixes=plain,
         use_cache=False,
     ).logits[0]
-    loss_of(completion_logprobs(plain.unpack(logits), plain, values)).backward()
+    loss_of(plan_logprobs(logits, plain, values)).backward()
     for (name, got), want in zip(model.named_parameters(), separate.parameters()):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5, msg=name)
 

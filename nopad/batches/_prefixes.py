@@ -72,12 +72,18 @@ class SharedPrefixPlan:
             row in block order: the row's block.
         cu_seqlens_k: (B+1,) int32 its key segments over the gathered keys: the row's whole sequence.
         kv_index: (N,) the packed token each gathered key is (rows in block order).
+        completion_offsets: (B+1,) int64 offsets of the rows' completions (as nested responses).
+        logprob_index: (M,) for each completion token (rows in order), the packed token whose logits
+            give its log-prob: the one before it in its row, so a completion's first token reads
+            its prompt's last position, shared by the group.
+        label_index: (M,) the row token (an index into the N) each completion token is: its label.
         tile_q: (tiles * C,) the packed token of each query slot of the tiles (T for an empty slot).
         tile_k: (tiles * max_seqlen_k,) the packed token of each key slot of the tiles (T: empty).
         tile_end: (tiles, C) how many of its tile's keys each query slot may see (1 for an empty one).
         tile_out: (T,) the tile slot that holds each packed token's output.
 
-    Host ints: rows B, groups, total T, rows_total N, max_seqlen_q, max_seqlen_k, tile C, tiles.
+    Host ints: rows B, groups, total T, rows_total N, max_seqlen_q, max_seqlen_k, tile C, tiles,
+    completion_total M.
     """
 
     prompt_lengths: Tensor
@@ -92,6 +98,9 @@ class SharedPrefixPlan:
     cu_seqlens_q: Tensor
     cu_seqlens_k: Tensor
     kv_index: Tensor
+    completion_offsets: Tensor
+    logprob_index: Tensor
+    label_index: Tensor
     tile_q: Tensor
     tile_k: Tensor
     tile_end: Tensor
@@ -104,6 +113,7 @@ class SharedPrefixPlan:
     max_seqlen_k: int
     tile: int
     tiles: int
+    completion_total: int
 
     @property
     def shared(self) -> bool:
@@ -237,8 +247,8 @@ def _plan(
     bad_prompt = (prompts < 1) | (completions < 0)
     first_bad = torch.where(bad_prompt, row_range, batch).min()
     first_unequal = torch.where(bad, row_range, batch).min()
-    total, groups, max_q, max_k, wrong_row, unequal_row = to_host(
-        q_len.sum(), is_leader.sum(), q_len.max(), k_len.max(), first_bad, first_unequal
+    total, groups, max_q, max_k, wrong_row, unequal_row, m = to_host(
+        q_len.sum(), is_leader.sum(), q_len.max(), k_len.max(), first_bad, first_unequal, completions.sum()
     )
     if wrong_row < batch:
         got = f"{int(prompts[wrong_row])} of the row's {int(lengths[wrong_row])} tokens"
@@ -265,6 +275,8 @@ def _plan(
     firsts, spans = torch.stack([prompt_start, completion_start], 1), torch.stack([prompts, completions], 1)
     unpack_index = _ranges(firsts.flatten(), spans.flatten(), n)  # (B, 2) ranges, rows in order
     kv_index = _ranges(firsts.index_select(0, block_order).flatten(), spans.index_select(0, block_order).flatten(), n)
+    label_index = _ranges(offsets[:-1] + prompts, completions, m)
+    logprob_index = unpack_index.index_select(0, label_index - 1)  # the token before, in its own row
     tile = max(1, min(tile, max_q))  # no tile longer than the longest block
     tiles = total // tile + batch  # enough for every block's last, partial tile
     tile_q, tile_k, tile_end, tile_out = _tiles(cu_q, cu_k, q_len, k_len, kv_index, total, tile, tiles, max_k)
@@ -281,6 +293,9 @@ def _plan(
         cu_seqlens_q=cu_q.to(torch.int32),
         cu_seqlens_k=cu_k.to(torch.int32),
         kv_index=kv_index,
+        completion_offsets=F.pad(completions.cumsum(0), (1, 0)),
+        logprob_index=logprob_index,
+        label_index=label_index,
         tile_q=tile_q,
         tile_k=tile_k,
         tile_end=tile_end,
@@ -293,6 +308,7 @@ def _plan(
         max_seqlen_k=max_k,
         tile=tile,
         tiles=tiles,
+        completion_total=m,
     )
 
 
