@@ -98,6 +98,8 @@ def test_rows_to_shared_layout_and_back_give_the_inputs(batch):
     assert prompt_lengths.tolist() == [len(p) for p in prompts]
     plan = plan_shared_prefixes(input_ids, prompt_lengths)
     check_layout(plan, prompts, completions, values)
+    narrow = plan_shared_prefixes(wrap_jagged(values.int(), input_ids.offsets()), prompt_lengths)  # int32 ids
+    assert torch.equal(narrow.pack_index, plan.pack_index)
     ids = {}
     group_ids = torch.tensor([ids.setdefault(tuple(p), 10 * len(ids) - 7) for p in prompts])
     given_plan = plan_shared_prefixes(input_ids, prompt_lengths, group_ids=group_ids)

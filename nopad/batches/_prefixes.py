@@ -39,6 +39,7 @@ from nopad.core._errors import check_int, check_integer_tensor, input_error
 from nopad.core._layout import (
     as_lengths,
     check_nested,
+    gather_index_dtype,
     nested_offsets,
     position_ids_of,
     row_ids_of,
@@ -150,7 +151,7 @@ def prompt_keys(values: Tensor, rows: Tensor, positions: Tensor, in_prompt: Tens
     ``values``, ``rows``, ``positions``, ``in_prompt``: (N,) the row tokens, the row and position of
     each, and whether it is a prompt token. Equal prompts hash equal; unequal ones collide with odds
     about 2**-62, which costs sharing, never exactness (groups are verified token by token)."""
-    parts = []
+    parts, values = [], values.to(torch.int64)  # int32 ids would overflow the products
     for keys in _HASH_KEYS:
         mixed = _mix(values, positions, keys) * in_prompt
         parts.append(mixed.new_zeros(batch).index_add_(0, rows, mixed) & _M31)
@@ -349,7 +350,8 @@ def _tiles(
     seen = key < last.unsqueeze(1)
     gathered = F.pad(kv_index, (0, 1), value=total)  # slot N: an empty key
     key_slot = torch.where(seen, cu_k.index_select(0, block).unsqueeze(1) + key, kv_index.shape[0])
-    tile_k = gathered.index_select(0, key_slot.flatten())
+    # the largest index of the plan (tiles x max_k): int32 where it fits halves its memory
+    tile_k = gathered.index_select(0, key_slot.flatten()).to(gather_index_dtype(total + 1))
     tile_out = spread_over_tokens(tile_offsets[:-1] * tile - cu_q[:-1], cu_q, total, plus_position=True)
     return tile_q.flatten(), tile_k, tile_end, tile_out
 
