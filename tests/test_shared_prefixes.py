@@ -157,9 +157,9 @@ def test_the_plan_is_a_fixed_number_of_ops_and_one_sync_whatever_the_rows():
             rows, [1 + g % 9 for g in range(groups)], [1 + g % 8 for g in range(groups)], 6
         )
         prompts, completions = (prompts * 8)[:rows], (completions * 8)[:rows]
-        input_ids, prompt_lengths = join_prompts(nested(prompts), nested(completions))
+        prompts, completions = nested(prompts), nested(completions)
         with OpCounter() as counter:
-            plan_shared_prefixes(input_ids, prompt_lengths)
+            plan_shared_prefixes(*join_prompts(prompts, completions))
         counts.append((counter.ops, counter.syncs))
     assert counts[0] == counts[1], counts
     assert counts[0][1] == 1, counts
