@@ -145,6 +145,13 @@ def test_wrong_group_ids_and_prompt_lengths_are_refused_by_name():
         plan_shared_prefixes(input_ids, [2, 0, 2, 1])
     with pytest.raises(ValueError, match=r"prompt_lengths row 3: expected a prompt of at least 1 token"):
         plan_shared_prefixes(input_ids, [2, 2, 2, 3])
+    with pytest.raises(
+        ValueError,
+        match=r"prompt_lengths row 0: expected .*, got 9 of the row's 3 tokens",
+    ):
+        plan_shared_prefixes(input_ids, [9, 2, 2, 1])
+    with pytest.raises(ValueError, match=r"prompt_lengths row 2: expected a prompt of at least 1 token"):
+        plan_shared_prefixes(input_ids, [2, 2, -1, 1])
     with pytest.raises(ValueError, match=r"input_ids: expected a jagged nested tensor"):
         plan_shared_prefixes(torch.ones(4, 3, dtype=torch.int64), [1, 1, 1, 1])
 

@@ -229,6 +229,7 @@ def _plan(
     device, batch, n = values.device, prompts.shape[0], values.shape[0]
     row_range = torch.arange(batch, device=device)
     lengths = offsets.diff()
+    given, prompts = prompts, prompts.clamp(min=0).minimum(lengths)  # in bounds until the check refuses
     completions = lengths - prompts
     rows, positions = row_ids_of(offsets, n), position_ids_of(offsets, n)
     in_prompt = positions < prompts.index_select(0, rows)
@@ -245,14 +246,14 @@ def _plan(
     block_order = torch.argsort(group, stable=True)
     q_len = (completions + prompts * is_leader).index_select(0, block_order)
     k_len = lengths.index_select(0, block_order)
-    bad_prompt = (prompts < 1) | (completions < 0)
+    bad_prompt = (given < 1) | (given > lengths)
     first_bad = torch.where(bad_prompt, row_range, batch).min()
     first_unequal = torch.where(bad, row_range, batch).min()
     total, groups, max_q, max_k, wrong_row, unequal_row, m = to_host(
         q_len.sum(), is_leader.sum(), q_len.max(), k_len.max(), first_bad, first_unequal, completions.sum()
     )
     if wrong_row < batch:
-        got = f"{int(prompts[wrong_row])} of the row's {int(lengths[wrong_row])} tokens"
+        got = f"{int(given[wrong_row])} of the row's {int(lengths[wrong_row])} tokens"
         raise input_error("prompt_lengths", wrong_row, "a prompt of at least 1 token, within its row", got)
     if ids is not None and unequal_row < batch:
         other = int(found[unequal_row])
