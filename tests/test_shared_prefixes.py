@@ -1,0 +1,340 @@
+"""A GRPO group's shared prompt computed once (issue 38, first slice): the layout, its attention, exactness.
+
+The pieces are private until the issue is complete (tests/test_api.py caps the public API), so this
+file imports them from their private modules.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nopad.batches import _prefixes
+from nopad.batches._prefixes import join_prompts, plan_shared_prefixes
+from nopad.core._torch_internals import wrap_jagged
+from nopad.diagnostics import OpCounter
+from nopad.modeling._prefixes import use_shared_prefix_attention
+from tests.models import tiny_llama
+
+VOCAB = 97
+
+
+def nested(rows: list[list[int]]) -> torch.Tensor:
+    values = torch.tensor([t for row in rows for t in row], dtype=torch.int64)
+    offsets = torch.tensor([0] + [len(row) for row in rows]).cumsum(0)
+    return wrap_jagged(values, offsets)
+
+
+def grpo_rows(seed: int, prompt_lens: list[int], group_sizes: list[int], max_completion: int, vocab: int = VOCAB):
+    """Rows of several groups (a prompt each, sampled ``group_sizes[g]`` times), shuffled. Returns
+    (prompts, completions) as lists of token lists."""
+    rng = random.Random(seed)
+    rows = []
+    for p_len, n in zip(prompt_lens, group_sizes):
+        prompt = [rng.randrange(1, vocab) for _ in range(p_len)]
+        rows += [(prompt, [rng.randrange(1, vocab) for _ in range(rng.randint(0, max_completion))]) for _ in range(n)]
+    rng.shuffle(rows)
+    return [p for p, _ in rows], [c for _, c in rows]
+
+
+# ---- the layout ------------------------------------------------------------------------------------
+
+
+@st.composite
+def batches(draw):
+    vocab = draw(st.integers(2, 4))  # a small vocabulary: unequal prompts that share tokens and lengths
+    distinct = draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=4), min_size=1, max_size=4))
+    rows = draw(
+        st.lists(
+            st.tuples(st.sampled_from(distinct), st.lists(st.integers(0, vocab - 1), max_size=4)),
+            min_size=1,
+            max_size=12,
+        )
+    )
+    return [p for p, _ in rows], [c for _, c in rows]
+
+
+def check_layout(plan, prompts, completions, values):
+    packed = plan.pack(values)
+    assert torch.equal(plan.unpack(packed), values)  # rows -> shared layout -> rows
+    distinct = {tuple(p) for p in prompts}
+    assert plan.groups == len(distinct)
+    assert plan.total == sum(len(p) for p in distinct) + sum(len(c) for c in completions)
+    by_prompt = {}
+    for row, prompt in enumerate(prompts):  # equal prompts share a group, unequal ones never do
+        assert by_prompt.setdefault(tuple(prompt), int(plan.group[row])) == int(plan.group[row])
+    assert len(set(by_prompt.values())) == len(distinct)
+    positions = plan.unpack(plan.position_ids)
+    expected = torch.cat([torch.arange(len(p) + len(c)) for p, c in zip(prompts, completions)])
+    assert torch.equal(positions, expected)  # a completion continues from its prompt's length
+    keys = packed.index_select(0, plan.kv_index)  # each row's keys: its prompt, then its completion
+    order = plan.block_order.tolist()
+    assert keys.tolist() == [t for r in order for t in prompts[r] + completions[r]]
+    assert plan.cu_seqlens_k.diff().tolist() == [len(prompts[r]) + len(completions[r]) for r in order]
+    # a completion token's label, and the packed token read for its log-prob: the one before it in its row
+    assert values.index_select(0, plan.label_index).tolist() == [t for c in completions for t in c]
+    before = [len(p) - 1 + t for p, c in zip(prompts, completions) for t in range(len(c))]
+    assert plan.position_ids.index_select(0, plan.logprob_index).tolist() == before
+    rows_of = plan.unpack(torch.arange(plan.total))  # the packed token each row token reads
+    read = [
+        int(rows_of[int(plan.row_offsets[r]) + t])
+        for r, c in enumerate(completions)
+        for t in range(len(prompts[r]) - 1, len(prompts[r]) - 1 + len(c))
+    ]
+    assert plan.logprob_index.tolist() == read
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches())
+def test_rows_to_shared_layout_and_back_give_the_inputs(batch):
+    prompts, completions = batch
+    input_ids, prompt_lengths = join_prompts(nested(prompts), nested(completions))
+    values = input_ids.values()
+    assert values.tolist() == [t for p, c in zip(prompts, completions) for t in p + c]
+    assert prompt_lengths.tolist() == [len(p) for p in prompts]
+    plan = plan_shared_prefixes(input_ids, prompt_lengths)
+    check_layout(plan, prompts, completions, values)
+    narrow = plan_shared_prefixes(wrap_jagged(values.int(), input_ids.offsets()), prompt_lengths)  # int32 ids
+    assert torch.equal(narrow.pack_index, plan.pack_index)
+    ids = {}
+    group_ids = torch.tensor([ids.setdefault(tuple(p), 10 * len(ids) - 7) for p in prompts])
+    given_plan = plan_shared_prefixes(input_ids, prompt_lengths, group_ids=group_ids)
+    assert torch.equal(given_plan.pack_index, plan.pack_index)
+    check_layout(given_plan, prompts, completions, values)
+
+
+def test_a_hash_collision_costs_sharing_never_exactness(monkeypatch):
+    prompts = [[1, 2], [2, 1], [1, 2], [3, 3], [2, 1]]
+    completions = [[5], [6], [7, 8], [], [9]]
+    # every prompt hashes alike: rows of equal length all collide, and the token check sorts them out
+    monkeypatch.setattr(_prefixes, "prompt_keys", lambda *args: torch.zeros(args[-1], dtype=torch.int64))
+    input_ids, prompt_lengths = join_prompts(nested(prompts), nested(completions))
+    plan = plan_shared_prefixes(input_ids, prompt_lengths)
+    assert plan.unpack(plan.pack(input_ids.values())).tolist() == input_ids.values().tolist()
+    assert len(set(plan.group.tolist())) == 4 and plan.group[0] == plan.group[2]
+    assert plan.group[1] != plan.group[0] and plan.group[3] != plan.group[0]  # never merged by the collision
+
+
+def test_a_batch_without_shared_prompts_is_the_plain_packed_layout():
+    prompts, completions = grpo_rows(0, [3, 1, 5, 2], [1, 1, 1, 1], 4)
+    input_ids, prompt_lengths = join_prompts(nested(prompts), nested(completions))
+    for plan in (
+        plan_shared_prefixes(input_ids, prompt_lengths),
+        plan_shared_prefixes(input_ids, prompt_lengths, share=False),
+    ):
+        assert not plan.shared and plan.groups == 4
+        assert torch.equal(plan.pack_index, torch.arange(plan.rows_total))
+        assert torch.equal(plan.cu_seqlens_q.long(), input_ids.offsets())
+        assert torch.equal(plan.cu_seqlens_k, plan.cu_seqlens_q)
+
+
+def test_wrong_group_ids_and_prompt_lengths_are_refused_by_name():
+    prompts = [[1, 2], [1, 2], [1, 3], [4]]
+    input_ids, prompt_lengths = join_prompts(nested(prompts), nested([[5], [6], [7], [8]]))
+    with pytest.raises(ValueError, match=r"group_ids row 2: expected the prompt of row 0, whose group id 0"):
+        plan_shared_prefixes(input_ids, prompt_lengths, group_ids=[0, 0, 0, 1])
+    with pytest.raises(ValueError, match=r"group_ids row 3: expected the prompt of row 2"):
+        plan_shared_prefixes(input_ids, prompt_lengths, group_ids=[0, 0, 1, 1])  # lengths differ
+    with pytest.raises(ValueError, match=r"group_ids: expected \(4,\) one per row"):
+        plan_shared_prefixes(input_ids, prompt_lengths, group_ids=[0, 0, 1])
+    with pytest.raises(ValueError, match=r"prompt_lengths row 1: expected a prompt of at least 1 token"):
+        plan_shared_prefixes(input_ids, [2, 0, 2, 1])
+    with pytest.raises(ValueError, match=r"prompt_lengths row 3: expected a prompt of at least 1 token"):
+        plan_shared_prefixes(input_ids, [2, 2, 2, 3])
+    with pytest.raises(
+        ValueError,
+        match=r"prompt_lengths row 0: expected .*, got 9 of the row's 3 tokens",
+    ):
+        plan_shared_prefixes(input_ids, [9, 2, 2, 1])
+    with pytest.raises(ValueError, match=r"prompt_lengths row 2: expected a prompt of at least 1 token"):
+        plan_shared_prefixes(input_ids, [2, 2, -1, 1])
+    with pytest.raises(ValueError, match=r"input_ids: expected a jagged nested tensor"):
+        plan_shared_prefixes(torch.ones(4, 3, dtype=torch.int64), [1, 1, 1, 1])
+
+
+def test_the_plan_is_a_fixed_number_of_ops_and_one_sync_whatever_the_rows():
+    counts = []
+    for rows in (8, 512):
+        groups = rows // 8  # groups of 1 to 8 rows, prompts of 1 to 9 tokens
+        prompts, completions = grpo_rows(
+            rows, [1 + g % 9 for g in range(groups)], [1 + g % 8 for g in range(groups)], 6
+        )
+        prompts, completions = (prompts * 8)[:rows], (completions * 8)[:rows]
+        prompts, completions = nested(prompts), nested(completions)
+        with OpCounter() as counter:
+            plan_shared_prefixes(*join_prompts(prompts, completions))
+        counts.append((counter.ops, counter.syncs))
+    assert counts[0] == counts[1], counts
+    assert counts[0][1] == 1, counts
+
+
+# ---- a model over it ----------------------------------------------------------------------------
+
+
+def completion_logprobs(logits_rows: torch.Tensor, plan, values: torch.Tensor) -> list[torch.Tensor]:
+    """Per row, the log-prob of each completion token, read at the position before it (rows layout)."""
+    logp = logits_rows.log_softmax(-1)
+    out = []
+    for r in range(plan.rows):
+        start, p, c = int(plan.row_offsets[r]), int(plan.prompt_lengths[r]), int(plan.completion_lengths[r])
+        at = torch.arange(start + p - 1, start + p + c - 1)
+        out.append(logp[at].gather(1, values[at + 1].unsqueeze(1)).squeeze(1))
+    return out
+
+
+def plan_logprobs(logits: torch.Tensor, plan, values: torch.Tensor) -> list[torch.Tensor]:
+    """The same from the packed logits by the plan's indices (no loop): each completion token's
+    log-prob read at the packed token before it in its row, split per row."""
+    read = logits.log_softmax(-1).index_select(0, plan.logprob_index)
+    logps = read.gather(1, values.index_select(0, plan.label_index).unsqueeze(1)).squeeze(1)
+    assert torch.equal(plan.completion_offsets.diff(), plan.completion_lengths)
+    return list(logps.split(plan.completion_lengths.tolist()))
+
+
+@pytest.mark.parametrize("tile", [128, 3])
+def test_a_llama_on_the_shared_layout_equals_each_row_alone(tile):
+    prompts, completions = grpo_rows(1, [1, 6, 4, 9, 2], [8, 1, 3, 2, 5], 7)
+    input_ids, prompt_lengths = join_prompts(nested(prompts), nested(completions))
+    values = input_ids.values()
+    plan = plan_shared_prefixes(input_ids, prompt_lengths, tile=tile)
+    assert plan.groups == 5 and plan.shared
+    reference, model = tiny_llama(), use_shared_prefix_attention(tiny_llama())
+    weights = torch.randn(plan.rows, 16, generator=torch.Generator().manual_seed(0))
+
+    def loss_of(logps):
+        return sum((lp * weights[r, : lp.shape[0]]).sum() for r, lp in enumerate(logps))
+
+    out = model(
+        input_ids=plan.pack(values)[None],
+        position_ids=plan.position_ids[None],
+        shared_prefixes=plan,
+        use_cache=False,
+        output_hidden_states=True,
+    )
+    hidden_rows = plan.unpack(out.hidden_states[-1][0])
+    shared = completion_logprobs(plan.unpack(out.logits[0]), plan, values)
+    for got, want in zip(plan_logprobs(out.logits[0], plan, values), shared):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    loss_of(shared).backward()
+    alone_logps = []
+    for r, (p, c) in enumerate(zip(prompts, completions)):
+        alone = reference(input_ids=torch.tensor([p + c]), use_cache=False, output_hidden_states=True)
+        start = int(plan.row_offsets[r])
+        torch.testing.assert_close(
+            hidden_rows[start : start + len(p) + len(c)], alone.hidden_states[-1][0], atol=1e-5, rtol=1e-5
+        )
+        row_plan = plan_shared_prefixes(nested([p + c]), [len(p)])
+        alone_logps.append(completion_logprobs(alone.logits[0], row_plan, torch.tensor(p + c))[0])
+    for got, want in zip(shared, alone_logps):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the n separate rows, packed without sharing: the same gradients of every parameter
+    separate = use_shared_prefix_attention(tiny_llama())
+    plain = plan_shared_prefixes(input_ids, prompt_lengths, share=False, tile=tile)
+    logits = separate(
+        input_ids=plain.pack(values)[None],
+        position_ids=plain.position_ids[None],
+        shared_prefixes=plain,
+        use_cache=False,
+    ).logits[0]
+    loss_of(plan_logprobs(logits, plain, values)).backward()
+    for (name, got), want in zip(model.named_parameters(), separate.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_model_with_state_carrying_layers_is_refused_by_name():
+    from nopad._apps.families import tiny_model
+
+    model = tiny_model("lfm2")
+    if isinstance(model, str):
+        pytest.skip(model)
+    with pytest.raises(ValueError, match=r"model: expected a model whose every position-mixing layer is softmax.*Lfm2"):
+        use_shared_prefix_attention(model)
+    assert model.config._attn_implementation != "nopad_shared"
+
+
+def test_the_attention_refuses_a_model_it_has_not_checked_and_a_missing_plan():
+    from nopad.modeling._prefixes import register
+
+    register()
+    model = tiny_llama()
+    model.config._attn_implementation = "nopad_shared"
+    with pytest.raises(ValueError, match=r"LlamaAttention attention: expected a model given to use_shared_prefix"):
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+    use_shared_prefix_attention(model)
+    with pytest.raises(ValueError, match=r"shared_prefixes: expected the shared-prefix plan"):
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+def test_a_sliding_window_applies_inside_each_row_as_alone():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=3,
+    )
+    reference = MistralForCausalLM(config).eval()
+    model = MistralForCausalLM(MistralConfig(**config.to_dict())).eval()  # its own config: the switch is per config
+    model.load_state_dict(reference.state_dict())
+    use_shared_prefix_attention(model)
+    prompts, completions = grpo_rows(2, [5, 1], [3, 2], 6)
+    input_ids, prompt_lengths = join_prompts(nested(prompts), nested(completions))
+    plan = plan_shared_prefixes(input_ids, prompt_lengths, tile=2)
+    packed, positions = plan.pack(input_ids.values())[None], plan.position_ids[None]
+    out = model(input_ids=packed, position_ids=positions, shared_prefixes=plan)
+    rows = plan.unpack_nested(out.logits[0])
+    for row, p, c in zip(rows.unbind(), prompts, completions):
+        torch.testing.assert_close(row, reference(input_ids=torch.tensor([p + c])).logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_attention_is_a_fixed_number_of_ops_whatever_the_rows():
+    from nopad.modeling._prefixes import tiled_attention
+
+    counts = []
+    for rows in (8, 512):
+        groups = range(rows // 8)
+        prompts, completions = grpo_rows(rows, [1 + g % 9 for g in groups], [8] * len(groups), 6)
+        plan = plan_shared_prefixes(*join_prompts(nested(prompts), nested(completions)), tile=4)
+        q, k = torch.randn(plan.total, 4, 8), torch.randn(plan.total, 2, 8)
+        with OpCounter() as counter:
+            tiled_attention(q, k, k, plan, scale=0.3, window=5)
+        counts.append((counter.ops, counter.syncs))
+    assert counts[0] == counts[1] and counts[0][1] == 0, counts
+
+
+def test_a_layer_type_it_does_not_serve_is_refused_by_name():
+    model = tiny_llama()
+    model.config.layer_types = ["chunked_attention", "full_attention"]  # as Llama 4's local layers say it
+    with pytest.raises(ValueError, match=r"got LlamaForCausalLM's \['chunked_attention'\]"):
+        use_shared_prefix_attention(model)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches(), st.integers(1, 5), st.one_of(st.none(), st.integers(1, 4)))
+def test_the_tiled_attention_equals_causal_attention_over_each_row(batch, tile, window):
+    from nopad.modeling._prefixes import tiled_attention
+
+    prompts, completions = batch
+    plan = plan_shared_prefixes(*join_prompts(nested(prompts), nested(completions)), tile=tile)
+    gen = torch.Generator().manual_seed(plan.total)
+    q, k, v = (torch.randn(plan.total, heads, 4, generator=gen, dtype=torch.float64) for heads in (4, 2, 2))
+    got = plan.unpack(tiled_attention(q, k, v, plan, scale=0.7, window=window))
+    rows_q, rows_k, rows_v = (plan.unpack(t) for t in (q, k, v))
+    for r in range(plan.rows):
+        span = slice(int(plan.row_offsets[r]), int(plan.row_offsets[r + 1]))
+        n = span.stop - span.start
+        at = torch.arange(n)
+        allowed = (at[None] <= at[:, None]) & (at[None] > at[:, None] - (window or n))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(t[span].transpose(0, 1) for t in (rows_q, rows_k, rows_v)), attn_mask=allowed, scale=0.7, enable_gqa=True
+        )
+        torch.testing.assert_close(got[span], want.transpose(0, 1))
