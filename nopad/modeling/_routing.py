@@ -863,6 +863,28 @@ _FAST_PATH_ADAPTERS: dict[str, Callable[[Any, str], Callable]] = {
 }
 
 
+def _clamps_at_minimum(torch_path: Callable, fast: Callable) -> bool:
+    """Whether a 5.10 mixer's torch forward clamps its time steps at ``time_step_min``, which its CUDA
+    forward does not (nemotron_h's and zamba2's: their two paths differ by that clamp)."""
+    return "time_step_min" in _names_read(_innermost(torch_path).__code__) and "time_step_min" not in _names_read(
+        _innermost(fast).__code__
+    )
+
+
+def _torch_path_clamp(scan: Callable, module: torch.nn.Module) -> Callable:
+    # a packed forward computes what each sequence alone computes on this machine: where the mixer
+    # alone would run its torch forward (no mamba-ssm, or off CUDA), its time steps clamped as there
+    fast_alone = bool(_innermost(getattr(type(module), _FAST_PATH)).__globals__.get("is_fast_path_available"))
+
+    def mamba_chunk_scan_combined(hidden_states, *args, **kwargs):
+        if not (fast_alone and hidden_states.device.type == "cuda"):
+            low, high = kwargs.get("dt_limit", (0.0, math.inf))
+            kwargs["dt_limit"] = (max(low, module.time_step_min), high)
+        return scan(hidden_states, *args, **kwargs)
+
+    return mamba_chunk_scan_combined
+
+
 class _NotTraining:
     """A mixer as its ``cuda_kernels_forward`` reads it in a packed forward: every attribute its own,
     ``training`` False (the fused training kernel, which has no packed form here, is not taken)."""
@@ -884,6 +906,9 @@ def _fast_path_forward(module: torch.nn.Module, names: tuple[str, ...]) -> Calla
     fast = getattr(type(module), _FAST_PATH)
     globals_ = _innermost(fast).__globals__
     adapters = {name: _FAST_PATH_ADAPTERS[name](globals_.get(name), owner) for name in names}
+    torch_path = dict(_methods(type(module))).get("torch_forward")
+    if "mamba_chunk_scan_combined" in adapters and torch_path is not None and _clamps_at_minimum(torch_path, fast):
+        adapters["mamba_chunk_scan_combined"] = _torch_path_clamp(adapters["mamba_chunk_scan_combined"], module)
     packed = rebind(fast, {**adapters, "torch": _OffCuda()})
     # 5.10's forwards hand cuda_kernels_forward their first three parameters: states, cache, mask
     params = list(inspect.signature(original).parameters)[:3]
