@@ -127,6 +127,29 @@ def test_every_other_family_is_exact_with_every_gradient_in_training_mode(model_
         _assert_close(grads_packed[name], grad, f"{model_type} grad of {name}")
 
 
+@pytest.mark.parametrize("model_type", FAMILIES + OTHER_FAMILIES + ["falcon_mamba"])
+def test_under_checkpointing_every_family_is_exact_with_every_gradient_or_refused_by_name(model_type):
+    """A checkpointed layer is recomputed in backward from its own arguments: a state layer that is not
+    handed the boundaries there (transformers 5.10's falcon_h1 and mamba2 decoder layers hand their
+    mixers none; Mamba's never) is refused by name, never recomputed as one sequence."""
+    from tests.archs import tiny_model
+
+    model, micro = tiny_model(model_type), _micro()
+    if isinstance(model, str):
+        pytest.skip(f"{model_type} on transformers {transformers.__version__}: {model}")
+    alone = _param_grads(model, _alone(model, micro))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    use_packed_attention(model)
+    try:
+        packed = packed_logprobs(model, micro, head="logits").values()
+    except ValueError as refusal:
+        assert "boundaries (cu_seq_lens_q) among its kwargs when its layers are checkpointed" in str(refusal)
+        return
+    for name, grad in _param_grads(model, packed).items():
+        _assert_close(grad, alone[name], f"{model_type} checkpointed grad of {name}")
+
+
 def _unused(model) -> set[str]:
     """Parameters no forward of this tiny model reaches (MoE experts no token was routed to)."""
     return {n for n, p in model.named_parameters() if "experts" in n or "gate" in n and p.grad is None} - {

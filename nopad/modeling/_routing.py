@@ -914,30 +914,55 @@ def _fast_path_forward(module: torch.nn.Module, names: tuple[str, ...]) -> Calla
     params = list(inspect.signature(original).parameters)[:3]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        given = {**dict(zip(params, args)), **kwargs}
-        source = _row_source(kwargs, owner)
-        if source is None:
-            return original(*args, **kwargs)
-        states, cache, mask = (given.get(name) for name in params)
-        _no_state(owner, cache=cache)
-        token = _LAYER_ROW.set(source)
+        row = _scoped_row(module, kwargs)
+        token = None if row is _KEEP else _LAYER_ROW.set(row)
         try:
+            if _row_source(kwargs, owner) is None:
+                return original(*args, **kwargs)
+            given = {**dict(zip(params, args)), **kwargs}
+            states, cache, mask = (given.get(name) for name in params)
+            _no_state(owner, cache=cache)
             return packed(_NotTraining(module), states, cache, mask)
         finally:
-            _LAYER_ROW.reset(token)
+            if token is not None:
+                _LAYER_ROW.reset(token)
 
     return forward
 
 
+_KEEP = object()
+
+
+def _recomputes_itself(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "CheckpointWrapper" or any(
+        klass.__name__ == "GradientCheckpointingLayer" for klass in type(module).__mro__
+    )
+
+
+def _scoped_row(module: torch.nn.Module, kwargs: dict) -> Any:
+    """The row a module on the way to a 5.10-shaped layer hands the layers below it: the boundaries
+    among its kwargs; none (so a packed call below reads the forward's row, which is refused under
+    checkpointing) where backward recomputes it or its children from their own arguments, which an
+    outer row does not reach; else whatever its caller handed down (``_KEEP``)."""
+    checkpointed = (
+        type(module).__name__ == "CheckpointWrapper" or getattr(module, "gradient_checkpointing", False) is True
+    )
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None and (not checkpointed or _recomputes_itself(module)):
+        return cu, kwargs.get(SP_GROUP_KWARG)
+    return None if checkpointed else _KEEP
+
+
 def _row_forward(module: torch.nn.Module) -> Callable:
-    """The layer's forward, the boundaries it is handed kept for the primitives it calls without them."""
+    """The module's forward, the boundaries it is handed kept for the primitives the layers below it
+    call without them (:func:`_scoped_row`)."""
     original = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        cu = kwargs.get("cu_seq_lens_q")
-        if cu is None:
+        row = _scoped_row(module, kwargs)
+        if row is _KEEP:
             return original(*args, **kwargs)
-        token = _LAYER_ROW.set((cu, kwargs.get(SP_GROUP_KWARG)))
+        token = _LAYER_ROW.set(row)
         try:
             return original(*args, **kwargs)
         finally:
@@ -989,6 +1014,20 @@ def _shaped_510(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Any
         if isinstance(conv, torch.nn.Conv1d) and _SHORT_CONV.search(type(conv).__name__)
     ]
     return [*patched, (module, "forward", _row_forward(module))]
+
+
+def _carriers_510(model: torch.nn.Module, names: list[str]) -> list[torch.nn.Module]:
+    """The modules between the root and these 5.10-shaped layers: 5.10's decoder layers call most of
+    those mixers without the row's boundaries, and activation checkpointing recomputes a decoder layer
+    (given its kwargs again) outside the forward whose row the mixer would otherwise read. Each hands
+    down what :func:`_scoped_row` says."""
+    modules = dict(model.named_modules())
+    found: dict[str, torch.nn.Module] = {}
+    for name in names:
+        parts = name.split(".")
+        for depth in range(1, len(parts)):
+            found.setdefault(".".join(parts[:depth]), modules[".".join(parts[:depth])])
+    return list(found.values())
 
 
 def _unserved_convs(module: torch.nn.Module) -> list[str]:
@@ -1232,6 +1271,7 @@ class Route:
         self._patched: list[tuple[torch.nn.Module, str, Any]] = []
         names = {name for name, _ in found.rebound}
         registered = {name for name, _ in found.registered}
+        shaped_510: list[str] = []
         for name, module in model.named_modules():
             form = registered_form(type(module)) if name in registered else None
             if form is not None:
@@ -1239,8 +1279,13 @@ class Route:
             elif name in names:
                 for method, fn in _rebound_methods(type(module)).items():
                     self._patch(module, method, types.MethodType(fn, module))
-                for owner, attribute, value in _shaped_510(module):
+                shaped = _shaped_510(module)
+                for owner, attribute, value in shaped:
                     self._patch(owner, attribute, value)
+                if shaped:
+                    shaped_510.append(name)
+        for carrier in _carriers_510(model, shaped_510):
+            self._patch(carrier, "forward", _row_forward(carrier))
         self.removed = False
         mark = weakref.ref(self)  # weak: the model holds its route, never the other way round
         for module in model.modules():  # the layers that read a config (attention among them): see routed
