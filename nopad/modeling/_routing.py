@@ -69,9 +69,10 @@ class _Forward:
 _PACKED_FORWARD: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("nopad_packed_forward", default=None)
 
 
-# the boundaries (and SP group) handed to the state layer of transformers 5.10's shape running now,
-# for the primitives it calls without them (set by that layer's routed forward, so a checkpointed
-# layer's recomputation, which gets the same kwargs again, sets them again)
+# the boundaries (and SP group) handed to the state layer of transformers 5.10's shape running now, or
+# to a module on the way down to it, for the primitives it calls without them (set by their routed
+# forwards from their kwargs, so a checkpointed layer's recomputation, given the same kwargs again,
+# sets them again; see the section on transformers 5.10 below)
 _LAYER_ROW: contextvars.ContextVar[tuple[Tensor, Any] | None] = contextvars.ContextVar("nopad_layer_row", default=None)
 
 
@@ -724,12 +725,14 @@ def _rebound_methods(cls: type) -> dict[str, Callable]:
 # transformers 5.10 (verl 0.9.1 pins 5.10.4) ships the hybrid families with the same primitives, but its
 # layers do not call them as the module-level wrapped functions read above (that seam exists from 5.20):
 #
-# - its gated delta nets (qwen3_5, qwen3_5_moe, qwen3_next) keep them as instance attributes set in
-#   ``__init__``: ``self.causal_conv1d_fn = causal_conv1d_fn``, None without the causal-conv1d package,
-#   where the forward runs ``F.silu(self.conv1d(x)[..., :L])`` (the layer's own torch Conv1d) instead,
-#   and ``self.chunk_gated_delta_rule = chunk_gated_delta_rule or torch_chunk_gated_delta_rule``. Each
-#   such layer gets the adapters as its own attributes; a call that is not packed runs what the layer
-#   ran before (the attribute's value or, where it was None, that torch conv).
+# - its gated delta nets (qwen3_5, qwen3_5_moe, qwen3_next, olmo_hybrid) keep them as instance
+#   attributes set in ``__init__``: ``self.causal_conv1d_fn = causal_conv1d_fn``, None without the
+#   causal-conv1d package, where the forward runs ``F.silu(self.conv1d(x)[..., :L])`` (the layer's own
+#   torch Conv1d) instead, and ``self.chunk_gated_delta_rule = chunk_gated_delta_rule or
+#   torch_chunk_gated_delta_rule``. Each such layer gets the adapters as its own attributes; a call that
+#   is not packed runs what the layer ran before (the attribute's value or, where it was None, that
+#   torch conv). olmo_hybrid's convs are ``ShortConvolution`` modules with a forward of their own,
+#   given a packed one; any other conv inside such a layer is refused by name.
 # - its Mamba2 mixers (bamba, granitemoehybrid, nemotron_h, falcon_h1, mamba2, zamba2), Mamba mixers
 #   (mamba, falcon_mamba, jamba, zamba) and LFM2 short convs (lfm2, lfm2_moe) have a
 #   ``cuda_kernels_forward`` calling the primitives as module globals (set in ``__init__``, None without
@@ -737,7 +740,13 @@ def _rebound_methods(cls: type) -> dict[str, Callable]:
 #   CUDA, else a torch forward that calls none and ignores the row's boundaries. A packed forward of
 #   such a mixer runs its ``cuda_kernels_forward`` with those globals naming nopad's adapters, the mixer
 #   read as not training (so its fused training kernel is skipped: the conv and the scan run unfused, as
-#   at eval, and are served); every other call runs the mixer's own forward, unchanged.
+#   at eval, and are served); every other call runs the mixer's own forward, unchanged. Where its
+#   torch forward clamps the time step and its CUDA forward does not, the packed scan clamps as the
+#   sequence alone would on this machine.
+# Most of 5.10's decoder layers call these mixers without the model's kwargs, so the modules on the
+# way down hand the boundaries on; one that backward recomputes from its own arguments (activation
+# checkpointing) hands down only its own, so a mixer it recomputes is refused rather than run as one
+# sequence where no boundaries reach it.
 # These readers are the one place nopad knows those shapes; from 5.20 on no layer has either.
 
 _ATTRIBUTE_PRIMITIVES = ("causal_conv1d_fn", "chunk_gated_delta_rule")
