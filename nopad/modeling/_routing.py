@@ -116,9 +116,12 @@ def _row_source(kwargs: dict, owner: str, boundaries: Any = None) -> tuple[Tenso
     outside the forward, where that row is gone: with checkpointing on it is refused.
     """
     cu = boundaries if boundaries is not None else kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens"))
-    if cu is not None:
-        return cu, kwargs.get(SP_GROUP_KWARG)
     layer = _LAYER_ROW.get()
+    if cu is not None:
+        group = kwargs.get(SP_GROUP_KWARG)
+        if group is None and layer is not None and layer[0] is cu:  # 5.10's delta rule: handed cu_seqlens only
+            group = layer[1]
+        return cu, group
     if layer is not None:
         return layer
     forward = _PACKED_FORWARD.get()
@@ -816,10 +819,10 @@ def _keyword_x(adapter: Callable) -> Callable:
 
 def _without_final_state(adapter: Callable, flag: str) -> Callable:
     # 5.10's mixers always ask their scan for its final state (kept only with a cache, which a packed
-    # forward never has): none is returned
+    # forward never has): none is returned. They view its output as mamba-ssm returns it: contiguous
     def scan(*args, **kwargs):
         wanted = kwargs.pop(flag, False)
-        out = adapter(*args, **kwargs)
+        out = adapter(*args, **kwargs).contiguous()
         return (out, None) if wanted else out
 
     return scan
