@@ -145,6 +145,7 @@ def test_under_checkpointing_every_family_is_exact_with_every_gradient_or_refuse
         packed = packed_logprobs(model, micro, head="logits").values()
     except ValueError as refusal:
         assert "boundaries (cu_seq_lens_q) among its kwargs when its layers are checkpointed" in str(refusal)
+        assert f"of transformers {transformers.__version__} does not hand them to" in str(refusal)
         return
     for name, grad in _param_grads(model, packed).items():
         _assert_close(grad, alone[name], f"{model_type} checkpointed grad of {name}")

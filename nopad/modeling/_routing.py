@@ -133,8 +133,8 @@ def _row_source(kwargs: dict, owner: str, boundaries: Any = None) -> tuple[Tenso
             None,
             "the packed row's boundaries (cu_seq_lens_q) among its kwargs when its layers are checkpointed "
             "(a recomputation in backward sees only what the layer was given)",
-            f"none: {forward.owner} does not hand them to {owner} (turn activation checkpointing off, "
-            "or register a packed form for it with register_packed_module)",
+            f"none: {forward.owner} of transformers {_transformers_version()} does not hand them to {owner} (turn "
+            "activation checkpointing off, or register a packed form for it with register_packed_module)",
         )
     return forward.cu_seqlens, forward.group
 
