@@ -31,11 +31,39 @@ from transformers.models.bamba import modeling_bamba  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 
 TOL = 1e-5
+# transformers 5.10 (verl 0.9.1's pin) has no torch function for the conv and the SSD scan: its layers
+# run them inline (a torch Conv1d; the Mamba2 mixer's torch_forward). Its torch delta rule is a plain function.
+WRAPS_PRIMITIVES = modeling_qwen3_5.causal_conv1d_fn is not None and hasattr(modeling_bamba, "mamba2_chunk_scan")
+
+
+def _conv_as_5_10_layers_run_it(x, weight, bias=None, activation=None, **kwargs):
+    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=x.shape[1])[..., : x.shape[-1]]
+    return F.silu(out) if activation == "silu" else out
+
+
+def _ssd_recurrence(x, dt, A, B, C, chunk_size, D=None, dt_bias=None, dt_softplus=False, dt_limit=(0, math.inf)):
+    """(1, L, H, P) Mamba2's scan one token at a time (as 5.10's Mamba2 mixers' torch_forward, unchunked)."""
+    H = x.shape[2]
+    B, C = (y[0].repeat_interleave(H // y.shape[2], dim=1) for y in (B, C))  # (L, H, N)
+    dt = dt[0] if dt_bias is None else dt[0] + dt_bias
+    dt = (F.softplus(dt) if dt_softplus else dt).clamp(*dt_limit)
+    state, outs = x.new_zeros(H, x.shape[3], B.shape[2]), []
+    for t in range(x.shape[1]):
+        state = state * (dt[t] * A).exp()[:, None, None] + (dt[t][:, None] * x[0, t])[:, :, None] * B[t][:, None, :]
+        y = torch.einsum("hpn,hn->hp", state, C[t])
+        outs.append(y if D is None else y + D[:, None] * x[0, t])
+    return torch.stack(outs)[None]
+
+
 # transformers' reference implementations, one sequence at a time: the torch functions behind its
 # primitives, however this release wraps them (the routing's reader of those wrappers, which is private)
-HF_CONV = torch_fallback(modeling_qwen3_5.causal_conv1d_fn)
-HF_GDN = torch_fallback(modeling_qwen3_5.torch_chunk_gated_delta_rule)
-HF_SSD = torch_fallback(modeling_bamba.mamba2_chunk_scan)
+HF_CONV = torch_fallback(modeling_qwen3_5.causal_conv1d_fn) if WRAPS_PRIMITIVES else _conv_as_5_10_layers_run_it
+HF_GDN = (
+    torch_fallback(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    if WRAPS_PRIMITIVES
+    else modeling_qwen3_5.torch_chunk_gated_delta_rule
+)
+HF_SSD = torch_fallback(modeling_bamba.mamba2_chunk_scan) if WRAPS_PRIMITIVES else _ssd_recurrence
 
 # sequences of length 1, < the conv kernel, < a chunk, exactly a chunk (64 and 16), > a chunk
 MIXED = [70, 1, 3, 64, 9, 16, 130, 2]
@@ -519,3 +547,34 @@ def test_kernels_are_not_used_off_cuda_or_when_missing_and_forcing_one_says_why(
             chunk_size=4,
             kernel="fla",
         )
+
+
+# ---- Mamba's selective scan (the torch form for transformers 5.10, which ships none) ---------------
+
+
+def test_the_selective_scan_of_right_padded_rows_equals_each_sequence_alone_forward_and_backward():
+    lengths, channels, state = [7, 1, 3, 5], 4, 3
+    longest = max(lengths)
+    u, dt, z = (_rand(len(lengths), channels, longest, seed=s) for s in (1, 2, 3))
+    B, C = (_rand(len(lengths), state, longest, seed=s) for s in (4, 5))
+    A, D, bias = -_rand(channels, state, low=0.1, high=1.0, seed=6), _rand(channels, seed=7), _rand(channels, seed=8)
+    options = dict(D=D, delta_bias=bias, delta_softplus=True)
+    rows = layers.torch_selective_scan(u, dt, A, B, C, z=z, **options)
+    inputs = (u, dt, z, B, C, A, D, bias)
+
+    def alone_of(i: int, n: int, scan=layers.torch_selective_scan) -> torch.Tensor:
+        u_, dt_, z_, B_, C_ = (t[i : i + 1, :, :n] for t in (u, dt, z, B, C))
+        return scan(u_, dt_, A, B_, C_, z=z_, **options)[0]
+
+    alone = [alone_of(i, n) for i, n in enumerate(lengths)]
+    for i, n in enumerate(lengths):
+        _assert_close(rows[i, :, :n], alone[i], f"sequence {i}")
+    packed_rows = torch.cat([rows[i, :, :n] for i, n in enumerate(lengths)], dim=1)
+    names = "u dt z B C A D bias".split()
+    for g_rows, g_alone, name in zip(_grads(packed_rows, inputs), _grads(torch.cat(alone, 1), inputs), names):
+        _assert_close(g_rows, g_alone, f"grad of {name}")
+    if WRAPS_PRIMITIVES:  # the torch function transformers 5.20 on has behind the primitive
+        from transformers.models.mamba import modeling_mamba
+
+        hf = alone_of(0, lengths[0], scan=torch_fallback(modeling_mamba.mamba_selective_scan))
+        _assert_close(alone[0], hf, "transformers' torch selective scan")

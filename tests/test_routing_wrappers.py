@@ -6,8 +6,11 @@ hard dependency since transformers 5.25), and a helper between the layer and the
 (``causal_conv1d_forward``) since then. These tests build small layers of their own with this
 release's decorators, so they hold on every release of CI's matrix, with and without ``kernels``:
 the primitive is found and served, through a helper too, and a primitive nopad does not know is
-refused by name with the transformers version, before any forward. They read the routing's private
-survey because the verdict on one layer class is what they test.
+refused by name with the transformers version, before any forward. transformers 5.10 (verl 0.9.1's
+pin) wraps none of them: its state layers keep the primitives as instance attributes (the gated delta
+nets) or call them only from a CUDA forward (the Mamba, Mamba2 and LFM2 mixers); layers of both shapes,
+built here, are served and exact on every release, their calls that are not packed unchanged. They read
+the routing's private survey because the verdict on one layer class is what they test.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
-from transformers.integrations import use_kernel_func_from_hub_with_fallback  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 
 from nopad.modeling import PackedRow, causal_conv1d  # noqa: E402
@@ -25,8 +27,24 @@ from nopad.modeling import PackedRow, causal_conv1d  # noqa: E402
 # private: the routing's wrappers of transformers' primitives are what is tested
 from nopad.modeling._routing import callee, primitive_name, route, survey, torch_fallback  # noqa: E402
 
+try:  # transformers 5.20 on
+    from transformers.integrations import use_kernel_func_from_hub_with_fallback
+except ImportError:  # transformers 5.10: its layers reach the primitives another way (tested below)
+    use_kernel_func_from_hub_with_fallback = None
 
-@use_kernel_func_from_hub_with_fallback("causal_conv1d_fn", "causal_conv1d")
+wraps_primitives = pytest.mark.skipif(
+    use_kernel_func_from_hub_with_fallback is None,
+    reason=f"transformers {transformers.__version__} does not wrap its primitives (before 5.20)",
+)
+
+
+def _decorator(name: str, package: str):
+    if use_kernel_func_from_hub_with_fallback is None:
+        return lambda fn: fn
+    return use_kernel_func_from_hub_with_fallback(name, package)
+
+
+@_decorator("causal_conv1d_fn", "causal_conv1d")
 def conv_primitive(hidden_states, weight, bias=None, activation=None, **kwargs):
     L = hidden_states.shape[-1]
     return F.conv1d(hidden_states, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=weight.shape[0])[
@@ -34,7 +52,7 @@ def conv_primitive(hidden_states, weight, bias=None, activation=None, **kwargs):
     ]
 
 
-@use_kernel_func_from_hub_with_fallback("chunk_mystery_scan", "fla")
+@_decorator("chunk_mystery_scan", "fla")
 def mystery_scan(x, **kwargs):
     return x.cumsum(1)
 
@@ -58,6 +76,7 @@ class MysteryMixer(torch.nn.Module):
         return mystery_scan(x, **kwargs)
 
 
+@wraps_primitives
 def test_this_release_s_primitives_are_recognised_by_their_kernel_names():
     assert primitive_name(conv_primitive) == "causal_conv1d_fn"
     assert primitive_name(modeling_qwen3_5.causal_conv1d_fn) == "causal_conv1d_fn"
@@ -69,6 +88,7 @@ def test_this_release_s_primitives_are_recognised_by_their_kernel_names():
     assert not hasattr(torch_fallback(conv_primitive), "__wrapped__")
 
 
+@wraps_primitives
 def test_a_primitive_reached_through_a_helper_is_served_and_exact():
     mixer = ConvMixer()
     found = survey(mixer)
@@ -85,6 +105,7 @@ def test_a_primitive_reached_through_a_helper_is_served_and_exact():
     torch.testing.assert_close(mixer(x), conv_primitive(x.transpose(1, 2), weight, mixer.conv.bias).transpose(1, 2))
 
 
+@wraps_primitives
 def test_a_primitive_nopad_does_not_know_is_refused_by_name_with_the_transformers_version():
     found = survey(MysteryMixer())
     assert len(found.refused) == 1
@@ -93,3 +114,109 @@ def test_a_primitive_nopad_does_not_know_is_refused_by_name_with_the_transformer
     assert "chunk_mystery_scan" in why and f"transformers {transformers.__version__}" in why
     with pytest.raises(ValueError, match="chunk_mystery_scan"):
         route(MysteryMixer())
+
+
+# ---- transformers 5.10's shapes ---------------------------------------------------------------------
+
+
+class AttributeConv(torch.nn.Module):
+    """5.10's gated delta net, its conv: the primitive an attribute, None without causal-conv1d."""
+
+    def __init__(self, channels=6, taps=4):
+        super().__init__()
+        self.conv1d = torch.nn.Conv1d(channels, channels, taps, groups=channels, padding=taps - 1, bias=False)
+        self.causal_conv1d_fn = None
+
+    def forward(self, x, **kwargs):  # (B, L, C)
+        h = x.transpose(1, 2)
+        if self.causal_conv1d_fn is not None:
+            weight = self.conv1d.weight.squeeze(1)
+            h = self.causal_conv1d_fn(x=h, weight=weight, bias=self.conv1d.bias, activation="silu", seq_idx=None)
+        else:
+            h = F.silu(self.conv1d(h)[:, :, : h.shape[-1]])
+        return h.transpose(1, 2)
+
+
+class AttributeConvAndAnother(torch.nn.Module):
+    def __init__(self, channels=6, taps=4):
+        super().__init__()
+        self.conv1d = torch.nn.Conv1d(channels, channels, taps, groups=channels, padding=taps - 1, bias=False)
+        self.shift = torch.nn.Conv1d(channels, channels, 3, groups=channels, padding=2)
+        self.causal_conv1d_fn = None
+
+    def forward(self, x, **kwargs):
+        h = self.shift(x.transpose(1, 2))[..., : x.shape[1]]
+        if self.causal_conv1d_fn is not None:
+            return self.causal_conv1d_fn(x=h, weight=self.conv1d.weight.squeeze(1), activation="silu").transpose(1, 2)
+        return F.silu(self.conv1d(h)[:, :, : h.shape[-1]]).transpose(1, 2)
+
+
+causal_conv1d_fn = None  # as 5.10's mixers' modules hold it without causal-conv1d
+
+
+def fused_training_kernel(*args, **kwargs):
+    raise AssertionError("a packed forward takes the unfused path")
+
+
+class FastPathMixer(torch.nn.Module):
+    """5.10's Mamba2 mixer, its conv: the primitive a global, called only from its CUDA forward."""
+
+    def __init__(self, channels=6, taps=4):
+        super().__init__()
+        self.conv1d = torch.nn.Conv1d(channels, channels, taps, groups=channels, padding=taps - 1)
+
+    def cuda_kernels_forward(self, hidden_states, cache_params=None, attention_mask=None):
+        if self.training and cache_params is None:
+            return fused_training_kernel(hidden_states)
+        weight = self.conv1d.weight.squeeze(1)
+        h = causal_conv1d_fn(x=hidden_states.transpose(1, 2), weight=weight, bias=self.conv1d.bias, activation="silu")
+        return h.transpose(1, 2)
+
+    def torch_forward(self, hidden_states, cache_params=None, attention_mask=None):
+        h = hidden_states.transpose(1, 2)
+        return F.silu(self.conv1d(h)[..., : h.shape[-1]]).transpose(1, 2)
+
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        if causal_conv1d_fn is not None and "cuda" in self.conv1d.weight.device.type:
+            return self.cuda_kernels_forward(hidden_states, cache_params, attention_mask)
+        return self.torch_forward(hidden_states, cache_params, attention_mask)
+
+
+LENGTHS = [5, 1, 3, 7]
+
+
+@pytest.mark.parametrize("layer", [AttributeConv, FastPathMixer])
+def test_a_layer_of_5_10_s_shape_is_served_exact_with_gradients_and_unchanged_unpacked(layer):
+    torch.manual_seed(0)
+    mixer, plain = layer(), layer()
+    plain.load_state_dict(mixer.state_dict())
+    mixer.train(), plain.train()  # the CUDA forward's fused training kernel is never taken packed
+    x = torch.randn(1, sum(LENGTHS), 6)
+    rows = torch.randn(2, 9, 6)
+    unrouted = mixer(rows)
+    found = survey(mixer)
+    assert found.rebound == [("", layer.__name__)] and not found.refused
+    routed = route(mixer)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    packed_x, alone_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    packed = mixer(packed_x, cu_seq_lens_q=cu)
+    alone = torch.cat([plain(part) for part in alone_x.split(LENGTHS, dim=1)], dim=1)
+    torch.testing.assert_close(packed, alone, atol=1e-6, rtol=0)
+    weights = torch.randn_like(packed)
+    (packed * weights).sum().backward()
+    (alone * weights).sum().backward()
+    torch.testing.assert_close(packed_x.grad, alone_x.grad, atol=1e-6, rtol=0)
+    torch.testing.assert_close(mixer.conv1d.weight.grad, plain.conv1d.weight.grad, atol=1e-5, rtol=0)
+    assert torch.equal(mixer(rows), unrouted)  # a call that is not packed: the layer's own, bit for bit
+    routed.remove()
+    assert "forward" not in vars(mixer) and getattr(mixer, "causal_conv1d_fn", None) is None
+
+
+def test_a_conv_of_5_10_s_shape_nopad_does_not_serve_is_refused_by_name_with_the_transformers_version():
+    found = survey(AttributeConvAndAnother())
+    assert [(cls, why.split(",")[0]) for _, cls, why in found.refused] == [
+        ("AttributeConvAndAnother", "convolves along the sequence through shift")
+    ]
+    assert f"transformers {transformers.__version__}" in found.refused[0][2]
+    with pytest.raises(ValueError, match="AttributeConvAndAnother"):
+        route(AttributeConvAndAnother())

@@ -358,6 +358,45 @@ def torch_ssd_scan(
     return out
 
 
+# ---- Mamba's selective scan --------------------------------------------------------------------------
+
+
+def torch_selective_scan(
+    u: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+) -> Tensor:
+    """Mamba's selective scan of sequences one per row (mamba-ssm's ``selective_scan_fn`` layout):
+    ``u``, ``dt``, ``z`` (N, D, L); ``A`` (D, S); ``B``, ``C`` (N, S, L) -> (N, D, L). The recurrence
+    of transformers' own torch Mamba (a zero state at each row's start, one step per position: a
+    row right-padded with zeros after its sequence computes that sequence as it runs alone). For the
+    transformers releases (before 5.20) that ship no torch form of the primitive."""
+    dtype = u.dtype
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dt.dtype)[..., None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    decay = torch.exp(A[None, :, None, :] * dt[..., None])  # (N, D, L, S)
+    inputs = dt[..., None] * B.transpose(1, 2)[:, None].float() * u[..., None].float()
+    state = u.new_zeros((u.shape[0], u.shape[1], A.shape[-1]))
+    steps = []
+    for t in range(u.shape[-1]):
+        state = decay[:, :, t] * state + inputs[:, :, t]
+        steps.append(torch.matmul(state.to(dtype), C[:, :, t, None].to(dtype))[..., 0])
+    out = torch.stack(steps, dim=-1) if steps else u.new_zeros(u.shape)
+    if D is not None:
+        out = out + u * D[None, :, None]
+    if z is not None:
+        out = out * F.silu(z)
+    return out
+
+
 # ---- the optional CUDA kernels ---------------------------------------------------------------------
 # causal-conv1d, flash-linear-attention and mamba-ssm keep packed sequences apart themselves, given
 # the boundaries. Each is used on CUDA where it is installed and passes its probe (once per process

@@ -19,7 +19,9 @@ class and what to do, before anything runs.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import dis
 import inspect
 import math
 import re
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from nopad.core._batch import takes_keyword
@@ -44,6 +47,7 @@ from nopad.modeling._layers import (
     registered_form,
     ssd_scan,
     torch_causal_conv1d,
+    torch_selective_scan,
 )
 from nopad.parallel._ulysses import SP_GROUP_KWARG, all_to_all, gather_seq
 
@@ -63,6 +67,13 @@ class _Forward:
 
 
 _PACKED_FORWARD: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("nopad_packed_forward", default=None)
+
+
+# the boundaries (and SP group) handed to the state layer of transformers 5.10's shape running now, or
+# to a module on the way down to it, for the primitives it calls without them (set by their routed
+# forwards from their kwargs, so a checkpointed layer's recomputation, given the same kwargs again,
+# sets them again; see the section on transformers 5.10 below)
+_LAYER_ROW: contextvars.ContextVar[tuple[Tensor, Any] | None] = contextvars.ContextVar("nopad_layer_row", default=None)
 
 
 def packed_forward_boundaries() -> tuple[Tensor, int | None] | None:
@@ -95,31 +106,47 @@ class _Call:
         return 0 if self.group is None else dist.get_rank(self.group)
 
 
-def _packed_call(kwargs: dict, owner: str, local_tokens: int, boundaries: Any = None) -> _Call | None:
-    """The packed row this call is part of, or None for a call that is not packed (a padded forward,
-    generation): that call runs the original primitive.
+def _row_source(kwargs: dict, owner: str, boundaries: Any = None) -> tuple[Tensor, Any] | None:
+    """(cu_seqlens, SP group) of the packed row this call is part of, or None for a call that is not packed.
 
     The boundaries come from ``boundaries`` or the call's kwargs (``cu_seq_lens_q``, as transformers'
-    layers hand the model's kwargs on), else from the packed forward the call runs in: a layer that
+    layers hand the model's kwargs on), else from the state layer of transformers 5.10's shape that
+    runs the call (it was handed them), else from the packed forward the call runs in: a layer that
     is not handed the kwargs still gets the row. Activation checkpointing recomputes such a layer
     outside the forward, where that row is gone: with checkpointing on it is refused.
     """
     cu = boundaries if boundaries is not None else kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens"))
-    group = kwargs.get(SP_GROUP_KWARG)
-    if cu is None:
-        forward = _PACKED_FORWARD.get()
-        if forward is None:
-            return None
-        if forward.checkpointed:
-            raise input_error(
-                owner,
-                None,
-                "the packed row's boundaries (cu_seq_lens_q) among its kwargs when its layers are checkpointed "
-                "(a recomputation in backward sees only what the layer was given)",
-                f"none: {forward.owner} does not hand them to {owner} (turn activation checkpointing off, "
-                "or register a packed form for it with register_packed_module)",
-            )
-        cu, group = forward.cu_seqlens, forward.group
+    layer = _LAYER_ROW.get()
+    if cu is not None:
+        group = kwargs.get(SP_GROUP_KWARG)
+        if group is None and layer is not None and layer[0] is cu:  # 5.10's delta rule: handed cu_seqlens only
+            group = layer[1]
+        return cu, group
+    if layer is not None:
+        return layer
+    forward = _PACKED_FORWARD.get()
+    if forward is None:
+        return None
+    if forward.checkpointed:
+        raise input_error(
+            owner,
+            None,
+            "the packed row's boundaries (cu_seq_lens_q) among its kwargs when its layers are checkpointed "
+            "(a recomputation in backward sees only what the layer was given)",
+            f"none: {forward.owner} of transformers {_transformers_version()} does not hand them to {owner} (turn "
+            "activation checkpointing off, or register a packed form for it with register_packed_module)",
+        )
+    return forward.cu_seqlens, forward.group
+
+
+def _packed_call(kwargs: dict, owner: str, local_tokens: int, boundaries: Any = None) -> _Call | None:
+    """The packed row this call is part of (where its boundaries come from: :func:`_row_source`), or
+    None for a call that is not packed (a padded forward, generation): that call runs the original
+    primitive."""
+    source = _row_source(kwargs, owner, boundaries)
+    if source is None:
+        return None
+    cu, group = source
     call = _Call(packed_row_of(cu), None if group is None or dist.get_world_size(group) == 1 else group)
     if local_tokens * call.world != call.row.total:
         raise input_error(
@@ -648,6 +675,12 @@ class ClassSurvey:
     rebinds: dict[str, Reach] = field(default_factory=dict)  # methods that reach served primitives
     unserved: set[str] = field(default_factory=set)
     attention_interface: bool = False
+    attributes: tuple[str, ...] = ()  # transformers 5.10's shapes (see above): primitives kept on the instance
+    fast_path: tuple[str, ...] = ()  # ... and those its cuda_kernels_forward reads as globals
+
+    @property
+    def served(self) -> bool:
+        return bool(self.rebinds or self.attributes or self.fast_path)
 
 
 _SURVEYS: dict[type, ClassSurvey] = {}
@@ -666,6 +699,7 @@ def _class_survey(cls: type) -> ClassSurvey:
             survey.rebinds[name] = found
         survey.unserved |= found.unserved
         survey.attention_interface |= found.attention_interface
+    survey.attributes, survey.fast_path = _attribute_primitives(cls), _fast_path_globals(cls)
     return survey
 
 
@@ -688,6 +722,338 @@ def _rebound_methods(cls: type) -> dict[str, Callable]:
         name: _rebound(methods[name], found, cls.__name__) for name, found in _class_survey(cls).rebinds.items()
     }
     return _REBOUND[cls]
+
+
+# ---- transformers before 5.20: the state layers' other shapes ----------------------------------------
+# transformers 5.10 (verl 0.9.1 pins 5.10.4) ships the hybrid families with the same primitives, but its
+# layers do not call them as the module-level wrapped functions read above (that seam exists from 5.20):
+#
+# - its gated delta nets (qwen3_5, qwen3_5_moe, qwen3_next, olmo_hybrid) keep them as instance
+#   attributes set in ``__init__``: ``self.causal_conv1d_fn = causal_conv1d_fn``, None without the
+#   causal-conv1d package, where the forward runs ``F.silu(self.conv1d(x)[..., :L])`` (the layer's own
+#   torch Conv1d) instead, and ``self.chunk_gated_delta_rule = chunk_gated_delta_rule or
+#   torch_chunk_gated_delta_rule``. Each such layer gets the adapters as its own attributes; a call that
+#   is not packed runs what the layer ran before (the attribute's value or, where it was None, that
+#   torch conv). olmo_hybrid's convs are ``ShortConvolution`` modules with a forward of their own,
+#   given a packed one; any other conv inside such a layer is refused by name.
+# - its Mamba2 mixers (bamba, granitemoehybrid, nemotron_h, falcon_h1, mamba2, zamba2), Mamba mixers
+#   (mamba, falcon_mamba, jamba, zamba) and LFM2 short convs (lfm2, lfm2_moe) have a
+#   ``cuda_kernels_forward`` calling the primitives as module globals (set in ``__init__``, None without
+#   mamba-ssm / causal-conv1d), which ``forward`` takes only when they were found and the weights are on
+#   CUDA, else a torch forward that calls none and ignores the row's boundaries. A packed forward of
+#   such a mixer runs its ``cuda_kernels_forward`` with those globals naming nopad's adapters, the mixer
+#   read as not training (so its fused training kernel is skipped: the conv and the scan run unfused, as
+#   at eval, and are served); every other call runs the mixer's own forward, unchanged. Where its
+#   torch forward clamps the time step and its CUDA forward does not, the packed scan clamps as the
+#   sequence alone would on this machine.
+# Most of 5.10's decoder layers call these mixers without the model's kwargs, so the modules on the
+# way down hand the boundaries on; one that backward recomputes from its own arguments (activation
+# checkpointing) hands down only its own, so a mixer it recomputes is refused rather than run as one
+# sequence where no boundaries reach it.
+# These readers are the one place nopad knows those shapes; from 5.20 on no layer has either.
+
+_ATTRIBUTE_PRIMITIVES = ("causal_conv1d_fn", "chunk_gated_delta_rule")
+_FAST_PATH = "cuda_kernels_forward"
+
+
+def _attribute_names(code: types.CodeType, *opnames: str) -> set[str]:
+    """The attribute names ``code`` stores (``STORE_ATTR``) or loads (``LOAD_ATTR``; a method call's
+    load is ``LOAD_METHOD`` before Python 3.12)."""
+    return {ins.argval for ins in dis.get_instructions(code) if ins.opname in opnames}
+
+
+def _attribute_primitives(cls: type) -> tuple[str, ...]:
+    """The primitives a 5.10-shaped layer class keeps as instance attributes: set in its ``__init__``,
+    read as ``self.<name>`` by another of its methods."""
+    methods = dict(_methods(cls))
+    init = methods.pop("__init__", None)
+    if init is None:
+        return ()
+    stored = _attribute_names(_innermost(init).__code__, "STORE_ATTR")
+    loaded: set[str] = set()
+    for method in methods.values():
+        loaded |= _attribute_names(_innermost(method).__code__, "LOAD_ATTR", "LOAD_METHOD")
+    return tuple(name for name in _ATTRIBUTE_PRIMITIVES if name in stored and name in loaded)
+
+
+def _fast_path_globals(cls: type) -> tuple[str, ...]:
+    """The sequence primitives a 5.10-shaped mixer's ``cuda_kernels_forward`` reads as globals."""
+    method = dict(_methods(cls)).get(_FAST_PATH)
+    if method is None:
+        return ()
+    return tuple(sorted(_names_read(_innermost(method).__code__) & set(_FAST_PATH_ADAPTERS)))
+
+
+def _attribute_conv(module: torch.nn.Module, value: Callable | None, owner: str) -> Callable:
+    # the layer calls self.causal_conv1d_fn(x=..., weight=..., bias=..., activation=..., seq_idx=...)
+    def unpacked(x, weight, bias=None, activation=None, **kwargs):
+        if value is not None:
+            return value(x=x, weight=weight, bias=bias, activation=activation, **kwargs)
+        return F.silu(module.conv1d(x)[..., : x.shape[-1]])  # what the layer runs where it has none
+
+    return _keyword_x(_conv_adapter(unpacked, owner))
+
+
+def _attribute_gdn(module: torch.nn.Module, value: Callable, owner: str) -> Callable:
+    chunked = takes_keyword(value, "chunk_size")  # fla's kernel takes none: it chooses its own
+
+    def unpacked(query, key, value_, chunk_size=64, **kwargs):
+        return value(query, key, value_, **({"chunk_size": chunk_size} if chunked else {}), **kwargs)
+
+    return _gdn_adapter(unpacked, owner)
+
+
+_ATTRIBUTE_ADAPTERS: dict[str, Callable[[torch.nn.Module, Any, str], Callable]] = {
+    "causal_conv1d_fn": _attribute_conv,
+    "chunk_gated_delta_rule": _attribute_gdn,
+}
+
+
+def _keyword_x(adapter: Callable) -> Callable:
+    # 5.10 names the conv's input ``x`` (causal-conv1d's own name), and some layers pass it by keyword
+    def causal_conv1d_fn(x, weight, bias=None, activation=None, **kwargs):
+        return adapter(x, weight, bias, activation=activation, **kwargs)
+
+    return causal_conv1d_fn
+
+
+def _without_final_state(adapter: Callable, flag: str) -> Callable:
+    # 5.10's mixers always ask their scan for its final state (kept only with a cache, which a packed
+    # forward never has): none is returned. They view its output as mamba-ssm returns it: contiguous
+    def scan(*args, **kwargs):
+        wanted = kwargs.pop(flag, False)
+        out = adapter(*args, **kwargs).contiguous()
+        return (out, None) if wanted else out
+
+    return scan
+
+
+def _selective_scan_state(adapter: Callable) -> Callable:
+    # as above, but zamba's mixer concatenates the per-head final states before it checks for a cache:
+    # zeros of the state's shape stand in for it (discarded: a packed forward has no cache)
+    def selective_scan_fn(hidden_states, dt, A, *args, return_last_state=False, **kwargs):
+        out = adapter(hidden_states, dt, A, *args, **kwargs)
+        if not return_last_state:
+            return out
+        return out, A.new_zeros(()).expand(hidden_states.shape[0], *A.shape)
+
+    return selective_scan_fn
+
+
+class _OffCudaDevice:
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def device(device: Any) -> Any:
+        return torch.cuda.device(device) if torch.device(device).type == "cuda" else contextlib.nullcontext()
+
+
+class _OffCuda:
+    """``torch`` as falcon_h1's mixer reads it, ``torch.cuda.device(d)`` (its multi-GPU guard around the
+    scan) a no-op off CUDA, so that its CUDA forward runs packed on any device."""
+
+    cuda = _OffCudaDevice()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _torch_selective_scan_fn(*args: Any, return_last_state: bool = False, **kwargs: Any) -> Tensor:
+    # where 5.10 found no mamba-ssm (it ships no torch form of the primitive): nopad's, one row per sequence
+    return torch_selective_scan(*args, **kwargs)
+
+
+_FAST_PATH_ADAPTERS: dict[str, Callable[[Any, str], Callable]] = {
+    "causal_conv1d_fn": lambda original, owner: _keyword_x(_conv_adapter(original, owner)),
+    "mamba_chunk_scan_combined": lambda original, owner: _without_final_state(
+        _ssd_adapter(original, owner), "return_final_states"
+    ),
+    "selective_scan_fn": lambda original, owner: _selective_scan_state(
+        _selective_scan_adapter(original or _torch_selective_scan_fn, owner)
+    ),
+}
+
+
+def _clamps_at_minimum(torch_path: Callable, fast: Callable) -> bool:
+    """Whether a 5.10 mixer's torch forward clamps its time steps at ``time_step_min``, which its CUDA
+    forward does not (nemotron_h's and zamba2's: their two paths differ by that clamp)."""
+    return "time_step_min" in _names_read(_innermost(torch_path).__code__) and "time_step_min" not in _names_read(
+        _innermost(fast).__code__
+    )
+
+
+def _torch_path_clamp(scan: Callable, module: torch.nn.Module) -> Callable:
+    # a packed forward computes what each sequence alone computes on this machine: where the mixer
+    # alone would run its torch forward (no mamba-ssm, or off CUDA), its time steps clamped as there
+    fast_alone = bool(_innermost(getattr(type(module), _FAST_PATH)).__globals__.get("is_fast_path_available"))
+
+    def mamba_chunk_scan_combined(hidden_states, *args, **kwargs):
+        if not (fast_alone and hidden_states.device.type == "cuda"):
+            low, high = kwargs.get("dt_limit", (0.0, math.inf))
+            kwargs["dt_limit"] = (max(low, module.time_step_min), high)
+        return scan(hidden_states, *args, **kwargs)
+
+    return mamba_chunk_scan_combined
+
+
+class _NotTraining:
+    """A mixer as its ``cuda_kernels_forward`` reads it in a packed forward: every attribute its own,
+    ``training`` False (the fused training kernel, which has no packed form here, is not taken)."""
+
+    training = False
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.__dict__["_module"] = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_module"], name)
+
+
+def _fast_path_forward(module: torch.nn.Module, names: tuple[str, ...]) -> Callable:
+    """The mixer's forward: a packed call runs its ``cuda_kernels_forward`` reading nopad's adapters for
+    ``names``; any other call its own forward."""
+    original = module.forward
+    owner = type(module).__name__
+    fast = getattr(type(module), _FAST_PATH)
+    globals_ = _innermost(fast).__globals__
+    adapters = {name: _FAST_PATH_ADAPTERS[name](globals_.get(name), owner) for name in names}
+    torch_path = dict(_methods(type(module))).get("torch_forward")
+    if "mamba_chunk_scan_combined" in adapters and torch_path is not None and _clamps_at_minimum(torch_path, fast):
+        adapters["mamba_chunk_scan_combined"] = _torch_path_clamp(adapters["mamba_chunk_scan_combined"], module)
+    packed = rebind(fast, {**adapters, "torch": _OffCuda()})
+    # 5.10's forwards hand cuda_kernels_forward their first three parameters: states, cache, mask
+    params = list(inspect.signature(original).parameters)[:3]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        row = _scoped_row(module, kwargs)
+        token = None if row is _KEEP else _LAYER_ROW.set(row)
+        try:
+            if _row_source(kwargs, owner) is None:
+                return original(*args, **kwargs)
+            given = {**dict(zip(params, args)), **kwargs}
+            states, cache, mask = (given.get(name) for name in params)
+            _no_state(owner, cache=cache)
+            return packed(_NotTraining(module), states, cache, mask)
+        finally:
+            if token is not None:
+                _LAYER_ROW.reset(token)
+
+    return forward
+
+
+_KEEP = object()
+
+
+def _recomputes_itself(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "CheckpointWrapper" or any(
+        klass.__name__ == "GradientCheckpointingLayer" for klass in type(module).__mro__
+    )
+
+
+def _scoped_row(module: torch.nn.Module, kwargs: dict) -> Any:
+    """The row a module on the way to a 5.10-shaped layer hands the layers below it: the boundaries
+    among its kwargs; none (so a packed call below reads the forward's row, which is refused under
+    checkpointing) where backward recomputes it or its children from their own arguments, which an
+    outer row does not reach; else whatever its caller handed down (``_KEEP``)."""
+    checkpointed = (
+        type(module).__name__ == "CheckpointWrapper" or getattr(module, "gradient_checkpointing", False) is True
+    )
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None and (not checkpointed or _recomputes_itself(module)):
+        return cu, kwargs.get(SP_GROUP_KWARG)
+    return None if checkpointed else _KEEP
+
+
+def _row_forward(module: torch.nn.Module) -> Callable:
+    """The module's forward, the boundaries it is handed kept for the primitives the layers below it
+    call without them (:func:`_scoped_row`)."""
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        row = _scoped_row(module, kwargs)
+        if row is _KEEP:
+            return original(*args, **kwargs)
+        token = _LAYER_ROW.set(row)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _LAYER_ROW.reset(token)
+
+    return forward
+
+
+def _short_conv_forward(module: torch.nn.Module) -> Callable:
+    """olmo_hybrid's short conv (a depthwise ``nn.Conv1d`` with a forward of its own, called with
+    ``(x, cache=, use_precomputed=, output_final_state=)`` and returning ``(out, conv state)``): a packed
+    call convolves each sequence alone, and returns no state; any other call runs its own forward."""
+    original = module.forward
+    owner = type(module).__name__
+    conv = _conv_adapter(original, owner)
+
+    def forward(hidden_states: Tensor, cache: Any = None, use_precomputed: bool = False, **kwargs: Any) -> Any:
+        if _row_source(kwargs, owner) is None:
+            return original(hidden_states, cache=cache, use_precomputed=use_precomputed, **kwargs)
+        _no_state(owner, cache=cache, use_precomputed=use_precomputed)
+        weight = module.weight.squeeze(1)  # type: ignore[operator]
+        out = conv(hidden_states.transpose(1, 2), weight, module.bias, activation=module.act_fn)
+        return out.transpose(1, 2), None
+
+    return forward
+
+
+# the convs a 5.10-shaped gated delta net holds beside the primitives it keeps as attributes: its
+# ``conv1d`` (run through ``causal_conv1d_fn``, served by that attribute) and olmo_hybrid's short convs
+_SHORT_CONV = re.compile(r"ShortConvolution$")
+
+
+def _shaped_510(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Any]]:
+    """What a 5.10-shaped state layer gets in a route: (module, attribute, value), its short convs'
+    forwards among them; nothing for other layers."""
+    survey = _class_survey(type(module))
+    owner = type(module).__name__
+    if survey.fast_path:
+        return [(module, "forward", _fast_path_forward(module, survey.fast_path))]
+    if not survey.attributes:
+        return []
+    patched = [
+        (module, name, _ATTRIBUTE_ADAPTERS[name](module, getattr(module, name, None), owner))
+        for name in survey.attributes
+    ]
+    patched += [
+        (conv, "forward", _short_conv_forward(conv))
+        for conv in module.modules()
+        if isinstance(conv, torch.nn.Conv1d) and _SHORT_CONV.search(type(conv).__name__)
+    ]
+    return [*patched, (module, "forward", _row_forward(module))]
+
+
+def _carriers_510(model: torch.nn.Module, names: list[str]) -> list[torch.nn.Module]:
+    """The modules between the root and these 5.10-shaped layers: 5.10's decoder layers call most of
+    those mixers without the row's boundaries, and activation checkpointing recomputes a decoder layer
+    (given its kwargs again) outside the forward whose row the mixer would otherwise read. Each hands
+    down what :func:`_scoped_row` says."""
+    modules = dict(model.named_modules())
+    found: dict[str, torch.nn.Module] = {}
+    for name in names:
+        parts = name.split(".")
+        for depth in range(1, len(parts)):
+            found.setdefault(".".join(parts[:depth]), modules[".".join(parts[:depth])])
+    return list(found.values())
+
+
+def _unserved_convs(module: torch.nn.Module) -> list[str]:
+    """The convs along the sequence inside a 5.10-shaped gated delta net that none of the above serves."""
+    if not _class_survey(type(module)).attributes:
+        return []
+    return [
+        name
+        for name, conv in module.named_modules()
+        if isinstance(conv, torch.nn.Conv1d)
+        and conv.kernel_size[0] > 1
+        and not _SHORT_CONV.search(type(conv).__name__)
+        and not (name == "conv1d" and "causal_conv1d_fn" in _class_survey(type(module)).attributes)
+    ]
 
 
 # ---- registered packed forms ------------------------------------------------------------------------
@@ -737,6 +1103,12 @@ def _refusal(module: torch.nn.Module, children_attend: bool) -> str | None:
             f"(kernel {module.kernel_size[0]}) convolves along the sequence outside a layer nopad serves: its taps "
             "would reach into the previous sequence"
         )
+    unserved_convs = _unserved_convs(module)
+    if unserved_convs:
+        return (
+            f"convolves along the sequence through {', '.join(unserved_convs)}, a conv of transformers "
+            f"{_transformers_version()}'s shape that nopad does not serve"
+        )
     if survey.unserved:
         kinds = ", ".join(sorted(survey.unserved))
         return f"carries state along the sequence through {kinds}, which has no packed form in nopad"
@@ -746,7 +1118,7 @@ def _refusal(module: torch.nn.Module, children_attend: bool) -> str | None:
     if (
         _ATTENTION_NAME.search(cls.__name__)
         and not survey.attention_interface
-        and not survey.rebinds
+        and not survey.served
         and not children_attend
         and not cls.__module__.startswith("torch.")
     ):
@@ -796,13 +1168,13 @@ def survey(model: torch.nn.Module) -> Survey:
             served.update(id(child) for child in module.children())
             continue
         cls = type(module)
-        if registered_form(cls) is not None or _class_survey(cls).rebinds:
+        if registered_form(cls) is not None or _class_survey(cls).served:
             served.update(id(child) for child in module.children())
     for name, module in reversed(list(model.named_modules())):  # children before parents
         cls = type(module)
         children_attend = any(attends.get(id(child), False) for child in module.children())
         class_survey = _class_survey(cls)
-        attends[id(module)] = children_attend or class_survey.attention_interface or bool(class_survey.rebinds)
+        attends[id(module)] = children_attend or class_survey.attention_interface or class_survey.served
         if id(module) in served:
             continue
         if registered_form(cls) is not None:
@@ -814,7 +1186,7 @@ def survey(model: torch.nn.Module) -> Survey:
             why = _dropped_window(module)
         if why is not None:
             result.refused.append((name, cls.__name__, why))
-        elif class_survey.rebinds:
+        elif class_survey.served:
             result.rebound.append((name, cls.__name__))
         elif class_survey.attention_interface:
             result.attention.append((name, cls.__name__))
@@ -911,6 +1283,7 @@ class Route:
         self._patched: list[tuple[torch.nn.Module, str, Any]] = []
         names = {name for name, _ in found.rebound}
         registered = {name for name, _ in found.registered}
+        shaped_510: list[str] = []
         for name, module in model.named_modules():
             form = registered_form(type(module)) if name in registered else None
             if form is not None:
@@ -918,6 +1291,13 @@ class Route:
             elif name in names:
                 for method, fn in _rebound_methods(type(module)).items():
                     self._patch(module, method, types.MethodType(fn, module))
+                shaped = _shaped_510(module)
+                for owner, attribute, value in shaped:
+                    self._patch(owner, attribute, value)
+                if shaped:
+                    shaped_510.append(name)
+        for carrier in _carriers_510(model, shaped_510):
+            self._patch(carrier, "forward", _row_forward(carrier))
         self.removed = False
         mark = weakref.ref(self)  # weak: the model holds its route, never the other way round
         for module in model.modules():  # the layers that read a config (attention among them): see routed
