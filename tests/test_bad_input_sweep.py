@@ -138,7 +138,7 @@ FIXED = [
         "weak message",
         "no_padding_2_padding of no data",
         lambda: batches.no_padding_2_padding(torch.zeros(3), None),
-        r"data: expected a TensorDict, got NoneType",
+        r"data: expected a TensorDict or a mapping of its fields, got NoneType",
     ),
     (
         "weak message",

@@ -336,3 +336,16 @@ def test_a_plan_of_another_batch_is_refused():
     plan = plan_left_right(other["attention_mask"], other["response_mask"])
     with pytest.raises(ValueError, match=r"plan: expected plan_left_right of this batch: 4 rows of width 11"):
         left_right_2_no_padding(td, plan=plan)
+
+
+def test_no_padding_2_padding_reads_a_dict_of_the_batch_fields_as_it_reads_the_tensordict():
+    from nopad.batches import no_padding_2_padding
+    from nopad.core import IndexPlan
+
+    # a dict of the fields is a valid batch here (only read): refusing it was a valid input refused
+    ids = IndexPlan.from_lengths(torch.tensor([4, 6])).to_nested(torch.arange(10))
+    responses = IndexPlan.from_lengths(torch.tensor([2, 3])).to_nested(torch.zeros(5, dtype=torch.int64))
+    out = IndexPlan.from_nested(ids).to_nested(torch.arange(10.0))
+    fields = {"input_ids": ids, "responses": responses}
+    want = no_padding_2_padding(out, TensorDict(fields, batch_size=[2]))
+    assert torch.equal(no_padding_2_padding(out, fields), want)

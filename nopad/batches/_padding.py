@@ -8,7 +8,7 @@ the last ``R`` columns, right-padded, so each row's real tokens are one run that
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -401,8 +401,8 @@ def no_padding_2_padding(tensor: Tensor, data: TensorDict, max_response_len: int
         max_response_len = check_int(max_response_len, "max_response_len", low=0)
     if not isinstance(tensor, Tensor):
         raise input_error("tensor", None, "a nested (B, j, *) or flat (total, *) tensor", type(tensor).__name__)
-    if not isinstance(data, TensorDict):
-        raise input_error("data", None, "a TensorDict", type(data).__name__)
+    if not isinstance(data, Mapping):  # a TensorDict, or a dict of its fields (only read here)
+        raise input_error("data", None, "a TensorDict or a mapping of its fields", type(data).__name__)
     nested = _is_nested(tensor)
     values = jagged_values(tensor) if nested else tensor
     if nested and ragged_dim(tensor) != 1:
