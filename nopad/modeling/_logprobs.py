@@ -121,7 +121,7 @@ class ChunkedHead(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy):  # type: ignore[override]
         hidden, weight, bias, labels, k, lse, entropy = ctx.saved_tensors
         options: HeadOptions = ctx.options
-        pre, rows, cols, shard = options.pre, options.rows, options.cols, options.shard
+        pre, shard = options.pre, options.shard
         need = ctx.needs_input_grad[:3]  # hidden, weight, bias
         acc = lse.dtype
         with_h = entropy is not None and grad_entropy is not None
@@ -129,42 +129,14 @@ class ChunkedHead(torch.autograd.Function):
             return None, None, None, None, None, None
         if shard is not None and shard.sequence_parallel:
             hidden = shard.gather_rows(hidden)  # gathered again rather than kept: (T, H) between the passes
-        T, V = hidden.shape[0], weight.shape[0]
         g_lp = grad_log_probs.to(acc) if grad_log_probs is not None else torch.zeros_like(lse)
         dzdx = k.view(-1) * (1.0 if pre is None else pre)  # dz/dx, less soft-capping's (1 - t^2)
         # a tile's gradient w.r.t. x is p * (a * log p + c) [* (1 - t^2)], per token a and c:
         c_coef = (g_lp + grad_entropy.to(acc) * entropy if with_h else g_lp).mul(dzdx).neg_().unsqueeze(-1)
         a_coef = grad_entropy.to(acc).mul(dzdx).neg_().unsqueeze(-1) if with_h else None
         grads = _Grads(hidden, weight, bias, need, acc)
-        tiles = _Tiles(hidden, weight, bias, rows, cols, acc, extra=int(with_h) + int(pre is not None))
-        neg_lse = lse.neg().unsqueeze(-1)
-        one = torch.ones((), dtype=acc, device=hidden.device)
-        for r0, r1 in _ranges(T, rows):
-            kr, nl, cr = k[r0:r1], neg_lse[r0:r1], c_coef[r0:r1]
-            ar = a_coef[r0:r1] if a_coef is not None else None
-            for v0, v1 in _ranges(V, cols):
-                x = tiles.logits(r0, r1, v0, v1)
-                if pre is not None:
-                    x.mul_(pre).tanh_()  # t, kept for d tanh at the end: log p goes to its own buffer
-                log_p = torch.addcmul(nl, x, kr, out=x if pre is None else tiles.extra(0))
-                if ar is not None:
-                    p = torch.exp(log_p, out=tiles.extra(int(pre is not None)))
-                    grad = torch.addcmul(cr, log_p, ar, out=log_p).mul_(p)
-                else:
-                    grad = log_p.exp_().mul_(cr)
-                if pre is not None:
-                    grad.mul_(torch.addcmul(one, x, x, value=-1, out=x))  # d tanh = 1 - t^2
-                grads.add_tile(grad, r0, r1, v0, v1)
-        # the label's one-hot part, once per token: d log p[label] / dx[label] = dz/dx [* (1 - t^2)]
-        # (under a vocabulary shard, on the rank that holds the label's row only)
-        index, owned = _local_labels(labels, V, shard)
-        onehot = g_lp * dzdx
-        if pre is not None:
-            t_label = (_label_x(hidden, weight, bias, index, acc) * pre).tanh_()
-            onehot = onehot * (1 - t_label * t_label)
-        if owned is not None:
-            onehot = torch.where(owned, onehot, 0.0)
-        grads.add_rows(onehot, index)
+        _add_tile_grads(grads, k, lse, c_coef, a_coef, options)
+        _add_label_grads(grads, labels, g_lp * dzdx, options)
         if shard is not None and grads.h is not None:
             grads.h = shard.reduce_hidden_grad(grads.h)
         return (*grads.result(), None, None, None)  # labels, k and options take no gradient
@@ -213,6 +185,65 @@ def _softmax_stats(
             run_sum.mul_(alpha).add_(tile_sum)
             run_max.copy_(new_max)
     return stats
+
+
+def _add_tile_grads(
+    grads: _Grads, k: Tensor, lse: Tensor, c_coef: Tensor, a_coef: Tensor | None, options: HeadOptions
+) -> None:
+    """Every tile's gradient w.r.t. x, ``p * (a * log p + c)`` [* (1 - t^2) with soft-capping], into
+    ``grads``, the tiles' logits recomputed from the saved inputs (never kept between the passes).
+
+    Args:
+        grads: the gradients being written, and the hidden (T, H), weight (V, H) and bias they are of.
+        k: (T, 1) per-token factors of z.
+        lse: (T,) log-sum-exp of z, from the forward.
+        c_coef: (T, 1) per-token c.
+        a_coef: (T, 1) per-token a, or None without an entropy gradient (then a = 0).
+        options: the fitted tile and ``pre``.
+    """
+    hidden, pre, acc = grads.hidden, options.pre, lse.dtype
+    T, V, rows, cols = hidden.shape[0], grads.weight.shape[0], options.rows, options.cols
+    extra = int(a_coef is not None) + int(pre is not None)
+    tiles = _Tiles(hidden, grads.weight, grads.bias, rows, cols, acc, extra=extra)
+    neg_lse = lse.neg().unsqueeze(-1)
+    one = torch.ones((), dtype=acc, device=hidden.device)
+    for r0, r1 in _ranges(T, rows):
+        kr, nl, cr = k[r0:r1], neg_lse[r0:r1], c_coef[r0:r1]
+        ar = a_coef[r0:r1] if a_coef is not None else None
+        for v0, v1 in _ranges(V, cols):
+            x = tiles.logits(r0, r1, v0, v1)
+            if pre is not None:
+                x.mul_(pre).tanh_()  # t, kept for d tanh at the end: log p goes to its own buffer
+            log_p = torch.addcmul(nl, x, kr, out=x if pre is None else tiles.extra(0))
+            if ar is not None:
+                p = torch.exp(log_p, out=tiles.extra(int(pre is not None)))
+                grad = torch.addcmul(cr, log_p, ar, out=log_p).mul_(p)
+            else:
+                grad = log_p.exp_().mul_(cr)
+            if pre is not None:
+                grad.mul_(torch.addcmul(one, x, x, value=-1, out=x))  # d tanh = 1 - t^2
+            grads.add_tile(grad, r0, r1, v0, v1)
+
+
+def _add_label_grads(grads: _Grads, labels: Tensor, onehot: Tensor, options: HeadOptions) -> None:
+    """The label's one-hot part of the gradient, once per token (outside the tiles):
+    d log p[label] / dx[label] = dz/dx [* (1 - t^2)]; under a vocabulary shard, on the rank that
+    holds the label's row only.
+
+    Args:
+        grads: the gradients being written.
+        labels: (T,) vocabulary ids.
+        onehot: (T,) the log-prob's gradient times dz/dx (less soft-capping's derivative).
+        options: ``pre`` and the shard.
+    """
+    index, owned = _local_labels(labels, grads.weight.shape[0], options.shard)
+    if options.pre is not None:
+        x = _label_x(grads.hidden, grads.weight, grads.bias, index, grads.acc)
+        t_label = (x * options.pre).tanh_()
+        onehot = onehot * (1 - t_label * t_label)
+    if owned is not None:
+        onehot = torch.where(owned, onehot, 0.0)
+    grads.add_rows(onehot, index)
 
 
 def _local_labels(labels: Tensor, vocab: int, shard: VocabShard | None) -> tuple[Tensor, Tensor | None]:
