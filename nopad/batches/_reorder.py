@@ -439,11 +439,12 @@ class _Gathers:
         nested = [key for key, kind in kinds.items() if kind == NESTED]
         shared = _offset_groups(sources, nested)
         lengths = _host_lengths([nested_offsets(src.get(keys[0])) for keys in shared for src in sources])
-        n = len(sources)
+        n = len(sources)  # lengths: n arrays per offset group, one per source
         groups: dict[str, _TokenGroup] = {}
-        made = []
+        made: list[_TokenGroup] = []
         for i, keys in enumerate(shared):
-            # the group whose tokens relayout metadata positions also makes each part row's padded start
+            # a relayout positions the tokens of its ``rows_of`` field: that field's group also lays out
+            # each output row's start in its part's padded (rows, width) layout
             width = next((w for key, w in widths.items() if RELAYOUTS[key].rows_of in keys), None)
             group = _TokenGroup(np.concatenate(lengths[i * n : (i + 1) * n]), plan, width)
             groups.update(dict.fromkeys(keys, group))

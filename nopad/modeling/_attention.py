@@ -376,7 +376,7 @@ def _boundary_facts(cu: Tensor, read: bool) -> tuple[int, int, int, int] | None:
     reading boundaries in host memory, or by one read when ``read`` (the caller needs the longest
     anyway). None: device boundaries not to be read, so not checked."""
     known = known_host_lengths(cu)
-    if known is not None:
+    if known is not None:  # boundaries nopad made itself (from 0): their lengths are on the host already
         if not len(known):
             return 0, 0, 0, 0
         return 0, int(known.sum()), int(known.min()), int(known.max())
