@@ -193,51 +193,35 @@ def unpad_plan(data: TensorDict, pad: int) -> RowPlan | None:
 
 
 def take(sources: Sequence[TensorDict], plan: RowPlan, *, reindex: bool = True) -> list[TensorDict]:
-    """The parts of ``plan`` over ``sources`` (TensorDicts with a batch dim and the same entries).
-    At most one host sync: the lengths of nested rows nopad did not lay out itself.
+    """The parts of ``plan`` over ``sources``: TensorDicts with a batch dim and the same entries.
 
-    ``reindex``: metadata that positions tokens in a padded layout (registered with
-    :func:`register_relayout`: the conversion's ``indices``) is laid out again for the parts' rows, as
-    converting the parts' padded rows would make it; otherwise shared like any other metadata (verl's
-    way)."""
+    Args:
+        sources: the batches whose rows, concatenated, ``plan`` reads.
+        plan: which source row each output row reads, and how many rows each part gets.
+        reindex: metadata that positions tokens in a padded layout (registered with
+            :func:`register_relayout`: the conversion's ``indices``) is laid out again for the parts'
+            rows, as converting the parts' padded rows would make it; False shares it like any other
+            metadata (verl's way).
+
+    Returns:
+        One TensorDict per part, ``plan.sizes[p]`` rows each, with every entry of the sources.
+
+    At most one host sync (the lengths of nested rows nopad did not lay out itself) and one
+    host->device copy; then a fixed number of ops per field.
+    """
     first = sources[0]
-    keys: list[str] = [str(key) for key in first.keys()]
-    kinds = {key: kind_of(first.get(key)) for key in keys}
-    _check_alike(sources, keys, kinds)
-    nested = [key for key in keys if kinds[key] == NESTED]
-    lengths = _host_lengths([nested_offsets(src.get(key)) for src in sources for key in nested])
-    relaid = {}
-    for key, relayout in RELAYOUTS.items() if reindex else ():
-        found = relayout.width(sources, kinds) if key in kinds else None
-        if found is not None:
-            relaid[key] = found
-    width = next(iter(relaid.values()), None)
-    device_rows, groups = _to_device(sources, nested, lengths, plan, any(kinds[k] == DENSE for k in keys), width)
+    kinds = {str(key): kind_of(first.get(key)) for key in first.keys()}
+    _check_alike(sources, list(kinds), kinds)
+    widths = _relayout_widths(sources, kinds) if reindex else {}
+    gathers = _Gathers.of(sources, kinds, plan, widths)
     parts = [
-        TensorDict({}, batch_size=[int(size), *first.batch_size[1:]], device=first.device)
-        for size in plan.sizes.tolist()
+        TensorDict({}, batch_size=[size, *first.batch_size[1:]], device=first.device) for size in plan.sizes.tolist()
     ]
-    for key in keys:
-        values = [src.get(key) for src in sources]
-        pieces: Sequence[Any]
-        if key in relaid:
-            relayout = RELAYOUTS[key]
-            group = groups[tuple(id(nested_offsets(src.get(relayout.rows_of))) for src in sources)]
-            for part, position in zip(parts, group.padded_positions([v.data for v in values], relaid[key])):
-                part.set_non_tensor(key, position)
-            continue
-        if kinds[key] == NESTED:
-            pieces = groups[tuple(id(nested_offsets(v)) for v in values)].cut(values)
-        elif kinds[key] == DENSE:
-            pieces = _dense_parts(values, device_rows, plan)
-        elif kinds[key] == SUB:
-            pieces = take(values, plan)
-        else:
-            for part, meta in zip(parts, _non_tensor_parts(values, plan)):
-                _set_meta(part, key, meta)
-            continue
+    for key, kind in kinds.items():
+        pieces = gathers.parts_of(key, kind, [src.get(key) for src in sources])
+        put = _set_meta if key in widths or kind in (DATA, STACK) else put_checked
         for part, piece in zip(parts, pieces):
-            put_checked(part, key, piece)
+            put(part, key, piece)
     return parts
 
 
@@ -258,6 +242,16 @@ RELAYOUTS: dict[str, Relayout] = {}
 
 def register_relayout(key: str, relayout: Relayout) -> None:
     RELAYOUTS[key] = relayout
+
+
+def _relayout_widths(sources: Sequence[TensorDict], kinds: dict[str, str]) -> dict[str, int]:
+    """Each registered relayout metadata the sources carry -> the width of its padded layout."""
+    widths = {}
+    for key, relayout in RELAYOUTS.items():
+        width = relayout.width(sources, kinds) if key in kinds else None
+        if width is not None:
+            widths[key] = width
+    return widths
 
 
 def _check_alike(sources: Sequence[TensorDict], keys: list[str], kinds: dict[str, str]) -> None:
@@ -295,9 +289,10 @@ def _check_same_rows(value: Tensor, value0: Tensor, field: str, nested: bool, li
         raise input_error(field, None, expected, f"rows of shape {tuple(shape)}, {v.dtype} on {v.device}")
 
 
-def _host_lengths(all_offsets: list[Tensor]) -> dict[int, np.ndarray]:
-    """id(offsets) -> host row lengths, for every distinct offsets tensor: recorded ones free, the
-    rest in ONE device->host copy (the sync of a call), then recorded."""
+def _host_lengths(all_offsets: list[Tensor]) -> list[np.ndarray]:
+    """Host row lengths of each offsets tensor, in order: recorded ones free, the rest in ONE
+    device->host copy (the sync of a call), then recorded. A tensor listed twice is read once (found
+    by ``id()``, which lives only in this call: ``all_offsets`` holds every tensor alive)."""
     found: dict[int, np.ndarray] = {}
     unknown: dict[int, Tensor] = {}
     for offsets in all_offsets:
@@ -315,7 +310,7 @@ def _host_lengths(all_offsets: list[Tensor]) -> dict[int, np.ndarray]:
         for offsets, lengths in zip(tensors, np.split(host, np.cumsum([len(o) - 1 for o in tensors])[:-1])):
             found[id(offsets)] = lengths
             remember_host_lengths(offsets, lengths)
-    return found
+    return [found[id(offsets)] for offsets in all_offsets]
 
 
 class _TokenGroup:
@@ -414,28 +409,63 @@ class _TokenGroup:
         return [columns] if len(sizes) == 1 else list(columns.split_with_sizes(sizes))
 
 
-def _to_device(
-    sources: Sequence[TensorDict],
-    nested: list[str],
-    lengths: dict[int, np.ndarray],
-    plan: RowPlan,
-    has_dense: bool,
-    width: int | None = None,
-) -> tuple[Tensor | None, dict[tuple[int, ...], _TokenGroup]]:
-    """Every host index array of the call in ONE host->device copy: the dense fields' rows and, per
-    group of nested fields sharing offsets, their parts' offsets and token gather steps."""
-    groups: dict[tuple[int, ...], _TokenGroup] = {}
-    ids_of_input_ids = tuple(id(nested_offsets(src.get("input_ids"))) for src in sources) if width else None
+def _offset_groups(sources: Sequence[TensorDict], nested: list[str]) -> list[list[str]]:
+    """The nested fields grouped by the offsets they share in every source: one token gather serves a
+    group. Shared means the same tensors (``id()``, only within this call, the sources holding them):
+    comparing values would read them."""
+    groups: dict[tuple[int, ...], list[str]] = {}
     for key in nested:
-        ids = tuple(id(nested_offsets(src.get(key))) for src in sources)
-        if ids not in groups:
-            reindexed = width if ids == ids_of_input_ids else None
-            groups[ids] = _TokenGroup(np.concatenate([lengths[i] for i in ids]), plan, reindexed)
-    extra = [plan.rows] if has_dense and plan.rows is not None else []
-    if not extra and not groups:
-        return None, groups
-    moved = _move(extra, list(groups.values()), _device_of(sources[0], nested))
-    return (moved[0] if extra else None), groups
+        groups.setdefault(tuple(id(nested_offsets(src.get(key))) for src in sources), []).append(key)
+    return list(groups.values())
+
+
+@dataclass(frozen=True)
+class _Gathers:
+    """One :func:`take`'s index arrays, on the device: the token group of each nested field (the
+    fields of one offset group share it), the dense fields' rows (None: kept in order), and the
+    widths of the relayout metadata the sources carry."""
+
+    plan: RowPlan
+    groups: dict[str, _TokenGroup]
+    rows: Tensor | None
+    widths: dict[str, int]
+
+    @classmethod
+    def of(
+        cls, sources: Sequence[TensorDict], kinds: dict[str, str], plan: RowPlan, widths: dict[str, int]
+    ) -> _Gathers:
+        """Planned on the host, then every array in ONE host->device copy (:func:`_move`). At most one
+        host sync: the lengths of nested rows nopad did not lay out itself."""
+        nested = [key for key, kind in kinds.items() if kind == NESTED]
+        shared = _offset_groups(sources, nested)
+        lengths = _host_lengths([nested_offsets(src.get(keys[0])) for keys in shared for src in sources])
+        n = len(sources)  # lengths: n arrays per offset group, one per source
+        groups: dict[str, _TokenGroup] = {}
+        made: list[_TokenGroup] = []
+        for i, keys in enumerate(shared):
+            # a relayout positions the tokens of its ``rows_of`` field: that field's group also lays out
+            # each output row's start in its part's padded (rows, width) layout
+            width = next((w for key, w in widths.items() if RELAYOUTS[key].rows_of in keys), None)
+            group = _TokenGroup(np.concatenate(lengths[i * n : (i + 1) * n]), plan, width)
+            groups.update(dict.fromkeys(keys, group))
+            made.append(group)
+        has_dense = any(kind == DENSE for kind in kinds.values())
+        extra = [plan.rows] if has_dense and plan.rows is not None else []
+        moved = _move(extra, made, _device_of(sources[0], nested)) if extra or made else []
+        return cls(plan, groups, moved[0] if extra else None, widths)
+
+    def parts_of(self, key: str, kind: str, values: list[Any]) -> Sequence[Any]:
+        """One field's value in each part, from its ``values`` in the sources."""
+        if key in self.widths:  # each token's padded position, laid out again for the parts' rows
+            group = self.groups[RELAYOUTS[key].rows_of]
+            return group.padded_positions([v.data for v in values], self.widths[key])
+        if kind == NESTED:
+            return self.groups[key].cut(values)
+        if kind == DENSE:
+            return _dense_parts(values, self.rows, self.plan)
+        if kind == SUB:
+            return take(values, self.plan)
+        return _non_tensor_parts(values, self.plan)
 
 
 def _move(extra: list[np.ndarray], groups: list[_TokenGroup], device: torch.device) -> list[Tensor]:
@@ -459,8 +489,7 @@ def take_nested(values: Sequence[Tensor], plan: RowPlan, field: str) -> list[Ten
     for i, value in enumerate(values[1:], 1):
         _check_same_rows(value, values[0], f"{field}[{i}]", True, f"{field}[0]")
     offsets = [nested_offsets(v) for v in values]
-    lengths = _host_lengths(offsets)
-    group = _TokenGroup(np.concatenate([lengths[id(o)] for o in offsets]), plan)
+    group = _TokenGroup(np.concatenate(_host_lengths(offsets)), plan)
     _move([], [group], offsets[0].device)
     return group.cut(list(values))
 

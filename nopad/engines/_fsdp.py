@@ -179,59 +179,19 @@ def prepare_model_inputs(
     """
     input_ids, position_ids = _checked_nested(micro_batch)
     sp_size, sp_rank = _sp_size_rank(sp_group, sp_size, sp_rank)
-    pad_to_multiple = check_int(pad_to_multiple, "pad_to_multiple", low=1)
-    pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
-    if attn_implementation is not None and not isinstance(attn_implementation, str):
-        raise input_error("attn_implementation", None, "None or a name (str)", repr(attn_implementation))
-    if sp_size > 1 and attn_implementation is not None and not attn_implementation.startswith(ULYSSES_PREFIX):
-        raise input_error(
-            "attn_implementation",
-            None,
-            f"a Ulysses wrapper ('{ULYSSES_PREFIX}*', see enable_ulysses) for sp_size {sp_size}",
-            repr(attn_implementation),
-        )
-    plan = IndexPlan.from_nested(input_ids)
-    total = plan.total
-    if total == 0:
-        raise input_error("input_ids", None, "at least one token in the micro-batch", "0 tokens")
-    padded_total = padded_length(total, sp_size, pad_to_multiple)
-    pad = padded_total - total
-    ids, positions = jagged_values(input_ids), jagged_values(position_ids)  # (T,), (T,) or (C, T)
+    pad_to_multiple, pad_token_id = _checked_row_options(attn_implementation, pad_to_multiple, pad_token_id, sp_size)
+    plan = _row_plan(input_ids)
+    padded_total = padded_length(plan.total, sp_size, pad_to_multiple)
+    pad = padded_total - plan.total
+    ids = jagged_values(input_ids)  # (T,)
     device = ids.device  # the values' (the nested tensor's own device costs a Python dispatch)
-    if positions.dim() == 2 and positions.shape[0] == 3:
-        # Qwen2/3-VL find packed boundaries only in row 0 of 4-row position ids: prepend the text positions.
-        positions = torch.cat([plan.position_ids.to(device=device, dtype=positions.dtype).unsqueeze(0), positions])
-    # The last token of each sequence has no next token of its own: its label slot holds the pad id.
-    # (An empty row's "last token" wraps onto the previous row's, which is already excluded.)
-    labels = plan.next_token_labels(ids, pad_token_id)
-    label_mask = _pad_last(~plan.last_token_mask.to(device), pad, False)
+    positions = _model_positions(plan, jagged_values(position_ids), device)
+    labels, label_mask = _next_token_labels(plan, ids, pad_token_id, pad, device)
     if temperature is None:
         temperature = get_field(micro_batch, "temperature")
     temps = _token_temperature(temperature, plan, device)
-
-    ids, labels = _pad_last(ids, pad, pad_token_id), _pad_last(labels, pad, pad_token_id)
-    positions = _pad_last(positions, pad, torch.arange(pad, device=device, dtype=positions.dtype))
-    if isinstance(temps, Tensor):
-        temps = _pad_last(temps, pad, 1.0)
-    if sp_size > 1:
-        ids, labels, positions = (slice_for_rank(t, sp_size, sp_rank) for t in (ids, labels, positions))
-        temps = slice_for_rank(temps, sp_size, sp_rank) if isinstance(temps, Tensor) else temps
-
-    model_inputs: dict[str, Any] = {
-        "input_ids": ids.unsqueeze(0),
-        "position_ids": positions.unsqueeze(-2),  # (1, L) or (C, 1, L)
-        "use_cache": False,
-    }
-    if sp_size > 1 or reads_boundaries(attn_implementation):
-        cu_seqlens = plan.cu_seqlens.to(device)
-        if pad:
-            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), padded_total)])
-        max_length = max(plan.max_seqlen, pad)
-        model_inputs.update(
-            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_length, max_length_k=max_length
-        )
-    if sp_size > 1:
-        model_inputs[SP_GROUP_KWARG] = sp_group
+    ids, labels, positions, temps = _rank_row(ids, labels, positions, temps, pad, pad_token_id, sp_size, sp_rank)
+    model_inputs = _model_kwargs(ids, positions, plan, padded_total, attn_implementation, sp_group, sp_size)
     args = OutputArgs(
         plan=plan,
         labels=labels,
@@ -246,6 +206,122 @@ def prepare_model_inputs(
         model_input_ids=model_inputs["input_ids"],
     )
     return model_inputs, args
+
+
+def _checked_row_options(
+    attn_implementation: Any, pad_to_multiple: Any, pad_token_id: Any, sp_size: int
+) -> tuple[int, int]:
+    """``pad_to_multiple`` (>= 1) and ``pad_token_id`` (>= 0) checked; ``attn_implementation`` None or
+    a name, and a Ulysses wrapper's under sequence parallelism (any other attention would see only
+    this rank's slice of the row)."""
+    pad_to_multiple = check_int(pad_to_multiple, "pad_to_multiple", low=1)
+    pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
+    if attn_implementation is not None and not isinstance(attn_implementation, str):
+        raise input_error("attn_implementation", None, "None or a name (str)", repr(attn_implementation))
+    if sp_size > 1 and attn_implementation is not None and not attn_implementation.startswith(ULYSSES_PREFIX):
+        raise input_error(
+            "attn_implementation",
+            None,
+            f"a Ulysses wrapper ('{ULYSSES_PREFIX}*', see enable_ulysses) for sp_size {sp_size}",
+            repr(attn_implementation),
+        )
+    return pad_to_multiple, pad_token_id
+
+
+def _row_plan(input_ids: Tensor) -> IndexPlan:
+    """The index plan of nested (B, j) ``input_ids``, which must hold a token: a row of none gives the
+    model nothing to run."""
+    plan = IndexPlan.from_nested(input_ids)
+    if plan.total == 0:
+        raise input_error("input_ids", None, "at least one token in the micro-batch", "0 tokens")
+    return plan
+
+
+def _model_positions(plan: IndexPlan, positions: Tensor, device: torch.device) -> Tensor:
+    """(T,) or (C, T) position ids -> as the model reads them: 3-row mrope ids become (4, T).
+
+    Qwen2/3-VL find packed boundaries only in row 0 of 4-row position ids, so each token's position in
+    its own sequence (the text positions) is prepended."""
+    if positions.dim() == 2 and positions.shape[0] == 3:
+        positions = torch.cat([plan.position_ids.to(device=device, dtype=positions.dtype).unsqueeze(0), positions])
+    return positions
+
+
+def _next_token_labels(
+    plan: IndexPlan, ids: Tensor, pad_token_id: int, pad: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """(T,) each token's next token, and (T + pad,) where a label is real.
+
+    The last token of each sequence has no next token of its own: its label slot holds the pad id and
+    the mask is False there, and at the row's pad. (An empty row's "last token" wraps onto the
+    previous row's, which is already excluded.)"""
+    labels = plan.next_token_labels(ids, pad_token_id)
+    label_mask = _pad_last(~plan.last_token_mask.to(device), pad, False)
+    return labels, label_mask
+
+
+def _rank_row(
+    ids: Tensor,
+    labels: Tensor,
+    positions: Tensor,
+    temps: Tensor | float,
+    pad: int,
+    pad_token_id: int,
+    sp_size: int,
+    sp_rank: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | float]:
+    """The row padded by ``pad`` tokens, then this rank's slice of it (L = T_pad / sp_size).
+
+    Args:
+        ids: (T,) token ids; the pad is ``pad_token_id``.
+        labels: (T,) next-token labels; the pad is ``pad_token_id``.
+        positions: (T,) or (C, T) position ids; the pad's are 0, 1, ..., so transformers sees one more
+            sequence, attended by no real token.
+        temps: (T,) per-token temperatures (the pad's are 1.0), or a float, which stays as it is.
+
+    Returns:
+        ids (L,), labels (L,), positions (L,) or (C, L), temps (L,) or the float.
+    """
+    ids, labels = _pad_last(ids, pad, pad_token_id), _pad_last(labels, pad, pad_token_id)
+    positions = _pad_last(positions, pad, torch.arange(pad, device=ids.device, dtype=positions.dtype))
+    if isinstance(temps, Tensor):
+        temps = _pad_last(temps, pad, 1.0)
+    if sp_size > 1:
+        ids, labels, positions = (slice_for_rank(t, sp_size, sp_rank) for t in (ids, labels, positions))
+        temps = slice_for_rank(temps, sp_size, sp_rank) if isinstance(temps, Tensor) else temps
+    return ids, labels, positions, temps
+
+
+def _model_kwargs(
+    ids: Tensor,
+    positions: Tensor,
+    plan: IndexPlan,
+    padded_total: int,
+    attn_implementation: str | None,
+    sp_group: Any,
+    sp_size: int,
+) -> dict[str, Any]:
+    """The model's kwargs for this rank's (L,) slice of the packed row: no attention mask and no
+    cache (transformers then finds the boundaries where position ids restart), plus the boundaries
+    themselves (ending at T_pad: the pad is one more sequence) where the attention reads them or
+    Ulysses gathers the row, and the sequence-parallel group."""
+    model_inputs: dict[str, Any] = {
+        "input_ids": ids.unsqueeze(0),
+        "position_ids": positions.unsqueeze(-2),  # (1, L) or (C, 1, L)
+        "use_cache": False,
+    }
+    if sp_size > 1 or reads_boundaries(attn_implementation):
+        pad = padded_total - plan.total
+        cu_seqlens = plan.cu_seqlens.to(ids.device)
+        if pad:
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), padded_total)])
+        max_length = max(plan.max_seqlen, pad)
+        model_inputs.update(
+            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_length, max_length_k=max_length
+        )
+    if sp_size > 1:
+        model_inputs[SP_GROUP_KWARG] = sp_group
+    return model_inputs
 
 
 def _sp_size_rank(group, sp_size: int | None, sp_rank: int | None) -> tuple[int, int]:

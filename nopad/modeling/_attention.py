@@ -334,7 +334,30 @@ def _given_boundaries(
     sequences, reads past the row or drops its tail. Checked where free: boundaries on the CPU are
     read (host memory), and without ``max_length_q`` the one read that finds the longest sequence
     carries the other checks too. Device boundaries with ``max_length_q`` given are not read.
+
+    Returns:
+        (sequences + 1,) int32 boundaries on ``device``, and the max length the kernel is given.
     """
+    _check_boundaries_given(cu, cu_k)
+    if max_length is not None and not isinstance(max_length, Tensor):
+        max_length = check_int(max_length, "max_length_q", low=0)
+    facts = _boundary_facts(cu, read=max_length is None)
+    if facts is not None:
+        first, last, lowest, longest = facts
+        if first != 0 or last != total or lowest < 0:
+            expected = f"boundaries rising from 0 to the row's {total} tokens"
+            raise input_error("cu_seq_lens_q", None, expected, f"{_shown(cu)}")
+        if max_length is not None and int(max_length) < longest:
+            expected = f"the longest sequence, {longest} tokens (a shorter max length cuts it)"
+            raise input_error("max_length_q", None, expected, f"{int(max_length)}")
+        max_length = longest if max_length is None else max_length
+    return cu.to(device=device, dtype=torch.int32), int(max_length)
+
+
+def _check_boundaries_given(cu: Any, cu_k: Tensor | None) -> None:
+    """``cu_seq_lens_q`` a (sequences + 1,) integer tensor, and ``cu_seq_lens_k`` None or the same
+    boundaries (nopad_varlen is self-attention). Shapes and dtypes only, unless ``_k`` is another
+    tensor: then its values are compared (a read)."""
     if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.shape[0] < 2 or cu.dtype.is_floating_point:
         got = f"shape {tuple(cu.shape)}, dtype {cu.dtype}" if isinstance(cu, Tensor) else type(cu).__name__
         raise input_error("cu_seq_lens_q", None, "(sequences + 1,) integer boundaries", got)
@@ -345,30 +368,23 @@ def _given_boundaries(
             "the same boundaries as cu_seq_lens_q (self-attention)",
             f"{cu_k.tolist()} vs {cu.tolist()}",
         )
-    if max_length is not None and not isinstance(max_length, Tensor):
-        max_length = check_int(max_length, "max_length_q", low=0)
+
+
+def _boundary_facts(cu: Tensor, read: bool) -> tuple[int, int, int, int] | None:
+    """(first boundary, last boundary, shortest sequence, longest sequence) of ``cu``, where they
+    cost no sync: from the host lengths nopad recorded for boundaries it made (they start at 0), by
+    reading boundaries in host memory, or by one read when ``read`` (the caller needs the longest
+    anyway). None: device boundaries not to be read, so not checked."""
     known = known_host_lengths(cu)
-    if known is not None:  # boundaries nopad made itself: their lengths are on the host already
-        if int(known.sum()) != total or (len(known) and int(known.min()) < 0):
-            raise input_error(
-                "cu_seq_lens_q", None, f"boundaries rising from 0 to the row's {total} tokens", _shown(cu)
-            )
-        longest = int(known.max()) if len(known) else 0
-        if max_length is not None and int(max_length) < longest:
-            expected = f"the longest sequence, {longest} tokens (a shorter max length cuts it)"
-            raise input_error("max_length_q", None, expected, f"{int(max_length)}")
-        return cu.to(device=device, dtype=torch.int32), longest if max_length is None else int(max_length)
+    if known is not None:  # boundaries nopad made itself (from 0): their lengths are on the host already
+        if not len(known):
+            return 0, 0, 0, 0
+        return 0, int(known.sum()), int(known.min()), int(known.max())
+    if not (read or free_to_read(cu)):
+        return None
     steps = cu.diff()
-    if max_length is None or free_to_read(cu):  # a read made anyway, or free: every check in it
-        first, last, lowest, longest = to_host(cu[0], cu[-1], steps.min(), steps.max())
-        if first != 0 or last != total or lowest < 0:
-            expected = f"boundaries rising from 0 to the row's {total} tokens"
-            raise input_error("cu_seq_lens_q", None, expected, f"{_shown(cu)}")
-        if max_length is not None and int(max_length) < longest:
-            expected = f"the longest sequence, {longest} tokens (a shorter max length cuts it)"
-            raise input_error("max_length_q", None, expected, f"{int(max_length)}")
-        max_length = longest if max_length is None else max_length
-    return cu.to(device=device, dtype=torch.int32), int(max_length)
+    first, last, lowest, longest = to_host(cu[0], cu[-1], steps.min(), steps.max())
+    return first, last, lowest, longest
 
 
 def _shown(cu: Tensor) -> str:

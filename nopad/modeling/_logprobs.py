@@ -30,7 +30,7 @@ soft-capping derivative), and the label's one-hot part is added once per token o
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -61,113 +61,189 @@ def _ranges(total: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, total)) for start in range(0, total, size)]
 
 
+@dataclass(frozen=True)
+class HeadOptions:
+    """What :class:`ChunkedHead` computes besides its tensors (one object, so the autograd Function
+    takes few arguments and its backward returns a short tuple).
+
+    Args:
+        pre: ``scale / softcap`` with soft-capping (z = k * tanh(x * pre)), else None (z = k * x).
+        with_entropy: the entropy too (one more tile buffer in each pass).
+        rows: tokens per tile.
+        cols: vocabulary entries per tile.
+        shard: this rank's part of a vocabulary-parallel layer, or None (the whole vocabulary here).
+    """
+
+    pre: float | None
+    with_entropy: bool
+    rows: int
+    cols: int
+    shard: VocabShard | None = None
+
+    def fitted(self, tokens: int, vocab: int) -> HeadOptions:
+        """The tile no larger than the (tokens, vocab) logits (at least one row): its buffers are
+        allocated at the tile's size."""
+        return replace(self, rows=min(self.rows, max(tokens, 1)), cols=min(self.cols, vocab))
+
+
 class ChunkedHead(torch.autograd.Function):
     """(log-probs (T,), entropy (T,) or None) of softmax(z) over the vocabulary, z as the module says.
 
-    ``apply(hidden, weight, bias, labels, k, pre, with_entropy, rows, cols, shard)``: ``k`` (T, 1) > 0,
-    ``pre`` a float with soft-capping (else None), (rows, cols) the tile, ``shard`` a
-    :class:`VocabShard` when ``weight`` is this rank's rows of a vocabulary-parallel layer (else None).
+    ``apply(hidden, weight, bias, labels, k, options)``: hidden (T, H) (this rank's (T / tp, H) under a
+    sequence-parallel shard), weight (V, H) (this rank's rows under a shard), bias (V,) or None,
+    labels (T,), ``k`` (T, 1) > 0, ``options`` a :class:`HeadOptions`. Gradients go to hidden, weight
+    and bias.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, k, pre, with_entropy, rows, cols, shard):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, labels, k, options):  # type: ignore[override]
         ctx.set_materialize_grads(False)
-        local_hidden = hidden
+        local_hidden, shard = hidden, options.shard
         if shard is not None and shard.sequence_parallel:
             hidden = shard.gather_rows(hidden)  # (T / tp, H) -> (T, H), as the column-parallel layer gathers
-        T, V = hidden.shape[0], weight.shape[0]
+        V = weight.shape[0]
+        options = options.fitted(hidden.shape[0], V)
         acc = torch.promote_types(hidden.dtype, torch.float32)
-        rows, cols = min(rows, max(T, 1)), min(cols, V)
-        tiles = _Tiles(hidden, weight, bias, rows, cols, acc, extra=1 if with_entropy else 0)
-        # per token: running max of z, sum of exp(z - max), sum of exp(z - max) * (z - max)
-        stats = torch.empty(3, T, dtype=acc, device=hidden.device)
-        for r0, r1 in _ranges(T, rows):
-            kr = k[r0:r1]
-            run_max, run_sum, run_dot = stats[0, r0:r1], stats[1, r0:r1], stats[2, r0:r1]
-            for first, (v0, v1) in enumerate(_ranges(V, cols)):
-                x = tiles.logits(r0, r1, v0, v1)
-                if pre is not None:
-                    x.mul_(pre).tanh_()
-                tile_max = x.amax(-1).mul_(kr.view(-1))  # k > 0: the max of z is k times the max of x
-                new_max = tile_max if first == 0 else torch.maximum(run_max, tile_max)
-                shifted = torch.addcmul(new_max.neg().unsqueeze(-1), x, kr, out=x)  # z - max
-                exp = torch.exp(shifted, out=tiles.extra(0)) if with_entropy else shifted.exp_()
-                tile_sum = exp.sum(-1)
-                tile_dot = shifted.mul_(exp).sum(-1) if with_entropy else None
-                if first == 0:
-                    run_max.copy_(new_max), run_sum.copy_(tile_sum)
-                    if tile_dot is not None:
-                        run_dot.copy_(tile_dot)
-                    continue
-                # rescale what was summed against the old max: exp(z - new) = exp(z - old) * exp(old - new)
-                shift = run_max - new_max
-                alpha = shift.exp()
-                if tile_dot is not None:
-                    run_dot.add_(shift * run_sum).mul_(alpha).add_(tile_dot)
-                run_sum.mul_(alpha).add_(tile_sum)
-                run_max.copy_(new_max)
+        stats = _softmax_stats(hidden, weight, bias, k, options, acc)
         index, owned = _local_labels(labels, V, shard)
-        label_z = _label_z(hidden, weight, bias, index, k, pre, acc)
+        label_z = _label_z(hidden, weight, bias, index, k, options.pre, acc)
         if shard is not None:
-            label_z = shard.combine(stats, torch.where(owned, label_z, 0.0), with_entropy)
+            label_z = shard.combine(stats, torch.where(owned, label_z, 0.0), options.with_entropy)
         log_sum = stats[1].log()
         lse = stats[0] + log_sum
         log_probs = label_z - lse
-        entropy = log_sum - stats[2] / stats[1] if with_entropy else None
+        entropy = log_sum - stats[2] / stats[1] if options.with_entropy else None
         ctx.save_for_backward(local_hidden, weight, bias, labels, k, lse, entropy)
-        ctx.pre, ctx.tile, ctx.shard = pre, (rows, cols), shard
+        ctx.options = options
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):  # type: ignore[override]
         hidden, weight, bias, labels, k, lse, entropy = ctx.saved_tensors
-        pre, (rows, cols), shard = ctx.pre, ctx.tile, ctx.shard
-        need = ctx.needs_input_grad[:3]
+        options: HeadOptions = ctx.options
+        pre, shard = options.pre, options.shard
+        need = ctx.needs_input_grad[:3]  # hidden, weight, bias
         acc = lse.dtype
         with_h = entropy is not None and grad_entropy is not None
         if (grad_log_probs is None and not with_h) or not any(need):
-            return (None,) * 10
+            return None, None, None, None, None, None
         if shard is not None and shard.sequence_parallel:
             hidden = shard.gather_rows(hidden)  # gathered again rather than kept: (T, H) between the passes
-        T, V = hidden.shape[0], weight.shape[0]
         g_lp = grad_log_probs.to(acc) if grad_log_probs is not None else torch.zeros_like(lse)
         dzdx = k.view(-1) * (1.0 if pre is None else pre)  # dz/dx, less soft-capping's (1 - t^2)
         # a tile's gradient w.r.t. x is p * (a * log p + c) [* (1 - t^2)], per token a and c:
         c_coef = (g_lp + grad_entropy.to(acc) * entropy if with_h else g_lp).mul(dzdx).neg_().unsqueeze(-1)
         a_coef = grad_entropy.to(acc).mul(dzdx).neg_().unsqueeze(-1) if with_h else None
         grads = _Grads(hidden, weight, bias, need, acc)
-        tiles = _Tiles(hidden, weight, bias, rows, cols, acc, extra=int(with_h) + int(pre is not None))
-        neg_lse = lse.neg().unsqueeze(-1)
-        one = torch.ones((), dtype=acc, device=hidden.device)
-        for r0, r1 in _ranges(T, rows):
-            kr, nl, cr = k[r0:r1], neg_lse[r0:r1], c_coef[r0:r1]
-            ar = a_coef[r0:r1] if a_coef is not None else None
-            for v0, v1 in _ranges(V, cols):
-                x = tiles.logits(r0, r1, v0, v1)
-                if pre is not None:
-                    x.mul_(pre).tanh_()  # t, kept for d tanh at the end: log p goes to its own buffer
-                log_p = torch.addcmul(nl, x, kr, out=x if pre is None else tiles.extra(0))
-                if ar is not None:
-                    p = torch.exp(log_p, out=tiles.extra(int(pre is not None)))
-                    grad = torch.addcmul(cr, log_p, ar, out=log_p).mul_(p)
-                else:
-                    grad = log_p.exp_().mul_(cr)
-                if pre is not None:
-                    grad.mul_(torch.addcmul(one, x, x, value=-1, out=x))  # d tanh = 1 - t^2
-                grads.add_tile(grad, r0, r1, v0, v1)
-        # the label's one-hot part, once per token: d log p[label] / dx[label] = dz/dx [* (1 - t^2)]
-        # (under a vocabulary shard, on the rank that holds the label's row only)
-        index, owned = _local_labels(labels, V, shard)
-        onehot = g_lp * dzdx
-        if pre is not None:
-            t_label = (_label_x(hidden, weight, bias, index, acc) * pre).tanh_()
-            onehot = onehot * (1 - t_label * t_label)
-        if owned is not None:
-            onehot = torch.where(owned, onehot, 0.0)
-        grads.add_rows(onehot, index)
+        _add_tile_grads(grads, k, lse, c_coef, a_coef, options)
+        _add_label_grads(grads, labels, g_lp * dzdx, options)
         if shard is not None and grads.h is not None:
             grads.h = shard.reduce_hidden_grad(grads.h)
-        return (*grads.result(), None, None, None, None, None, None, None)
+        return (*grads.result(), None, None, None)  # labels, k and options take no gradient
+
+
+def _softmax_stats(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, k: Tensor, options: HeadOptions, acc: torch.dtype
+) -> Tensor:
+    """(3, T) per token: the max of z, the sum of exp(z - max) and (with the entropy) the sum of
+    exp(z - max) * (z - max), over the vocabulary, tile by tile (an online log-sum-exp: one pass).
+
+    Args:
+        hidden: (T, H) the whole sequence's hidden states.
+        weight: (V, H) and bias (V,) or None: the output layer (this rank's rows under a shard).
+        k: (T, 1) > 0 per-token factors of z.
+        options: the fitted tile, ``pre`` and whether the entropy is wanted.
+        acc: the accumulation dtype.
+    """
+    T, V = hidden.shape[0], weight.shape[0]
+    rows, cols, pre, with_entropy = options.rows, options.cols, options.pre, options.with_entropy
+    tiles = _Tiles(hidden, weight, bias, rows, cols, acc, extra=1 if with_entropy else 0)
+    stats = torch.empty(3, T, dtype=acc, device=hidden.device)
+    for r0, r1 in _ranges(T, rows):
+        kr = k[r0:r1]
+        run_max, run_sum, run_dot = stats[0, r0:r1], stats[1, r0:r1], stats[2, r0:r1]
+        for first, (v0, v1) in enumerate(_ranges(V, cols)):
+            x = tiles.logits(r0, r1, v0, v1)
+            if pre is not None:
+                x.mul_(pre).tanh_()
+            tile_max = x.amax(-1).mul_(kr.view(-1))  # k > 0: the max of z is k times the max of x
+            new_max = tile_max if first == 0 else torch.maximum(run_max, tile_max)
+            shifted = torch.addcmul(new_max.neg().unsqueeze(-1), x, kr, out=x)  # z - max
+            exp = torch.exp(shifted, out=tiles.extra(0)) if with_entropy else shifted.exp_()
+            tile_sum = exp.sum(-1)
+            tile_dot = shifted.mul_(exp).sum(-1) if with_entropy else None
+            if first == 0:
+                run_max.copy_(new_max), run_sum.copy_(tile_sum)
+                if tile_dot is not None:
+                    run_dot.copy_(tile_dot)
+                continue
+            # rescale what was summed against the old max: exp(z - new) = exp(z - old) * exp(old - new)
+            shift = run_max - new_max
+            alpha = shift.exp()
+            if tile_dot is not None:
+                run_dot.add_(shift * run_sum).mul_(alpha).add_(tile_dot)
+            run_sum.mul_(alpha).add_(tile_sum)
+            run_max.copy_(new_max)
+    return stats
+
+
+def _add_tile_grads(
+    grads: _Grads, k: Tensor, lse: Tensor, c_coef: Tensor, a_coef: Tensor | None, options: HeadOptions
+) -> None:
+    """Every tile's gradient w.r.t. x, ``p * (a * log p + c)`` [* (1 - t^2) with soft-capping], into
+    ``grads``, the tiles' logits recomputed from the saved inputs (never kept between the passes).
+
+    Args:
+        grads: the gradients being written, and the hidden (T, H), weight (V, H) and bias they are of.
+        k: (T, 1) per-token factors of z.
+        lse: (T,) log-sum-exp of z, from the forward.
+        c_coef: (T, 1) per-token c.
+        a_coef: (T, 1) per-token a, or None without an entropy gradient (then a = 0).
+        options: the fitted tile and ``pre``.
+    """
+    hidden, pre, acc = grads.hidden, options.pre, lse.dtype
+    T, V, rows, cols = hidden.shape[0], grads.weight.shape[0], options.rows, options.cols
+    extra = int(a_coef is not None) + int(pre is not None)
+    tiles = _Tiles(hidden, grads.weight, grads.bias, rows, cols, acc, extra=extra)
+    neg_lse = lse.neg().unsqueeze(-1)
+    one = torch.ones((), dtype=acc, device=hidden.device)
+    for r0, r1 in _ranges(T, rows):
+        kr, nl, cr = k[r0:r1], neg_lse[r0:r1], c_coef[r0:r1]
+        ar = a_coef[r0:r1] if a_coef is not None else None
+        for v0, v1 in _ranges(V, cols):
+            x = tiles.logits(r0, r1, v0, v1)
+            if pre is not None:
+                x.mul_(pre).tanh_()  # t, kept for d tanh at the end: log p goes to its own buffer
+            log_p = torch.addcmul(nl, x, kr, out=x if pre is None else tiles.extra(0))
+            if ar is not None:
+                p = torch.exp(log_p, out=tiles.extra(int(pre is not None)))
+                grad = torch.addcmul(cr, log_p, ar, out=log_p).mul_(p)
+            else:
+                grad = log_p.exp_().mul_(cr)
+            if pre is not None:
+                grad.mul_(torch.addcmul(one, x, x, value=-1, out=x))  # d tanh = 1 - t^2
+            grads.add_tile(grad, r0, r1, v0, v1)
+
+
+def _add_label_grads(grads: _Grads, labels: Tensor, onehot: Tensor, options: HeadOptions) -> None:
+    """The label's one-hot part of the gradient, once per token (outside the tiles):
+    d log p[label] / dx[label] = dz/dx [* (1 - t^2)]; under a vocabulary shard, on the rank that
+    holds the label's row only.
+
+    Args:
+        grads: the gradients being written.
+        labels: (T,) vocabulary ids.
+        onehot: (T,) the log-prob's gradient times dz/dx (less soft-capping's derivative).
+        options: ``pre`` and the shard.
+    """
+    index, owned = _local_labels(labels, grads.weight.shape[0], options.shard)
+    if options.pre is not None:
+        x = _label_x(grads.hidden, grads.weight, grads.bias, index, grads.acc)
+        t_label = (x * options.pre).tanh_()
+        onehot = onehot * (1 - t_label * t_label)
+    if owned is not None:
+        onehot = torch.where(owned, onehot, 0.0)
+    grads.add_rows(onehot, index)
 
 
 def _local_labels(labels: Tensor, vocab: int, shard: VocabShard | None) -> tuple[Tensor, Tensor | None]:
@@ -441,7 +517,7 @@ def _probe_failure(kernel: str, device: str) -> str | None:
         return [_fused_log_probs(h, w, None, labels, k, None)]
 
     def tiles(h: Tensor, w: Tensor, labels: Tensor, k: Tensor) -> list[Tensor]:
-        return [ChunkedHead.apply(h, w, None, labels, k, None, False, 16, 128, None)[0]]
+        return [ChunkedHead.apply(h, w, None, labels, k, HeadOptions(None, False, 16, 128))[0]]
 
     instead = "the head runs the tiles"
     return probe(kernel, fused, tiles, [hidden, weight], device, constants=[labels, k], tol=2e-2, instead=instead)
@@ -523,7 +599,7 @@ def run_head(
     rows, cols = tile or default_tile(hidden.device)
     k = head_factors(temperature, tokens, scale, softcap, hidden)
     pre = None if softcap is None else scale / softcap
-    return ChunkedHead.apply(hidden, weight, bias, labels, k, pre, with_entropy, rows, cols, shard)
+    return ChunkedHead.apply(hidden, weight, bias, labels, k, HeadOptions(pre, with_entropy, rows, cols, shard))
 
 
 def _no_tokens(hidden: Tensor, weight: Tensor, bias: Tensor | None, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
