@@ -96,9 +96,10 @@ def _family_config(arch: str, hidden: int, layers: int, heads: int, kv_heads: in
             "shared_intermediate_size": hidden,
         }
     if arch == "nemotron_h":
-        kinds = ["linear_attention", "moe", "full_attention", "mlp"]
+        # the layer kinds as a pattern (Mamba2, MoE, attention, MLP): each release maps it to its own
+        # names ("mamba"/"attention" on 5.10, "linear_attention"/"full_attention" on 5.20 on)
         return dict(
-            layers_block_type=[kinds[i % 4] for i in range(max(layers, 4))],
+            hybrid_override_pattern="".join("ME*-"[i % 4] for i in range(max(layers, 4))),
             mamba_num_heads=heads,
             mamba_head_dim=2 * hidden // heads,
             n_groups=2,

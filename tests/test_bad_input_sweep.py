@@ -47,10 +47,6 @@ NOPAD_WORDS = re.compile(r"^[^\n]+?: expected .+, got ", re.S)
 # The weak messages left, by the callable that gives them (its module, the arguments whose bad inputs
 # it does not refuse in nopad's words). All live in modules being edited elsewhere (issue 36's list).
 WEAK_LEFT: dict[str, tuple[str, set[str]]] = {
-    "causal_conv1d": ("modeling/_layers.py", {"activation", "bias", "row", "weight", "x"}),
-    "gated_delta_rule": ("modeling/_layers.py", {"beta", "chunk_size", "g", "k", "q", "row", "v"}),
-    "ssd_scan": ("modeling/_layers.py", {"A", "B", "C", "chunk_size", "dt", "row", "x"}),
-    "PackedRow.from_lengths": ("modeling/_layers.py", {"lengths"}),
     "available_kernels": ("modeling/_attention.py", {"device"}),
     "padded_logprobs": ("engines/_fsdp.py", {"model", "padded"}),
     "RowRestore": ("batches/_rows.py", {"partitions"}),
@@ -71,6 +67,30 @@ class Call:
 # ---- the weak messages the sweep found, each now refused at the edge with its words ----------------
 def _zero_d() -> torch.Tensor:
     return torch.tensor(5)
+
+
+def _row(lengths=(3, 2)) -> modeling.PackedRow:
+    return modeling.PackedRow.from_lengths(list(lengths))
+
+
+def _gdn(**changed: Any) -> torch.Tensor:
+    """gated_delta_rule of 5 tokens, 2 heads, with ``changed`` arguments."""
+    args = {"q": torch.rand(5, 2, 4), "k": torch.rand(5, 2, 4), "v": torch.rand(5, 2, 4)}
+    args.update(g=-torch.rand(5, 2), beta=torch.rand(5, 2), row=_row(), chunk_size=4)
+    return modeling.gated_delta_rule(**{**args, **changed})
+
+
+def _ssd(**changed: Any) -> torch.Tensor:
+    """ssd_scan of 5 tokens, 4 heads, with ``changed`` arguments."""
+    args = {"x": torch.rand(5, 4, 8), "dt": torch.rand(5, 4), "A": -torch.rand(4), "B": torch.rand(5, 1, 8)}
+    args.update(C=torch.rand(5, 1, 8), row=_row(), chunk_size=4)
+    return modeling.ssd_scan(**{**args, **changed})
+
+
+def _conv(**changed: Any) -> torch.Tensor:
+    """causal_conv1d of 8 channels by 5 tokens, kernel 4, with ``changed`` arguments."""
+    args = {"x": torch.rand(8, 5), "weight": torch.rand(8, 4), "bias": torch.rand(8), "row": _row()}
+    return modeling.causal_conv1d(**{**args, **changed})
 
 
 def _float_boundaries() -> TensorDict:
@@ -247,6 +267,150 @@ FIXED = [
         "float segment counts",
         lambda: packing.packed_to_nested(_float_boundaries()),
         r"packed_cu_seqlens_lengths: expected an integer tensor, got dtype torch.float32",
+    ),
+    (
+        "weak message",
+        "a packed row of no lengths",
+        lambda: modeling.PackedRow.from_lengths(None),
+        r"lengths: expected a 1-D tensor or sequence of integers \(nothing is rounded\), got NoneType",
+    ),
+    (
+        "weak message",
+        "a packed row of a negative length",
+        lambda: modeling.PackedRow.from_lengths([-1, 2]),
+        r"lengths row 0: expected a value >= 0, got -1",
+    ),
+    (
+        "coercion",
+        "a packed row of float lengths",
+        lambda: modeling.PackedRow.from_lengths([3.5, 2.5]),
+        r"lengths: expected a 1-D tensor or sequence of integers \(nothing is rounded\), got list of dtype float64",
+    ),
+    (
+        "weak message",
+        "a conv of (tokens,) input",
+        lambda: _conv(x=torch.rand(5)),
+        r"x: expected a \(channels, tokens\) tensor, got shape \(5,\)",
+    ),
+    (
+        "weak message",
+        "a conv of no weight",
+        lambda: _conv(weight=None),
+        r"weight: expected a dense floating-point \(channels, kernel\) tensor, got NoneType",
+    ),
+    (
+        "weak message",
+        "a conv whose weight has other channels",
+        lambda: _conv(weight=torch.rand(7, 4)),
+        r"weight: expected shape \(8, kernel >= 1\) for x's 8 channels, got shape \(7, 4\)",
+    ),
+    (
+        "weak message",
+        "a conv bias of other channels",
+        lambda: _conv(bias=torch.rand(7)),
+        r"bias: expected shape \(8,\) for x's 8 channels, got shape \(7,\)",
+    ),
+    (
+        "weak message",
+        "a conv without a packed row",
+        lambda: _conv(row=None),
+        r"row: expected a nopad.modeling.PackedRow \(PackedRow.from_lengths\), got NoneType",
+    ),
+    (
+        "shape",
+        "a conv over a row of other tokens",
+        lambda: _conv(row=_row((3, 3))),
+        r"x: expected 6 tokens \(the row's total\) on its token axis, got 5",
+    ),
+    (
+        "weak message",
+        "a conv of an unknown activation",
+        lambda: _conv(activation="bogus"),
+        r"activation: expected None, a callable or an activation's name .*, got 'bogus'",
+    ),
+    (
+        "weak message",
+        "a delta rule of one token fewer in v",
+        lambda: _gdn(v=torch.rand(4, 2, 4)),
+        r"q: expected shape \(4, key heads dividing 2, d_k\) for v of shape \(4, 2, 4\), got shape \(5, 2, 4\)",
+    ),
+    (
+        "weak message",
+        "a delta rule of 3-D gates",
+        lambda: _gdn(g=-torch.rand(1, 5, 2)),
+        r"g: expected a \(tokens, heads\) tensor, got shape \(1, 5, 2\)",
+    ),
+    (
+        "weak message",
+        "a delta rule of one token fewer in beta",
+        lambda: _gdn(beta=torch.rand(4, 2)),
+        r"beta: expected shape \(5, 2\) for v of shape \(5, 2, 4\), got shape \(4, 2\)",
+    ),
+    (
+        "weak message",
+        "a delta rule of keys unlike the queries",
+        lambda: _gdn(k=torch.rand(5, 1, 4)),
+        r"k: expected shape \(5, 2, 4\) like q, got shape \(5, 1, 4\)",
+    ),
+    (
+        "coercion",
+        "a delta rule of integer queries",
+        lambda: _gdn(q=torch.ones(5, 2, 4, dtype=torch.long)),
+        r"q: expected a floating-point \(tokens, key heads, d_k\) tensor, got dtype torch.int64",
+    ),
+    (
+        "weak message",
+        "a delta rule of chunks of 0",
+        lambda: _gdn(chunk_size=0),
+        r"chunk_size: expected an int >= 1, got 0",
+    ),
+    (
+        "weak message",
+        "a scan of one token fewer in x",
+        lambda: _ssd(x=torch.rand(4, 4, 8)),
+        r"dt: expected shape \(4, 4\) for x of shape \(4, 4, 8\), got shape \(5, 4\)",
+    ),
+    (
+        "weak message",
+        "a scan of A of other heads",
+        lambda: _ssd(A=-torch.rand(3)),
+        r"A: expected shape \(4,\) for x of shape \(5, 4, 8\), got shape \(3,\)",
+    ),
+    (
+        "weak message",
+        "a scan of groups not dividing the heads",
+        lambda: _ssd(B=torch.rand(5, 3, 8), C=torch.rand(5, 3, 8)),
+        r"B: expected shape \(5, groups dividing 4, state\) for x of shape \(5, 4, 8\), got shape \(5, 3, 8\)",
+    ),
+    (
+        "weak message",
+        "a scan of C unlike B",
+        lambda: _ssd(C=torch.rand(4, 1, 8)),
+        r"C: expected shape \(5, 1, 8\) like B, got shape \(4, 1, 8\)",
+    ),
+    (
+        "weak message",
+        "a scan without a packed row",
+        lambda: _ssd(row=3),
+        r"row: expected a nopad.modeling.PackedRow \(PackedRow.from_lengths\), got int",
+    ),
+    (
+        "weak message",
+        "a scan of float chunks",
+        lambda: _ssd(chunk_size=4.5),
+        r"chunk_size: expected an int >= 1, got 4.5",
+    ),
+    (
+        "weak message",
+        "a scan of a skip of other heads",
+        lambda: _ssd(D=torch.rand(3)),
+        r"D: expected shape \(4,\) or \(4, 8\) for x of shape \(5, 4, 8\), got shape \(3,\)",
+    ),
+    (
+        "weak message",
+        "a scan of a gate unlike x",
+        lambda: _ssd(z=torch.rand(5, 4, 7)),
+        r"z: expected shape \(5, 4, 8\) like x, got shape \(5, 4, 7\)",
     ),
     (
         "weak message",

@@ -37,11 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nopad.core._errors import input_error
+from nopad.core._errors import check_flag, check_int, input_error
 from nopad.core._layout import (
     IndexPlan,
     ceil_div,
     device_to_host,
+    host_lengths,
     host_offsets,
     host_starts,
     host_to_device,
@@ -76,8 +77,9 @@ class PackedRow:
 
     @classmethod
     def from_lengths(cls, lengths: Any, device: torch.device | str = "cpu") -> PackedRow:
-        """From host lengths (a sequence of ints or an int64 array). No sync."""
-        lengths = np.asarray(lengths, dtype=np.int64)
+        """From host lengths (a sequence of ints or an integer array, each >= 0; nothing is rounded).
+        No sync (a tensor of lengths is read: one host sync where it is on a device)."""
+        lengths = host_lengths(lengths, "lengths", low=0)
         cu = host_to_device(host_offsets(lengths), torch.device(device))
         return cls(cu, lengths)
 
@@ -534,6 +536,109 @@ _TORCH_RUNS: dict[str, Callable] = {
 }
 
 
+# ---- the checks at the public entries: shapes, dtypes and host ints only (no op, no sync) -----------
+
+
+def _floats(x: Any, field: str, shape: str, ndim: int) -> Tensor:
+    """``x`` is a dense floating-point tensor of ``ndim`` dims (``shape`` its words, as "(T, H, D)")."""
+    if not isinstance(x, Tensor) or x.is_nested:
+        got = "a nested tensor" if isinstance(x, Tensor) else type(x).__name__
+        raise input_error(field, None, f"a dense floating-point {shape} tensor", got)
+    if not x.dtype.is_floating_point:
+        raise input_error(field, None, f"a floating-point {shape} tensor", f"dtype {x.dtype}")
+    if x.dim() != ndim:
+        raise input_error(field, None, f"a {shape} tensor", f"shape {tuple(x.shape)}")
+    return x
+
+
+def _shaped(x: Any, field: str, shape: str, expected: tuple[int, ...], why: str) -> Tensor:
+    """:func:`_floats`, of exactly the shape ``expected`` (``why``: what it is bound by)."""
+    _floats(x, field, shape, len(expected))
+    if tuple(x.shape) != expected:
+        raise input_error(field, None, f"shape {expected} {why}", f"shape {tuple(x.shape)}")
+    return x
+
+
+def _check_row(row: Any, tokens: int, field: str) -> PackedRow:
+    """``row`` is a :class:`PackedRow` of ``tokens`` tokens (``field`` the tensor that has them)."""
+    if not isinstance(row, PackedRow):
+        raise input_error("row", None, "a nopad.modeling.PackedRow (PackedRow.from_lengths)", type(row).__name__)
+    if row.total != tokens:
+        raise input_error(field, None, f"{row.total} tokens (the row's total) on its token axis", f"{tokens}")
+    return row
+
+
+def _check_activation(activation: Any) -> None:
+    """None, a callable, or the name of an activation transformers knows ("silu", "gelu", ...)."""
+    if activation is None or callable(activation) or activation in ("silu", "swish"):
+        return
+    words = "None, a callable or an activation's name (as transformers' ACT2FN names them)"
+    if not isinstance(activation, str):
+        raise input_error("activation", None, words, repr(activation))
+    from transformers.activations import ACT2FN
+
+    if activation not in ACT2FN:
+        raise input_error("activation", None, words, repr(activation))
+
+
+def _check_conv(x: Any, weight: Any, bias: Any, row: Any, activation: Any) -> None:
+    """causal_conv1d's arguments: x (C, T), weight (C, K), bias (C,) or None, T the row's tokens."""
+    _floats(x, "x", "(channels, tokens)", 2)
+    C, T = x.shape
+    _floats(weight, "weight", "(channels, kernel)", 2)
+    if weight.shape[0] != C or weight.shape[1] < 1:
+        raise input_error(
+            "weight", None, f"shape ({C}, kernel >= 1) for x's {C} channels", f"shape {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        _shaped(bias, "bias", "(channels,)", (C,), f"for x's {C} channels")
+    _check_row(row, T, "x")
+    _check_activation(activation)
+
+
+def _check_gdn(q: Any, k: Any, v: Any, g: Any, beta: Any, row: Any, chunk_size: Any, use_qk_l2norm: Any) -> None:
+    """gated_delta_rule's arguments: q, k (T, H_k, D_k); v (T, H, D_v); g, beta (T, H); H_k divides H."""
+    _floats(v, "v", "(tokens, heads, d_v)", 3)
+    T, H, _ = v.shape
+    _floats(q, "q", "(tokens, key heads, d_k)", 3)
+    if q.shape[0] != T or q.shape[1] < 1 or H % q.shape[1]:
+        expected = f"shape ({T}, key heads dividing {H}, d_k) for v of shape {tuple(v.shape)}"
+        raise input_error("q", None, expected, f"shape {tuple(q.shape)}")
+    _shaped(k, "k", "(tokens, key heads, d_k)", tuple(q.shape), "like q")
+    for field, x in (("g", g), ("beta", beta)):
+        _shaped(x, field, "(tokens, heads)", (T, H), f"for v of shape {tuple(v.shape)}")
+    _check_row(row, T, "v")
+    check_int(chunk_size, "chunk_size", low=1)
+    check_flag(use_qk_l2norm, "use_qk_l2norm")
+
+
+def _check_ssd(x: Any, dt: Any, A: Any, B: Any, C: Any, row: Any, chunk_size: Any, options: dict[str, Any]) -> None:
+    """ssd_scan's arguments: x (T, H, P); dt (T, H); A (H,); B, C (T, G, N), G dividing H; D (H,) or
+    (H, P), z like x, dt_bias (H,) where given."""
+    _floats(x, "x", "(tokens, heads, head dim)", 3)
+    T, H, P = x.shape
+    like_x = f"for x of shape {tuple(x.shape)}"
+    _shaped(dt, "dt", "(tokens, heads)", (T, H), like_x)
+    _shaped(A, "A", "(heads,)", (H,), like_x)
+    _floats(B, "B", "(tokens, groups, state)", 3)
+    if B.shape[0] != T or B.shape[1] < 1 or H % B.shape[1]:
+        expected = f"shape ({T}, groups dividing {H}, state) {like_x}"
+        raise input_error("B", None, expected, f"shape {tuple(B.shape)}")
+    _shaped(C, "C", "(tokens, groups, state)", tuple(B.shape), "like B")
+    _check_row(row, T, "x")
+    check_int(chunk_size, "chunk_size", low=1)
+    D, z, dt_bias = options["D"], options["z"], options["dt_bias"]
+    if D is not None:
+        _floats(D, "D", "(heads,) or (heads, head dim)", D.dim() if isinstance(D, Tensor) and D.dim() == 2 else 1)
+        if tuple(D.shape) not in ((H,), (H, P)):
+            raise input_error("D", None, f"shape ({H},) or ({H}, {P}) {like_x}", f"shape {tuple(D.shape)}")
+    if z is not None:
+        _shaped(z, "z", "(tokens, heads, head dim)", (T, H, P), "like x")
+    if dt_bias is not None:
+        _shaped(dt_bias, "dt_bias", "(heads,)", (H,), like_x)
+    check_flag(options["dt_softplus"], "dt_softplus")
+
+
 def _use_kernel(form: str, kernel: str, device: torch.device) -> bool:
     """Whether a call runs ``form``'s CUDA kernel: ``kernel`` is "auto" (where it runs here), "torch"
     (never) or the kernel's package name (required: ValueError saying why it cannot run)."""
@@ -562,8 +667,10 @@ def causal_conv1d(
 
     ``kernel``: "auto" runs causal-conv1d (seq_idx) where it is installed, on CUDA, and passed its
     probe, with a ``silu`` or no activation; "torch" the torch form (:func:`torch_causal_conv1d`);
-    "causal-conv1d" requires the kernel.
+    "causal-conv1d" requires the kernel. Shapes, dtypes and the activation are checked here (no op,
+    no sync): a bad one is a ValueError naming the argument, what was expected and what came.
     """
+    _check_conv(x, weight, bias, row, activation)
     if activation in (None, "silu", "swish") and _use_kernel("causal_conv1d", kernel, x.device):
         out = _conv_kernel(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype), row, activation)
         return out.to(x.dtype)
@@ -589,7 +696,9 @@ def gated_delta_rule(
     :func:`torch_gated_delta_rule`. ``kernel``: "auto" runs flash-linear-attention's
     ``chunk_gated_delta_rule(cu_seqlens=...)`` where it is installed, on CUDA, and passed its
     probe (with its own chunking); "torch" the torch form; "flash-linear-attention" requires it.
+    Shapes, dtypes and ``chunk_size`` are checked here (no op, no sync).
     """
+    _check_gdn(q, k, v, g, beta, row, chunk_size, use_qk_l2norm)
     if _use_kernel("gated_delta_rule", kernel, q.device):
         return _gdn_kernel(q, k, v, g, beta, row, scale=scale, use_qk_l2norm=use_qk_l2norm).to(q.dtype)
     options: dict[str, Any] = dict(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm)
@@ -617,8 +726,10 @@ def ssd_scan(
     x (T, H, P); dt (T, H); A (H,); B, C (T, G, N) -> (T, H, P) float32: see :func:`torch_ssd_scan`.
     ``kernel``: "auto" runs mamba-ssm's ``mamba_chunk_scan_combined(seq_idx=...)`` where it is
     installed, on CUDA, and passed its probe; "torch" the torch form; "mamba-ssm" requires it.
+    Shapes, dtypes and ``chunk_size`` are checked here (no op, no sync).
     """
     options: dict[str, Any] = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    _check_ssd(x, dt, A, B, C, row, chunk_size, options)
     if _use_kernel("ssd_scan", kernel, x.device):
         return _ssd_kernel(x, dt, A, B, C, row, chunk_size, **options).float()
     return torch_ssd_scan(x, dt, A, B, C, row, chunk_size=chunk_size, **options)
