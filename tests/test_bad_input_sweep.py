@@ -46,12 +46,7 @@ NOPAD_WORDS = re.compile(r"^[^\n]+?: expected .+, got ", re.S)
 
 # The weak messages left, by the callable that gives them (its module, the arguments whose bad inputs
 # it does not refuse in nopad's words). All live in modules being edited elsewhere (issue 36's list).
-WEAK_LEFT: dict[str, tuple[str, set[str]]] = {
-    "available_kernels": ("modeling/_attention.py", {"device"}),
-    "padded_logprobs": ("engines/_fsdp.py", {"model", "padded"}),
-    "RowRestore": ("batches/_rows.py", {"partitions"}),
-    "cat_rows": ("batches/_rows.py", {"batches"}),
-}
+WEAK_LEFT: dict[str, tuple[str, set[str]]] = {}
 MOST_LEFT = 10
 
 
@@ -100,6 +95,30 @@ def _float_boundaries() -> TensorDict:
 
 
 FIXED = [
+    (
+        "weak message",
+        "available_kernels of an unknown device",
+        lambda: modeling.available_kernels("bogus"),
+        r"device: expected a torch.device or a device string \('cpu', 'cuda', ...\), got 'bogus'",
+    ),
+    (
+        "weak message",
+        "padded_logprobs of a module that is no transformers model",
+        lambda: engines.padded_logprobs(torch.nn.Linear(2, 2), TensorDict({}, batch_size=[])),
+        r"model: expected a transformers model \(a module with a config naming its attention\), got Linear",
+    ),
+    (
+        "weak message",
+        "RowRestore of no partitions",
+        lambda: batches.RowRestore(None),
+        r"partitions: expected a list of row-index lists, one per micro-batch \(verl's batch_idx_list\), got NoneType",
+    ),
+    (
+        "weak message",
+        "cat_rows of no batches",
+        lambda: batches.cat_rows(None),
+        r"batches: expected a non-empty list of TensorDicts, got NoneType",
+    ),
     (
         "weak message",
         "prepare_offsets of 0-d lengths",

@@ -77,7 +77,8 @@ def cat_rows(batches: Sequence[TensorDict]) -> TensorDict:
     same kind, dtype, device and per-row shape; ``NonTensorData`` equal in all stays one value, and
     values that differ become a per-row ``NonTensorStack`` (as ``torch.cat`` of TensorDicts does).
     One cat per field."""
-    return take(list(batches), cat_plan(batches))[0]
+    plan = cat_plan(batches)  # checks what ``batches`` is before it is listed
+    return take(list(batches), plan)[0]
 
 
 def pad_rows(data: TensorDict, divisor: int) -> tuple[TensorDict, int]:
@@ -108,6 +109,9 @@ class RowRestore:
     """
 
     def __init__(self, partitions: list[list[int]]) -> None:
+        if not isinstance(partitions, Sequence) or isinstance(partitions, (str, bytes)):
+            expected = "a list of row-index lists, one per micro-batch (verl's batch_idx_list)"
+            raise input_error("partitions", None, expected, type(partitions).__name__)
         self.partitions = partitions
         self._lengths: list[np.ndarray | None] = [None] * len(partitions)  # each micro-batch's row lengths
         # the memo key of "micro-batch i of this restore" on its outputs' offsets: a token of its own,

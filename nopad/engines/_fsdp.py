@@ -17,7 +17,7 @@ Needs the ``hf`` extra (transformers) only for Ulysses (:func:`nopad.parallel.en
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
@@ -26,7 +26,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad.core._batch import check_choice, check_real_dtype, get_field
+from nopad.core._batch import check_choice, check_real_dtype, check_transformers_model, get_field
 from nopad.core._errors import check_flag, check_int, check_integer_tensor, input_error
 from nopad.core._layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
 from nopad.engines._head import head_forward
@@ -675,10 +675,16 @@ def padded_logprobs(
     entry, else 1.0); checked on the host (a reference may sync), so a bad row is a ValueError
     naming it on any device.
     """
+    check_transformers_model(model)
+    if not isinstance(padded, Mapping):
+        raise input_error("padded", None, "a TensorDict of the padded batch", type(padded).__name__)
     for key in ("input_ids", "attention_mask", "response_mask", "position_ids"):
         if key not in padded.keys():
             raise input_error(f"padded[{key!r}]", None, "a padded (batch, ...) tensor", "missing")
+    check_integer_tensor(padded["input_ids"], "padded['input_ids']")
     batch = padded["input_ids"].shape[0]
+    if batch == 0:
+        raise input_error("padded", None, "at least one row", "an empty batch")
     if rows_per_forward is not None:
         rows_per_forward = check_int(rows_per_forward, "rows_per_forward", low=1)
     if temperature is None:

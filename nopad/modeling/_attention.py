@@ -195,7 +195,12 @@ def unavailable_kernels(device: torch.device | str = "cpu", dtype: torch.dtype =
 
 def _present_device_type(device: torch.device | str) -> str:
     """``device``'s type, refused when it is CUDA on a machine that has no CUDA device."""
-    device_type = torch.device(device).type
+    try:
+        device_type = torch.device(device).type
+    except (TypeError, RuntimeError):  # torch's words name neither the argument nor what it takes
+        raise input_error(
+            "device", None, "a torch.device or a device string ('cpu', 'cuda', ...)", repr(device)
+        ) from None
     if device_type == "cuda" and not torch.cuda.is_available():
         raise input_error("device", None, "a device this machine has", f"{device!r}: this machine has no CUDA device")
     return device_type
