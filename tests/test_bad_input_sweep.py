@@ -104,7 +104,7 @@ FIXED = [
     (
         "weak message",
         "padded_logprobs of a module that is no transformers model",
-        lambda: engines.padded_logprobs(torch.nn.Linear(2, 2), TensorDict({}, batch_size=[])),
+        lambda: engines.padded_logprobs(torch.nn.Linear(2, 2), make_padded_batch(2, 3, 3)),
         r"model: expected a transformers model \(a module with a config naming its attention\), got Linear",
     ),
     (

@@ -675,7 +675,6 @@ def padded_logprobs(
     entry, else 1.0); checked on the host (a reference may sync), so a bad row is a ValueError
     naming it on any device.
     """
-    check_transformers_model(model)
     if not isinstance(padded, Mapping):
         raise input_error("padded", None, "a TensorDict of the padded batch", type(padded).__name__)
     for key in ("input_ids", "attention_mask", "response_mask", "position_ids"):
@@ -691,6 +690,7 @@ def padded_logprobs(
         temperature = get_field(padded, "temperature", 1.0)
     # a tensor is read on the host (a bad row is named on any device); every use below moves it back
     temperature = checked_temperature(temperature.cpu() if isinstance(temperature, Tensor) else temperature, batch)
+    check_transformers_model(model)  # after the batch's own checks: those name what is wrong with it first
     if rows_per_forward is not None and rows_per_forward < batch:
         temperatures = temperature if isinstance(temperature, Tensor) else None
         return torch.cat(
