@@ -10,6 +10,7 @@ serve is a ValueError naming it). Skipped without TRL unless NOPAD_REQUIRE_TRL=1
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import types
@@ -301,8 +302,9 @@ def length_reward(completions, **kwargs):
 
 def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
     """Two steps of TRL's GRPO or RLOO trainer on CPU; returns (log history, grads before each
-    optimizer step, weights after each step, packed forwards run). The reference model (beta > 0)
-    is loaded by TRL from the tiny model saved under tmp_path (the policy's name_or_path)."""
+    optimizer step, weights after each step, packed forwards run, what the trainer used: generation
+    batches, old and reference log-probs handed to the loss, entropy masks). The reference model
+    (beta > 0) is loaded by TRL from the tiny model saved under tmp_path (the policy's name_or_path)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, RLOOConfig
@@ -356,8 +358,11 @@ def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
     elif kind == "grpo-masks":  # entropy masking, and truncated completions masked out (prompt-only rows)
         args = GRPOConfig(**common, top_entropy_quantile=0.2, mask_truncated_completions=True)
         trainer_cls = GRPOTrainer
-    else:
+    elif kind == "rloo":
         args = RLOOConfig(**common)  # beta 0.05 by default: a reference model
+        trainer_cls = RLOOTrainer
+    else:  # "rloo-iterations": one generation batch, two optimizer passes (its old log-probs now differ)
+        args = RLOOConfig(**common, num_iterations=2, mask_truncated_completions=True)
         trainer_cls = RLOOTrainer
     trainer = trainer_cls(
         model=model,
@@ -367,26 +372,55 @@ def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
         processing_class=word_tokenizer(),
         callbacks=[record],
     )
+    used = collections.Counter()  # the options in force, seen where the trainer uses them
+    generate = trainer._generate_and_score_completions
+
+    def recording_generate(*a, **k):
+        output = generate(*a, **k)
+        used["generations"] += 1
+        used.update(key for key in ("old_per_token_logps", "ref_per_token_logps") if output.get(key) is not None)
+        return output
+
+    trainer._generate_and_score_completions = recording_generate
+    if trainer_cls is GRPOTrainer:
+        entropy_mask = trainer.get_high_entropy_mask
+        trainer.get_high_entropy_mask = lambda *a, **k: used.update(["entropy_mask"]) or entropy_mask(*a, **k)
     if packed:
         with nopad_trl.install():
             trainer.train()
     else:
         trainer.train()
-    return trainer.state.log_history, record.grads, record.weights, len(calls)
+    return trainer.state.log_history, record.grads, record.weights, len(calls), used
 
 
 TIMINGS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
+# what each kind must have put in force (seen by drive), beyond a reference model (beta > 0, "kl"
+# logged) and completions that max_completion_length truncates, which all have
+IN_FORCE = {
+    # num_iterations=2: one generation batch for the two steps, its old and reference log-probs
+    "grpo": {"generations": 1, "old_per_token_logps": 1, "ref_per_token_logps": 1},
+    "grpo-masks": {"generations": 2, "entropy_mask": 2},  # top_entropy_quantile=0.2
+    "rloo": {"generations": 2},
+    "rloo-iterations": {"generations": 1},  # num_iterations=2: the second step reuses the batch
+}
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
-@pytest.mark.parametrize("kind", ["grpo", "grpo-masks", "rloo"])
+@pytest.mark.parametrize("kind", ["grpo", "grpo-masks", "rloo", "rloo-iterations"])
 def test_trl_trainer_two_steps_alone_and_installed_log_the_same_and_train_the_same_weights(
     kind, arch, tmp_path, monkeypatch
 ):
-    logs, grads, weights, calls = drive(kind, arch, tmp_path, False, monkeypatch)
+    logs, grads, weights, calls, used = drive(kind, arch, tmp_path, False, monkeypatch)
     assert calls == 0
-    logs_nopad, grads_nopad, weights_nopad, calls_nopad = drive(kind, arch, tmp_path, True, monkeypatch)
+    logs_nopad, grads_nopad, weights_nopad, calls_nopad, used_nopad = drive(kind, arch, tmp_path, True, monkeypatch)
     assert calls_nopad > 0, "install() did not route the trainer's log-probs to nopad"
+    assert used == used_nopad and {k: used[k] for k in IN_FORCE[kind]} == IN_FORCE[kind], used
+    steps = [entry for entry in logs if "loss" in entry]
+    assert any("kl" in entry for entry in steps) is (kind != "grpo-masks")  # beta > 0 but there
+    clipped = [entry["completions/clipped_ratio"] for entry in steps if "completions/clipped_ratio" in entry]
+    assert clipped and all(0 < ratio < 1 for ratio in clipped), clipped  # max_completion_length truncates some
     assert len(logs) == len(logs_nopad) == 3 and len(grads) == len(grads_nopad) == 2 == len(weights_nopad)
     assert any("loss" in entry for entry in logs)
     for ours, theirs in zip(logs_nopad, logs):
