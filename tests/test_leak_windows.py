@@ -154,7 +154,7 @@ def test_phimoe_loaded_with_nopad_varlen_drops_its_window_and_the_probe_names_it
 
 
 def test_qwen2_moe_without_nopads_layer_type_window_drops_it_and_the_probe_names_its_attention(monkeypatch):
-    monkeypatch.setattr(_attention, "_mask_window", lambda module: None)  # nopad_varlen before the fix
+    monkeypatch.setattr(_attention, "mask_window", lambda module: None)  # nopad_varlen before the fix
     report = check_isolation(use_packed_attention(qwen2_moe()))
     assert report and not report.leaked and report.differs_alone == [0, 2, 3], str(report)
     assert report.differing_module == "model.layers.0.self_attn (Qwen2MoeAttention)"

@@ -476,7 +476,7 @@ def nopad_varlen_attention(
                 f"a {tuple(given.shape)} tensor it would have to ignore, spanning the packed row",
             )
     if sliding_window is None:  # a layer whose window only its mask carries: the mask is not built here
-        sliding_window = _mask_window(module)
+        sliding_window = mask_window(module)
     if sliding_window is not None:  # a window of 0 masks every score: NaN attention, not an error
         sliding_window = check_int(sliding_window, "sliding_window", low=1)
     sinks = kwargs.get("s_aux")
@@ -570,7 +570,7 @@ def _attention_chunk(module: torch.nn.Module) -> int | None:
     return getattr(config, "attention_chunk_size", None)
 
 
-def _mask_window(module: torch.nn.Module) -> int | None:
+def mask_window(module: torch.nn.Module) -> int | None:
     """The sliding window transformers' mask gives this layer, for a call that passes no ``sliding_window``.
 
     A layer whose ``config.layer_types`` entry is "sliding_attention" gets the mask of

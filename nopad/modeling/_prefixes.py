@@ -37,6 +37,7 @@ from torch import Tensor
 
 from nopad.core._errors import input_error
 from nopad.core._memo import recall, remember
+from nopad.modeling._attention import mask_window
 from nopad.modeling._routing import survey
 from nopad.parallel._ulysses import set_attn_implementation
 
@@ -112,20 +113,11 @@ def shared_prefix_attention(
         feature = "soft-capping" if softcap is not None else "attention dropout"
         raise input_error(f"{owner} attention", None, "no soft-capping and no dropout", f"{feature}")
     if sliding_window is None:  # a layer whose window only transformers' mask carries (Qwen2-MoE)
-        sliding_window = _config_window(module)
+        sliding_window = mask_window(module)
     scale = D**-0.5 if scaling is None else scaling
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D) views
     out = tiled_attention(q, k, v, plan, scale=scale, window=sliding_window)
     return out.unsqueeze(0), None
-
-
-def _config_window(module: torch.nn.Module) -> int | None:
-    """The window of a "sliding_attention" layer of ``config.layer_types``, where the call passes none."""
-    config = getattr(module, "config", None)
-    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
-    if not types or not isinstance(index, int) or not 0 <= index < len(types) or types[index] != "sliding_attention":
-        return None
-    return getattr(config, "sliding_window", None)
 
 
 @functools.cache
