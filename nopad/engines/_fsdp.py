@@ -28,8 +28,10 @@ from torch import Tensor
 
 from nopad.core._batch import check_choice, check_real_dtype, check_transformers_model, get_field
 from nopad.core._errors import check_flag, check_int, check_integer_tensor, input_error
-from nopad.core._layout import IndexPlan, check_nested, jagged_values, nested_offsets, ragged_dim
+from nopad.core._layout import IndexPlan, check_nested, jagged_values, nested_offsets, position_ids_of, ragged_dim
+from nopad.core._torch_internals import wrap_jagged
 from nopad.engines._head import head_forward
+from nopad.engines._prefixes import shared_prefix_logprobs
 from nopad.modeling._attention import KERNELS, packed_attention, reads_boundaries
 from nopad.modeling._logprobs import (
     TOKENS,
@@ -589,6 +591,7 @@ def packed_logprobs(
     chunk_size: int | None = ...,
     tokens: str = ...,
     score_mask: Tensor | None = ...,
+    share_prefixes: bool = ...,
     **input_kwargs,
 ) -> Tensor: ...
 
@@ -605,6 +608,7 @@ def packed_logprobs(
     chunk_size: int | None = ...,
     tokens: str = ...,
     score_mask: Tensor | None = ...,
+    share_prefixes: bool = ...,
     **input_kwargs,
 ) -> dict[str, Tensor]: ...
 
@@ -620,6 +624,7 @@ def packed_logprobs(
     chunk_size: int | None = None,
     tokens: str = "all",
     score_mask: Tensor | None = None,
+    share_prefixes: bool = False,
     **input_kwargs,
 ) -> Tensor | dict[str, Tensor]:
     """Nested micro-batch -> nested (B, j) log-probs from ONE packed forward of ``model``.
@@ -639,8 +644,34 @@ def packed_logprobs(
     ``calculate_entropy`` returns the dict of :func:`prepare_model_outputs` instead.
     ``temperature`` as :func:`prepare_model_inputs` takes it: when None, the micro-batch's
     ``temperature`` entry, else 1.0.
+
+    ``share_prefixes=True`` computes each group's shared prompt once (GRPO's n samples of a prompt):
+    rows whose prompt tokens are equal are found from the tokens themselves, the model runs once
+    over each distinct prompt followed by its rows' responses (a response attends to its prompt and
+    to its own earlier tokens, never to a sibling), and the chunked head scores each response token
+    from the state before it in its own row. The results equal the plain call's (each row run alone)
+    and have its shape; gradients reach the shared prompt once per row, as separate rows give them.
+    It takes ``tokens="response"`` (only responses are scored: the prompts of all but one row of a
+    group are never computed), 1-row position ids counting each row from 0, the model's own
+    attention switched for the call ("auto"), the chunked head, no ``score_mask`` and no
+    ``input_kwargs``; what else it cannot serve (a layer that carries state along the sequence) is a
+    ValueError naming it before any forward.
     """
     calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
+    if check_flag(share_prefixes, "share_prefixes"):
+        out = _shared_prefix_call(
+            model,
+            micro_batch,
+            temperature,
+            calculate_entropy,
+            attention,
+            head,
+            chunk_size,
+            tokens,
+            score_mask,
+            input_kwargs,
+        )
+        return out if calculate_entropy else out["log_probs"]
     if attention is not None:
         check_choice(attention, "attention", ("auto", *KERNELS))
     head = check_choice(head, "head", HEADS)
@@ -656,6 +687,50 @@ def packed_logprobs(
             output = model(**inputs)
         out = _outputs(output, args, calculate_entropy, scored)
     return out if calculate_entropy else out["log_probs"]
+
+
+def _shared_prefix_call(
+    model: torch.nn.Module,
+    micro_batch: Any,
+    temperature: float | Tensor | None,
+    calculate_entropy: bool,
+    attention: Any,
+    head: Any,
+    chunk_size: Any,
+    tokens: Any,
+    score_mask: Any,
+    input_kwargs: dict,
+) -> dict[str, Tensor]:
+    """:func:`packed_logprobs` with ``share_prefixes=True``: what it takes checked here, at the edge."""
+    check_transformers_model(model)
+    if tokens != "response":
+        raise input_error("tokens", None, "'response' with share_prefixes (only responses are scored)", repr(tokens))
+    if score_mask is not None:
+        raise input_error("score_mask", None, "None with share_prefixes (the responses are scored)", "a mask")
+    if attention != "auto":
+        raise input_error("attention", None, "'auto' with share_prefixes (nopad_shared for the call)", repr(attention))
+    if check_choice(head, "head", HEADS) == "logits":
+        raise input_error("head", None, "'auto' or 'chunked' with share_prefixes", "'logits'")
+    if input_kwargs:
+        raise input_error("input_kwargs", None, "none with share_prefixes (one unsplit row)", f"{sorted(input_kwargs)}")
+    if chunk_size is not None:
+        chunk_size = check_int(chunk_size, "chunk_size", low=1)
+    input_ids, position_ids = _checked_nested(micro_batch)
+    if position_ids.dim() != 2:
+        raise input_error("position_ids", None, "1-row (batch, j) ids with share_prefixes", "multi-row (mrope) ids")
+    if temperature is None:
+        temperature = get_field(micro_batch, "temperature", 1.0)
+    out = shared_prefix_logprobs(model, micro_batch, input_ids, temperature, calculate_entropy, chunk_size)
+    return {key: _counting_from_zero(value, position_ids) for key, value in out.items()}
+
+
+def _counting_from_zero(nested: Tensor, position_ids: Tensor) -> Tensor:
+    """Nested ``nested``, NaN unless every row's position ids count 0, 1, ... (the shared layout's
+    own positions: a row whose ids start elsewhere would be computed at other positions). Compared
+    where the ids are, no host sync."""
+    given, offsets = jagged_values(position_ids), nested_offsets(nested)
+    ok = (given == position_ids_of(offsets.to(given.device), given.shape[0]).to(given)).all()
+    return wrap_jagged(torch.where(ok.to(offsets.device), jagged_values(nested), torch.nan), offsets)
 
 
 def padded_logprobs(
