@@ -26,13 +26,19 @@ def synthetic_batch(
     device: str = "cpu",
     vocab: int = 150_000,
     mrope: int = 0,
+    samples_per_prompt: int = 1,
 ) -> TensorDict:
     """A padded RL batch: prompts left-padded to ``prompt_width``, responses right-padded to ``resp_width``.
 
     Keys: input_ids (B, S), attention_mask (B, S), response_mask (B, R), position_ids (B, S) or
     (B, mrope, S), with S = prompt_width + resp_width and long-tailed lengths.
+    ``samples_per_prompt`` n: rows come in groups of n consecutive rows with the same prompt (GRPO's
+    n samples of a prompt; B must be a multiple of n), each with its own response.
     """
     B, seed, mrope = check_int(B, "B", low=0), check_int(seed, "seed", low=0), check_int(mrope, "mrope", low=0)
+    n = check_int(samples_per_prompt, "samples_per_prompt", low=1)
+    if B % n:
+        raise input_error("samples_per_prompt", None, f"a divisor of B = {B} (groups of n rows)", f"{n}")
     prompt_width = check_int(prompt_width, "prompt_width", low=1)
     resp_width = check_int(resp_width, "resp_width", low=1)
     vocab = check_int(vocab, "vocab", low=2)  # ids are drawn from [1, vocab): 0 is the padding
@@ -44,6 +50,10 @@ def synthetic_batch(
     attention_mask = torch.cat([(cols_p >= prompt_width - prompt_lens[:, None]).long(), response_mask], 1)
     S = prompt_width + resp_width
     input_ids = torch.randint(1, vocab, (B, S), generator=g) * attention_mask
+    if n > 1:  # each group's rows take its first row's prompt (the responses stay their own)
+        first = torch.arange(B) // n * n
+        attention_mask[:, :prompt_width] = attention_mask[first, :prompt_width]
+        input_ids[:, :prompt_width] = input_ids[first, :prompt_width]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     if mrope:
         position_ids = position_ids.unsqueeze(1).expand(B, mrope, S).contiguous()

@@ -144,6 +144,35 @@ def test_bench_model_of_a_state_family_times_per_sequence_and_shows_transformers
     assert rows["padded sdpa"]["shape"].startswith("bamba B=4")
 
 
+def test_bench_of_shared_prefixes_times_four_contenders_that_all_agree_with_fp32(capsys):
+    from nopad._apps.bench_model import ModelShape
+    from nopad._apps.bench_prefixes import SHARED, UNSHARED, GroupShape, bench_groups
+
+    model = ModelShape(0, 0, 0, hidden=32, layers=2, heads=4, kv_heads=2, vocab=200)
+    shapes = (GroupShape(2, 4, 24, 16, model), GroupShape(3, 1, 24, 16, model))
+    grouped, alone = ({r["contender"]: r for r in bench_groups(shapes=(shape,), repeats=1)} for shape in shapes)
+    assert list(grouped) == ["padded", "packed", UNSHARED, SHARED]
+    for rows in (grouped, alone):
+        for name, row in rows.items():
+            assert row["max_abs_logprob_diff"] <= 1e-5, name
+            assert row["fwd_bwd_ms"] > 0 and row["peak_gib"] is None
+        assert rows["packed"]["tokens"] == rows[UNSHARED]["tokens"] < rows["padded"]["tokens"]
+    assert grouped[SHARED]["tokens"] < grouped["packed"]["tokens"] and grouped[SHARED]["token_ratio"] > 1
+    assert alone[SHARED]["tokens"] == alone["packed"]["tokens"]  # one sample per prompt: nothing to share
+
+
+def test_bench_model_share_prefixes_on_the_command_line_prints_its_rows(monkeypatch, capsys):
+    import nopad._apps.bench_prefixes as bp
+    from nopad._apps.bench_model import ModelShape
+
+    tiny = ModelShape(0, 0, 0, hidden=32, layers=2, heads=4, kv_heads=2, vocab=200)
+    monkeypatch.setattr(bp, "CPU_GROUPS", (bp.GroupShape(2, 4, 24, 16, tiny),))
+    assert main(["bench", "--model", "--share-prefixes", "--repeats", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["share_prefixes"]
+    assert [r["contender"] for r in rows] == ["padded", "packed", bp.UNSHARED, bp.SHARED]
+    assert all(r["shape"] == "n=4 x 2 prompts, P=24 R=16" for r in rows)
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
 def test_cli_help(argv):
     with pytest.raises(SystemExit) as exit_:
@@ -154,7 +183,7 @@ def test_cli_help(argv):
 def test_bench_model_reports_an_out_of_memory_run_as_missing_not_infinite(monkeypatch):
     import nopad._apps.bench_model as bm
 
-    measure = bm._measure
+    measure = bm.measure_call
     calls = {"n": 0}
 
     def padded_backward_runs_out(run, device, backward):
@@ -163,7 +192,7 @@ def test_bench_model_reports_an_out_of_memory_run_as_missing_not_infinite(monkey
             return float("inf"), None, None
         return measure(run, device, backward)
 
-    monkeypatch.setattr(bm, "_measure", padded_backward_runs_out)
+    monkeypatch.setattr(bm, "measure_call", padded_backward_runs_out)
     rows = bm.bench_model_shape(bm.CPU_SHAPES[0], "cpu", repeats=1)
     padded = rows[0]
     assert padded["contender"] == "padded sdpa" and padded["fwd_bwd_ms"] is None

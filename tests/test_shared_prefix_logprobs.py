@@ -165,3 +165,19 @@ def test_a_model_with_a_state_carrying_layer_is_refused_before_any_forward():
     with pytest.raises(ValueError, match=r"carry state along the sequence"):
         packed_logprobs(model, micro, tokens="response", share_prefixes=True)
     assert calls == []
+
+
+def test_synthetic_batches_in_groups_repeat_each_groups_prompt_and_only_it():
+    """``synthetic_batch(samples_per_prompt=n)``: n consecutive rows share their first row's prompt
+    (tokens and length); the responses are drawn as without groups; a B that n does not divide is
+    refused by name."""
+    from nopad.synthetic import synthetic_batch
+
+    alone, grouped = synthetic_batch(8, 12, 10, seed=3), synthetic_batch(8, 12, 10, seed=3, samples_per_prompt=4)
+    for key in ("input_ids", "attention_mask"):
+        prompts = grouped[key][:, :12]
+        assert torch.equal(prompts, alone[key][[0, 0, 0, 0, 4, 4, 4, 4], :12]), key
+        assert torch.equal(grouped[key][:, 12:], alone[key][:, 12:]), key
+    assert torch.equal(grouped["position_ids"], (grouped["attention_mask"].cumsum(-1) - 1).clamp(min=0))
+    with pytest.raises(ValueError, match=r"samples_per_prompt: expected a divisor of B = 6"):
+        synthetic_batch(6, 4, 4, samples_per_prompt=4)

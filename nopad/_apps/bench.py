@@ -390,6 +390,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model family of --model (qwen3_5, bamba, ...: layers that carry state)",
     )
     parser.add_argument(
+        "--share-prefixes",
+        action="store_true",
+        help="with --model: GRPO groups (n samples of a prompt, n in 1, 4, 8, 16), padded, packed and packed "
+        "with each group's prompt computed once",
+    )
+    parser.add_argument(
         "--head",
         action="store_true",
         help="instead: the output head's peak memory and forward+backward time, logits vs chunked (and verl's)",
@@ -424,6 +430,14 @@ def run_model(args: argparse.Namespace) -> int:
         )
     # a table per shape as soon as it is measured: the large GPU shapes take a while each
     show = None if args.json else (lambda rows: print(f"\n{format_table(rows)}", flush=True))
+    if args.share_prefixes:
+        from nopad._apps.bench_prefixes import bench_groups
+
+        with Progress("nopad bench --model --share-prefixes", 0, quiet=args.quiet) as progress:
+            rows = bench_groups(args.device, repeats=repeats, on_shape=show, progress=progress)
+        if args.json:
+            print(json.dumps({"share_prefixes": rows}, indent=2))
+        return 0
     with Progress("nopad bench --model", 0, quiet=args.quiet) as progress:
         rows = bench_model(args.device, repeats=repeats, on_shape=show, arch=args.arch, progress=progress)
     if args.json:

@@ -101,7 +101,7 @@ def _peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
-def _build(shape: ModelShape, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def build_model(shape: ModelShape, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     model = tiny_causal_lm(
         shape.arch,
         vocab=shape.vocab,
@@ -154,7 +154,7 @@ def _per_sequence(model: torch.nn.Module, data: TensorDict) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _measure(
+def measure_call(
     run: Callable[[], torch.Tensor], device: torch.device, backward: bool
 ) -> tuple[float, float | None, torch.Tensor | None]:
     """ms of one call, its peak GiB and its output (None after an out-of-memory)."""
@@ -174,7 +174,38 @@ def _measure(
         return float("inf"), _peak_gib(device), None
 
 
-def _finite(ms: float) -> float | None:
+def time_contenders(
+    runs: dict[str, Callable[[], torch.Tensor]],
+    model: torch.nn.Module,
+    exact: torch.Tensor,
+    device: torch.device,
+    repeats: int,
+    label: str,
+    progress: Progress,
+) -> tuple[dict[str, float], dict[str, float], dict[str, float | None], dict[str, float | None]]:
+    """Each contender's best forward ms, best forward + backward ms, peak GiB and largest |difference|
+    from ``exact``, over a warm-up round and ``repeats`` rounds with the contenders in turn (so drift
+    on a shared machine hits them all); one progress step per contender and round."""
+    fwd, fwd_bwd = dict.fromkeys(runs, float("inf")), dict.fromkeys(runs, float("inf"))
+    peak: dict[str, float | None] = dict.fromkeys(runs)
+    diff: dict[str, float | None] = dict.fromkeys(runs)
+    progress.add(len(runs) * (repeats + 1))
+    for round_ in range(repeats + 1):  # the first round warms up (kernels, allocator, lazy imports)
+        for name, run in runs.items():
+            with progress.step(f"{label}: {name}, {'warm-up' if round_ == 0 else f'round {round_}'}"):
+                model.zero_grad(set_to_none=True)
+                ms, _, out = measure_call(run, device, backward=False)
+                fwd[name] = min(fwd[name], ms)
+                if out is not None:
+                    diff[name] = float((out.float() - exact).abs().max())
+                del out
+                ms, peak[name], _ = measure_call(run, device, backward=True)
+                fwd_bwd[name] = min(fwd_bwd[name], ms)
+    model.zero_grad(set_to_none=True)
+    return fwd, fwd_bwd, peak, diff
+
+
+def finite_ms(ms: float) -> float | None:
     """None for a run that ran out of memory (inf), so tables print "-" and JSON stays JSON."""
     return ms if math.isfinite(ms) else None
 
@@ -184,11 +215,11 @@ def bench_model_shape(
 ) -> list[dict]:
     """Rows of {shape, contender, fwd_ms, fwd_bwd_ms, peak_gib, max_abs_logprob_diff, real/padded}.
 
-    ``progress`` gets one step per contender and round (announced here, once the contenders are known)."""
+    ``progress`` gets one step per contender and round (announced once the contenders are known)."""
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     data = synthetic_batch(shape.batch, shape.prompt, shape.response, seed=seed, device=device, vocab=shape.vocab)
-    fp32 = _build(shape, dev, torch.float32)
+    fp32 = build_model(shape, dev, torch.float32)
     with torch.no_grad():
         exact = padded_logprobs(fp32, data, rows_per_forward=max(1, 4096 // (shape.prompt + shape.response)))
     model = fp32.to(dtype) if dtype != torch.float32 else fp32
@@ -197,32 +228,16 @@ def bench_model_shape(
     if len(kernels) > 1:  # the dense fallback is for CPUs and fp32; beside a flash kernel it only takes T x T memory
         kernels.remove("sdpa")
     runs = _contenders(model, data, kernels)
-    fwd = dict.fromkeys(runs, float("inf"))
-    fwd_bwd = dict.fromkeys(runs, float("inf"))
-    peak: dict[str, float | None] = dict.fromkeys(runs)
-    diff: dict[str, float | None] = dict.fromkeys(runs)
-    progress.add(len(runs) * (repeats + 1))
-    for round_ in range(repeats + 1):  # the first round warms up (kernels, allocator, lazy imports)
-        for name, run in runs.items():
-            with progress.step(f"{shape.label}: {name}, {'warm-up' if round_ == 0 else f'round {round_}'}"):
-                model.zero_grad(set_to_none=True)
-                ms, _, out = _measure(run, dev, backward=False)
-                fwd[name] = min(fwd[name], ms)
-                if out is not None:
-                    diff[name] = float((out.float() - exact).abs().max())
-                del out
-                ms, peak[name], _ = _measure(run, dev, backward=True)
-                fwd_bwd[name] = min(fwd_bwd[name], ms)
-    model.zero_grad(set_to_none=True)
+    fwd, fwd_bwd, peak, diff = time_contenders(runs, model, exact, dev, repeats, shape.label, progress)
     real = int(data["attention_mask"].sum())
     return [
         {
             "shape": shape.label,
             "real/padded": f"{real}/{data['attention_mask'].numel()}",
             "contender": name,
-            "fwd_ms": _finite(fwd[name]),
-            "fwd_bwd_ms": _finite(fwd_bwd[name]),
-            "x_padded_fwd_bwd": _finite(fwd_bwd["padded sdpa"] / fwd_bwd[name]),
+            "fwd_ms": finite_ms(fwd[name]),
+            "fwd_bwd_ms": finite_ms(fwd_bwd[name]),
+            "x_padded_fwd_bwd": finite_ms(fwd_bwd["padded sdpa"] / fwd_bwd[name]),
             "peak_gib": peak[name],
             "max_abs_logprob_diff": diff[name],
         }

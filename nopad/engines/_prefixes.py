@@ -87,6 +87,8 @@ def shared_prefix_logprobs(
     temperature: Tensor | float,
     with_entropy: bool,
     chunk_size: int | None,
+    *,
+    share: bool = True,
 ) -> dict[str, Tensor]:
     """Nested (B, j) response log-probs (and entropy) from one forward over the shared-prefix layout.
 
@@ -98,6 +100,8 @@ def shared_prefix_logprobs(
         temperature: a float, or a 0-d or (B,) tensor per row (checked here).
         with_entropy: whether to compute the entropy too.
         chunk_size: the chunked head's tokens per tile, or None for the device's default.
+        share: False plans every row as its own group (the same attention and head over the plain
+            packed layout: what the benchmark compares sharing against).
 
     Returns:
         ``{"log_probs": (B, j), "entropy": (B, j)}`` nested on ``input_ids``' rows, float32: each
@@ -107,7 +111,7 @@ def shared_prefix_logprobs(
     spec, why = refusal(model)
     if spec is None:
         raise input_error("head", None, "a model the chunked head can serve (share_prefixes scores by it)", str(why))
-    plan = plan_shared_prefixes(input_ids, prompt_lengths_of(micro_batch, input_ids))
+    plan = plan_shared_prefixes(input_ids, prompt_lengths_of(micro_batch, input_ids), share=share)
     values = jagged_values(input_ids)
     kwargs = {
         "input_ids": plan.pack(values).unsqueeze(0),
