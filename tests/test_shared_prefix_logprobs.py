@@ -10,6 +10,7 @@ import torch
 from tensordict import TensorDict
 
 from nopad import left_right_2_no_padding, no_padding_2_padding
+from nopad.batches import select_rows
 from nopad.diagnostics import OpCounter
 from nopad.engines import packed_logprobs, padded_logprobs
 from nopad.synthetic import tiny_causal_lm
@@ -93,6 +94,20 @@ def test_shared_prefixes_equal_the_plain_packed_call_and_the_padded_reference(na
     plain = packed_logprobs(model, micro, temperature, tokens="response").detach()
     shared = packed_logprobs(model, micro, temperature, tokens="response", share_prefixes=True).detach()
     assert torch.equal(shared.values() == 0, plain.values() == 0)
+
+
+def test_a_group_split_across_micro_batches_is_exact_in_each():
+    """Rows of one group in two micro-batches (picked out of order, as a balancer would): each
+    micro-batch shares what it holds, and every row's log-probs equal the padded reference's."""
+    model = tiny_llama(0)
+    padded = grpo_batch([5, 3], 4, [3, 1, 4, 2, 5, 2, 1, 3])
+    reference = padded_logprobs(model, padded).detach()
+    micro = left_right_2_no_padding(padded)
+    for rows in ([6, 0, 1, 5], [2, 7, 4, 3]):
+        part = select_rows(micro, rows)
+        with torch.no_grad():
+            ours = no_padding_2_padding(packed_logprobs(model, part, tokens="response", share_prefixes=True), part)
+        assert (ours - reference[rows]).abs().max() <= TOL, rows
 
 
 def test_the_model_is_left_as_it_was():
