@@ -188,10 +188,10 @@ class _Call:
         run = functools.partial(
             run_head, with_entropy=self.with_entropy, scale=self.spec.scale, softcap=self.spec.softcap, tile=self.tile
         )
-        if scored is not None and scored.count < real:
+        if scored is not None and (scored.count < real or scored.read is not None):
             if isinstance(temperature, Tensor):
                 temperature = scored.rows(temperature)
-            log_probs, entropy = run(scored.rows(hidden), weight, bias, scored.rows(self.labels), temperature)
+            log_probs, entropy = run(scored.hidden_rows(hidden), weight, bias, scored.rows(self.labels), temperature)
             return scored.place(log_probs, length), None if entropy is None else scored.place(entropy, length)
         if isinstance(temperature, Tensor):
             temperature = temperature[:real]

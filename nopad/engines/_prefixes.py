@@ -5,7 +5,10 @@ rows (prompt then response, as :func:`nopad.left_right_2_no_padding` lays them o
 the shared-prefix layout (``nopad.batches._prefixes``), the model runs once over it with its
 attention switched to ``nopad_shared`` for the call, and the chunked head scores each response
 token from the hidden state before it in its own row: a response's first token reads its prompt's
-last position, computed once for the group. Results come back as the plain path gives them:
+last position, computed once for the group. The head stands in for the output layer inside the
+model's forward, as the plain path's does (:func:`nopad.engines.chunked_head`), so a weight that FSDP
+shards is whole while it is used, and the model's post-processing of its logits is checked the same
+way. Results come back as the plain path gives them:
 nested (B, j) on the rows' tokens, each response token's log-prob at the position before it, 0
 elsewhere, so :func:`nopad.no_padding_2_padding` and the losses read them unchanged.
 """
@@ -20,12 +23,11 @@ import torch
 from torch import Tensor
 
 from nopad.batches._prefixes import SharedPrefixPlan, plan_shared_prefixes
-from nopad.core._errors import input_error
 from nopad.core._layout import jagged_values, nested_offsets, row_ids_of
 from nopad.core._torch_internals import wrap_jagged
-from nopad.engines._head import refusal
+from nopad.engines._head import head_forward
 from nopad.modeling._attention import current_implementation
-from nopad.modeling._logprobs import checked_temperature, default_tile, run_head, scored_tokens
+from nopad.modeling._logprobs import ScoredTokens, checked_temperature, default_tile, scored_tokens
 from nopad.modeling._prefixes import PLAN_KWARG, use_shared_prefix_attention
 from nopad.parallel._ulysses import set_attn_implementation
 
@@ -56,30 +58,6 @@ def _shared_attention(model: torch.nn.Module) -> Iterator[None]:
         set_attn_implementation(model, str(before))
 
 
-def _hidden_of_output_layer(model: torch.nn.Module, layer: torch.nn.Module, kwargs: dict) -> Tensor:
-    """(T, H) the hidden states ``model(**kwargs)`` hands its output layer, no logits made: the layer
-    stands in with a (1, T, 1) zero output for this one forward."""
-    seen: list[Tensor] = []
-
-    def forward(hidden: Tensor) -> Tensor:
-        seen.append(hidden)
-        return hidden.new_zeros(*hidden.shape[:-1], 1)
-
-    own = layer.__dict__.get("forward")
-    layer.forward = forward  # type: ignore[method-assign]
-    try:
-        model(**kwargs)
-    finally:
-        if own is None:
-            layer.__dict__.pop("forward", None)
-        else:
-            layer.forward = own  # type: ignore[method-assign]
-    if len(seen) != 1 or seen[0].dim() != 3 or seen[0].shape[0] != 1:
-        shapes = [tuple(h.shape) for h in seen]
-        raise input_error("model", None, "one call of its output layer on (1, T, hidden) states", f"calls on {shapes}")
-    return seen[0][0]
-
-
 def shared_prefix_logprobs(
     model: torch.nn.Module,
     micro_batch: Any,
@@ -108,47 +86,47 @@ def shared_prefix_logprobs(
         response token's values at the position before it, 0 elsewhere (entropy only with
         ``with_entropy``).
     """
-    spec, why = refusal(model)
-    if spec is None:
-        raise input_error("head", None, "a model the chunked head can serve (share_prefixes scores by it)", str(why))
     plan = plan_shared_prefixes(input_ids, prompt_lengths_of(micro_batch, input_ids), share=share)
     values = jagged_values(input_ids)
-    kwargs = {
-        "input_ids": plan.pack(values).unsqueeze(0),
-        "position_ids": plan.position_ids.unsqueeze(0),
-        "use_cache": False,
-        PLAN_KWARG: plan,
-    }
-    with _shared_attention(model):
-        hidden = _hidden_of_output_layer(model, spec.layer, kwargs)
-    tile = None if chunk_size is None else (chunk_size, default_tile(hidden.device)[1])
-    scored = hidden.index_select(0, plan.logprob_index)  # (M, H): the state before each response token
-    labels = values.index_select(0, plan.label_index)
-    log_probs, entropy = run_head(
-        scored,
-        spec.layer.weight,
-        spec.layer.bias,
-        labels,
-        _per_response_token(temperature, plan),
-        with_entropy,
-        scale=spec.scale,
-        softcap=spec.softcap,
-        tile=tile,
-    )
-    out = {"log_probs": _on_rows(log_probs, plan, input_ids)}
-    if entropy is not None:
-        out["entropy"] = _on_rows(entropy, plan, input_ids)
+    packed_ids = plan.pack(values).unsqueeze(0)  # (1, T)
+    # each response token is scored at its own packed position (unique: responses are never shared),
+    # from the hidden state of the token before it in its row (a group's prompt's last one, shared)
+    own = plan.unpack_index.index_select(0, plan.label_index)
+    scored = ScoredTokens(own, None, plan.total, "response", read=plan.logprob_index)
+    tile = None if chunk_size is None else (chunk_size, default_tile(values.device)[1])
+    kwargs = {"input_ids": packed_ids, "position_ids": plan.position_ids.unsqueeze(0), "use_cache": False}
+    with (
+        _shared_attention(model),
+        head_forward(
+            model,
+            packed_ids[0],
+            _per_packed_token(temperature, plan),
+            plan.total,
+            with_entropy=with_entropy,
+            required=True,
+            tile=tile,
+            scored=scored,
+            input_ids=packed_ids,
+        ) as served,
+    ):
+        output = served(**kwargs, **{PLAN_KWARG: plan})
+    out = {"log_probs": _on_rows(output.log_probs[0], own, plan, input_ids)}
+    if with_entropy:
+        out["entropy"] = _on_rows(output.entropy[0], own, plan, input_ids)
     return out
 
 
-def _per_response_token(temperature: Tensor | float, plan: SharedPrefixPlan) -> Tensor | float:
-    """A float as it is (checked); a 0-d or (B,) temperature tensor -> (M,) one per response token."""
-    rows = row_ids_of(plan.completion_offsets, plan.completion_total) if isinstance(temperature, Tensor) else None
-    return checked_temperature(temperature, plan.rows, rows)
+def _per_packed_token(temperature: Tensor | float, plan: SharedPrefixPlan) -> Tensor | float:
+    """A float as it is (checked); a 0-d or (B,) temperature tensor -> (T,) one per packed token, its
+    row's (a shared prompt's tokens take their group's first row's, and are never scored)."""
+    if not isinstance(temperature, Tensor):
+        return checked_temperature(temperature, plan.rows)
+    block = row_ids_of(plan.cu_seqlens_q.to(torch.int64), plan.total)
+    return checked_temperature(temperature, plan.rows, plan.block_order.index_select(0, block))
 
 
-def _on_rows(per_token: Tensor, plan: SharedPrefixPlan, input_ids: Tensor) -> Tensor:
-    """(M,) values of the response tokens -> nested (B, j) on the rows, each at the position before
-    its token (where the plain path's head writes it), 0 elsewhere; autograd flows."""
-    frame = per_token.new_zeros(plan.rows_total).index_copy(0, plan.label_index - 1, per_token)
+def _on_rows(packed: Tensor, own: Tensor, plan: SharedPrefixPlan, input_ids: Tensor) -> Tensor:
+    """(T,) values at the response tokens' own packed positions ``own`` -> nested (B, j) on the rows,
+    each at the position before its token (where the plain path's head writes it), 0 elsewhere."""
+    frame = packed.new_zeros(plan.rows_total).index_copy(0, plan.label_index - 1, packed.index_select(0, own))
     return wrap_jagged(frame, nested_offsets(input_ids))

@@ -901,10 +901,13 @@ class ScoredTokens:
     ``index`` (n,) int64 positions; n, the number of rows the head runs on, is known on the host.
     ``valid`` (n,) bool or None: False where a row of a bounded gather (one per response slot of a
     padded (B, R) frame) stands for no position; its result is dropped and it gets no gradient.
+    ``read`` (n,) or None: the positions whose hidden states score each row, where they are not
+    ``index`` itself (the shared-prefix layout: a response's first token is scored from its group's
+    one prompt, so several rows read one position; each row's label and result stay at ``index``).
     """
 
-    def __init__(self, index: Tensor, valid: Tensor | None, total: int, kind: str) -> None:
-        self.index, self.valid, self.total, self.kind = index, valid, total, kind
+    def __init__(self, index: Tensor, valid: Tensor | None, total: int, kind: str, read: Tensor | None = None) -> None:
+        self.index, self.valid, self.total, self.kind, self.read = index, valid, total, kind, read
 
     @property
     def count(self) -> int:
@@ -913,6 +916,10 @@ class ScoredTokens:
     def rows(self, x: Tensor) -> Tensor:
         """(total, *) -> (n, *) the scored rows."""
         return x.index_select(0, self.index.to(x.device))
+
+    def hidden_rows(self, hidden: Tensor) -> Tensor:
+        """(total, H) hidden states -> (n, H) those that score the rows (at ``read``, else ``index``)."""
+        return self.rows(hidden) if self.read is None else hidden.index_select(0, self.read.to(hidden.device))
 
     def place(self, values: Tensor, length: int | None = None) -> Tensor:
         """(n,) results -> (length or total,) with :data:`FILL` elsewhere; autograd flows to ``values``."""
