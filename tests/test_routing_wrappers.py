@@ -15,6 +15,7 @@ the routing's private survey because the verdict on one layer class is what they
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 
@@ -253,3 +254,18 @@ def test_a_routed_layer_of_5_10_s_shape_holds_named_objects_that_read_as_functio
     mixer = FastPathMixer()
     route(mixer)
     assert repr(mixer.forward) == "MixerForward(owner='FastPathMixer')"
+
+
+@pytest.mark.parametrize("layer", [AttributeConv, FastPathMixer])
+def test_a_deep_copy_of_a_routed_layer_of_5_10_s_shape_runs_its_own_weights(layer):
+    torch.manual_seed(0)
+    mixer = layer()
+    route(mixer)
+    twin = copy.deepcopy(mixer)
+    with torch.no_grad():
+        twin.conv1d.weight.mul_(2)
+    x, cu = torch.randn(1, 9, 6), torch.tensor([0, 4, 9], dtype=torch.int32)
+    plain = layer()
+    plain.load_state_dict(twin.state_dict())
+    alone = torch.cat([plain(part) for part in x.split([4, 5], dim=1)], dim=1)
+    torch.testing.assert_close(twin(x, cu_seq_lens_q=cu), alone, atol=1e-6, rtol=0)
