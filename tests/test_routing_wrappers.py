@@ -15,6 +15,10 @@ the routing's private survey because the verdict on one layer class is what they
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -220,3 +224,48 @@ def test_a_conv_of_5_10_s_shape_nopad_does_not_serve_is_refused_by_name_with_the
     assert f"transformers {transformers.__version__}" in found.refused[0][2]
     with pytest.raises(ValueError, match="AttributeConvAndAnother"):
         route(AttributeConvAndAnother())
+
+
+# ---- what a routed layer holds -----------------------------------------------------------------------
+
+
+@wraps_primitives
+def test_a_routed_layer_reads_a_named_adapter_with_the_primitive_s_signature():
+    mixer = ConvMixer()
+    route(mixer)
+    helper = mixer.forward.__func__.__globals__["conv_helper"]  # the helper rebound for this layer
+    adapter = helper.__globals__["conv_primitive"]
+    assert repr(adapter) == "PackedConv(owner='ConvMixer')"
+    assert str(inspect.signature(adapter)) == "(hidden_states, weight, bias=None, activation=None, **kwargs)"
+
+
+def test_a_routed_layer_of_5_10_s_shape_holds_named_objects_that_read_as_functions():
+    layer = AttributeConv()
+    route(layer)
+    assert repr(layer.causal_conv1d_fn) == "PackedConvX(owner='AttributeConv')"
+    assert repr(layer.forward) == "CarrierForward(owner='AttributeConv')"
+    assert str(inspect.signature(layer.causal_conv1d_fn)) == "(x, weight, bias=None, activation=None, **kwargs)"
+    # a wrapper made with functools.wraps (as accelerate's hooks wrap a forward) reads and calls it
+    wrapped = functools.wraps(layer.forward)(lambda *args, **kwargs: layer.__dict__["forward"](*args, **kwargs))
+    assert inspect.signature(wrapped) == inspect.signature(layer.forward)
+    assert list(inspect.signature(wrapped).parameters) == ["args", "kwargs"]
+    x, cu = torch.randn(1, 9, 6), torch.tensor([0, 4, 9], dtype=torch.int32)
+    assert torch.equal(wrapped(x, cu_seq_lens_q=cu), layer(x, cu_seq_lens_q=cu))
+    mixer = FastPathMixer()
+    route(mixer)
+    assert repr(mixer.forward) == "MixerForward(owner='FastPathMixer')"
+
+
+@pytest.mark.parametrize("layer", [AttributeConv, FastPathMixer])
+def test_a_deep_copy_of_a_routed_layer_of_5_10_s_shape_runs_its_own_weights(layer):
+    torch.manual_seed(0)
+    mixer = layer()
+    route(mixer)
+    twin = copy.deepcopy(mixer)
+    with torch.no_grad():
+        twin.conv1d.weight.mul_(2)
+    x, cu = torch.randn(1, 9, 6), torch.tensor([0, 4, 9], dtype=torch.int32)
+    plain = layer()
+    plain.load_state_dict(twin.state_dict())
+    alone = torch.cat([plain(part) for part in x.split([4, 5], dim=1)], dim=1)
+    torch.testing.assert_close(twin(x, cu_seq_lens_q=cu), alone, atol=1e-6, rtol=0)

@@ -192,9 +192,15 @@ def _heads_of_rank(x: Tensor, call: _Call) -> Tensor:
     return x.chunk(call.world)[call.rank]
 
 
-def _split_heads(heads: int, call: _Call, owner: str) -> None:
-    if heads % call.world:
-        raise input_error(f"{owner} heads", None, f"a multiple of the SP size {call.world}", f"{heads}")
+def _rank_heads(call: _Call, owner: str, heads: list, grouped: list) -> tuple[list, list]:
+    """:func:`_to_heads` of tensors with one slice per head (None kept) and of those with one per group of
+    heads (the delta rule's keys, the scan's B and C), repeated per head where the groups do not split."""
+    count = heads[0].shape[2]
+    if count % call.world:
+        raise input_error(f"{owner} heads", None, f"a multiple of the SP size {call.world}", f"{count}")
+    if grouped[0].shape[2] % call.world:  # too few groups to split: one copy per head
+        grouped = [x.repeat_interleave(count // x.shape[2], dim=2) for x in grouped]
+    return [None if x is None else _to_heads(x, call) for x in heads], [_to_heads(x, call) for x in grouped]
 
 
 def _conv_history(x: Tensor, call: _Call, taps: int) -> Tensor:
@@ -207,19 +213,32 @@ def _conv_history(x: Tensor, call: _Call, taps: int) -> Tensor:
 
 
 # ---- adapters: transformers' primitives with nopad's packed forms behind them -----------------------
-# Each takes the original primitive (called for a call that is not packed) and the owning class's
-# name (for messages), and returns a function with the primitive's signature.
+# One small object per primitive, called with the primitive's signature and returning what it returns:
+# a packed call runs nopad's packed form, any other call the original primitive.
 
 
-def _conv_adapter(original: Callable, owner: str) -> Callable:
-    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+@dataclass(frozen=True, eq=False)
+class Adapter:
+    """What a routed layer calls in place of ``original``, which still runs every call that is not packed
+    (a padded forward, generation); ``owner``, the layer's class, names it in messages and in its repr.
+    ``original`` is None only where transformers 5.10 found no package, whose path only packed calls take."""
+
+    original: Any = field(repr=False)
+    owner: str
+
+
+@dataclass(frozen=True, eq=False)
+class PackedConv(Adapter):
+    """``causal_conv1d_fn``: (B, C, L) with weight (C, K) -> (B, C, L), each sequence of a packed row
+    convolved alone (under SP, from the K - 1 inputs before this rank's first token)."""
+
+    def __call__(self, hidden_states, weight, bias=None, activation=None, **kwargs):
         B, C, L = hidden_states.shape
-        call = _packed_call(kwargs, owner, B * L)
+        call = _packed_call(kwargs, self.owner, B * L)
         if call is None:
-            return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        _no_state(
-            owner, initial_states=kwargs.get("initial_states"), return_final_states=kwargs.get("return_final_states")
-        )
+            return self.original(hidden_states, weight, bias, activation=activation, **kwargs)
+        states = {name: kwargs.get(name) for name in ("initial_states", "return_final_states")}
+        _no_state(self.owner, **states)
         x = hidden_states.transpose(0, 1).reshape(C, B * L)
         if call.world == 1:
             out = causal_conv1d(x, weight, bias, call.row, activation=activation)
@@ -230,11 +249,14 @@ def _conv_adapter(original: Callable, owner: str) -> Callable:
             out = torch_causal_conv1d(x, weight, bias, positions, activation=activation, history=history)
         return out.view(C, B, L).transpose(0, 1)
 
-    return causal_conv1d_fn
 
+@dataclass(frozen=True, eq=False)
+class PackedGatedDeltaRule(Adapter):
+    """``chunk_gated_delta_rule``: q, k (B, L, Hk, D), v (B, L, H, Dv), g and beta (B, L, H) -> ((B, L, H, Dv),
+    None), each sequence of a packed row from a zero state (under SP, this rank's heads over the whole row)."""
 
-def _gdn_adapter(original: Callable, owner: str) -> Callable:
-    def chunk_gated_delta_rule(
+    def __call__(
+        self,
         query,
         key,
         value,
@@ -249,50 +271,29 @@ def _gdn_adapter(original: Callable, owner: str) -> Callable:
         **kwargs,
     ):
         B, L = value.shape[:2]
-        call = _packed_call(kwargs, owner, B * L, cu_seqlens)
+        call = _packed_call(kwargs, self.owner, B * L, cu_seqlens)
         if call is None:
-            options = {} if scale is None else {"scale": scale}
-            return original(
-                query,
-                key,
-                value,
-                g=g,
-                beta=beta,
-                chunk_size=chunk_size,
-                initial_state=initial_state,
-                output_final_state=output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                **options,
-                **kwargs,
-            )
-        _no_state(owner, initial_state=initial_state, output_final_state=output_final_state)
+            options = dict(chunk_size=chunk_size, initial_state=initial_state, output_final_state=output_final_state)
+            rule = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **({} if scale is None else {"scale": scale}))
+            return self.original(query, key, value, g=g, beta=beta, **options, **rule, **kwargs)
+        _no_state(self.owner, initial_state=initial_state, output_final_state=output_final_state)
         q, k, v, g, beta = (x.reshape(1, B * L, *x.shape[2:]) for x in (query, key, value, g, beta))
         if call.world > 1:
-            heads = v.shape[2]
-            _split_heads(heads, call, owner)
-            if k.shape[2] % call.world:  # too few key heads to split: one copy per value head
-                q, k = (x.repeat_interleave(heads // x.shape[2], dim=2) for x in (q, k))
-            q, k, v, g, beta = (_to_heads(x, call) for x in (q, k, v, g, beta))
-        out = gated_delta_rule(
-            q[0],
-            k[0],
-            v[0],
-            g[0],
-            beta[0],
-            call.row,
-            chunk_size=chunk_size,
-            scale=scale,
-            use_qk_l2norm=use_qk_l2norm_in_kernel,
-        ).unsqueeze(0)
+            (v, g, beta), (q, k) = _rank_heads(call, self.owner, [v, g, beta], [q, k])
+        options = dict(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel)
+        out = gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], call.row, **options).unsqueeze(0)
         if call.world > 1:
             out = _to_tokens(out, call)
         return out.view(B, L, *out.shape[2:]), None
 
-    return chunk_gated_delta_rule
 
+@dataclass(frozen=True, eq=False)
+class PackedSSDScan(Adapter):
+    """``mamba_chunk_scan_combined`` (Mamba2's SSD scan): x (B, L, H, P), dt (B, L, H), B and C (B, L, G, N)
+    -> (B, L, H, P), each sequence of a packed row from a zero state (under SP, this rank's heads)."""
 
-def _ssd_adapter(original: Callable, owner: str) -> Callable:
-    def mamba_chunk_scan_combined(
+    def __call__(
+        self,
         hidden_states,
         dt,
         A,
@@ -309,31 +310,16 @@ def _ssd_adapter(original: Callable, owner: str) -> Callable:
         **kwargs,
     ):
         batch, L = hidden_states.shape[:2]
-        call = _packed_call(kwargs, owner, batch * L, kwargs.get("cu_seqlens"))
+        call = _packed_call(kwargs, self.owner, batch * L, kwargs.get("cu_seqlens"))
         options = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
         if call is None:
-            return original(
-                hidden_states,
-                dt,
-                A,
-                B,
-                C,
-                chunk_size,
-                initial_states=initial_states,
-                return_final_states=return_final_states,
-                **options,
-                **kwargs,
-            )
-        _no_state(owner, initial_states=initial_states, return_final_states=return_final_states)
+            states = dict(initial_states=initial_states, return_final_states=return_final_states)
+            return self.original(hidden_states, dt, A, B, C, chunk_size, **states, **options, **kwargs)
+        _no_state(self.owner, initial_states=initial_states, return_final_states=return_final_states)
         x, dt, B, C = (t.reshape(1, batch * L, *t.shape[2:]) for t in (hidden_states, dt, B, C))
         z = None if z is None else z.reshape(1, batch * L, *z.shape[2:])
         if call.world > 1:
-            heads = x.shape[2]
-            _split_heads(heads, call, owner)
-            if B.shape[2] % call.world:  # too few groups to split: one copy per head
-                B, C = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (B, C))
-            x, dt, B, C = (_to_heads(t, call) for t in (x, dt, B, C))
-            z = None if z is None else _to_heads(z, call)
+            (x, dt, z), (B, C) = _rank_heads(call, self.owner, [x, dt, z], [B, C])
             A, D, dt_bias = (None if p is None else _heads_of_rank(p, call) for p in (A, D, dt_bias))
         options.update(D=D, z=None if z is None else z[0], dt_bias=dt_bias)
         out = ssd_scan(x[0], dt[0], A, B[0], C[0], call.row, chunk_size=chunk_size, **options).unsqueeze(0)
@@ -341,18 +327,20 @@ def _ssd_adapter(original: Callable, owner: str) -> Callable:
             out = _to_tokens(out, call)
         return out.view(batch, L, *out.shape[2:])
 
-    return mamba_chunk_scan_combined
 
+@dataclass(frozen=True, eq=False)
+class UnfusedMamba2(Adapter):
+    """``mamba_split_conv1d_scan_combined``, mamba-ssm's fused conv + scan + norm + projection: a packed call
+    returns None, as the torch fallback does, so the layer takes its unfused path (conv and scan served)."""
 
-def _fused_mamba_adapter(original: Callable, owner: str) -> Callable:
-    # mamba-ssm's fused conv + scan + norm + projection: a packed forward takes the layer's unfused
-    # path instead (its conv and scan are served above); the fallback itself returns None the same way
-    def mamba_split_conv1d_scan_combined(zxbcdt, *args, **kwargs):
-        if _packed_call(kwargs, owner, zxbcdt.shape[0] * zxbcdt.shape[1], kwargs.get("cu_seqlens")) is not None:
+    def __call__(self, zxbcdt, *args, **kwargs):
+        if _packed_call(kwargs, self.owner, zxbcdt.shape[0] * zxbcdt.shape[1], kwargs.get("cu_seqlens")) is not None:
             return None
-        return original(zxbcdt, *args, **kwargs)
+        return self.original(zxbcdt, *args, **kwargs)
 
-    return mamba_split_conv1d_scan_combined
+
+# the kwargs naming a packed row's boundaries, which a primitive run one row per sequence is not handed
+_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def _by_sequence(x: Tensor, call: _Call, seq_dim: int) -> Tensor:
@@ -364,35 +352,38 @@ def _by_token(y: Tensor, call: _Call, seq_dim: int) -> Tensor:
     return call.row.from_padded(y.movedim(seq_dim, 1)).movedim(0, seq_dim - 1).unsqueeze(0)
 
 
-def _kda_adapter(original: Callable, owner: str) -> Callable:
-    # Kimi delta attention (a delta rule with a decay per key channel): transformers' reference runs
-    # one row per sequence, right-padded (a causal scan: what follows a sequence never reaches it)
-    def chunk_kda(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False, **kwargs):
+@dataclass(frozen=True, eq=False)
+class PackedKDA(Adapter):
+    """``chunk_kda`` (Kimi delta attention: a delta rule with a decay per key channel): (B, L, H, D) ->
+    ((B, L, H, D), None), transformers' reference run one row per sequence, right-padded (a causal scan:
+    what follows a sequence never reaches it). No SP."""
+
+    def __call__(
+        self, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False, **kwargs
+    ):
         B, L = value.shape[:2]
-        call = _packed_call(kwargs, owner, B * L, kwargs.pop("cu_seqlens", None))
+        call = _packed_call(kwargs, self.owner, B * L, kwargs.pop("cu_seqlens", None))
         options = dict(chunk_size=chunk_size, initial_state=initial_state, output_final_state=output_final_state)
         if call is None:
-            return original(query, key, value, g=g, beta=beta, **options, **kwargs)
-        _no_state(owner, initial_state=initial_state, output_final_state=output_final_state)
+            return self.original(query, key, value, g=g, beta=beta, **options, **kwargs)
+        _no_state(self.owner, initial_state=initial_state, output_final_state=output_final_state)
         if call.world > 1:
             raise input_error(
-                owner, None, "no sequence parallelism (Kimi delta attention under Ulysses)", f"SP {call.world}"
+                self.owner, None, "no sequence parallelism (Kimi delta attention under Ulysses)", f"SP {call.world}"
             )
-        kwargs = {
-            k: v
-            for k, v in kwargs.items()
-            if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-        }
+        kwargs = {k: v for k, v in kwargs.items() if k not in _BOUNDARY_KWARGS}
         rows = [_by_sequence(t.reshape(1, B * L, *t.shape[2:]), call, 1) for t in (query, key, value, g, beta)]
-        out, _ = original(*rows[:3], g=rows[3], beta=rows[4], **options, **kwargs)
+        out, _ = self.original(*rows[:3], g=rows[3], beta=rows[4], **options, **kwargs)
         return _by_token(out, call, 1).view(B, L, *out.shape[2:]), None
 
-    return chunk_kda
 
+@dataclass(frozen=True, eq=False)
+class PackedSelectiveScan(Adapter):
+    """``selective_scan_fn`` (Mamba's selective scan): x, dt (B, D, L), B and C (B, N, L) -> (B, D, L), the
+    original run one row per sequence, right-padded, as :class:`PackedKDA`. No SP."""
 
-def _selective_scan_adapter(original: Callable, owner: str) -> Callable:
-    # Mamba's selective scan, (batch, channels, tokens): one row per sequence, right-padded, as above
-    def selective_scan_fn(
+    def __call__(
+        self,
         hidden_states,
         dt,
         A,
@@ -406,51 +397,48 @@ def _selective_scan_adapter(original: Callable, owner: str) -> Callable:
         **kwargs,
     ):
         batch, _, L = hidden_states.shape
-        call = _packed_call(kwargs, owner, batch * L)
+        call = _packed_call(kwargs, self.owner, batch * L)
         options = dict(D=D, delta_bias=delta_bias, delta_softplus=delta_softplus)
         if call is None:
-            return original(hidden_states, dt, A, B, C, z=z, return_last_state=return_last_state, **options, **kwargs)
-        _no_state(owner, return_last_state=return_last_state)
+            return self.original(
+                hidden_states, dt, A, B, C, z=z, return_last_state=return_last_state, **options, **kwargs
+            )
+        _no_state(self.owner, return_last_state=return_last_state)
         if call.world > 1:
             raise input_error(
-                owner, None, "no sequence parallelism (Mamba's selective scan under Ulysses)", f"SP {call.world}"
+                self.owner, None, "no sequence parallelism (Mamba's selective scan under Ulysses)", f"SP {call.world}"
             )
         flat = [
             None if t is None else t.movedim(0, 1).reshape(1, t.shape[1], batch * L)
             for t in (hidden_states, dt, B, C, z)
         ]
         rows = [None if t is None else _by_sequence(t, call, 2) for t in flat]
-        kwargs = {
-            k: v
-            for k, v in kwargs.items()
-            if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-        }
-        out = original(rows[0], rows[1], A, rows[2], rows[3], z=rows[4], return_last_state=False, **options, **kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k not in _BOUNDARY_KWARGS}
+        out = self.original(*rows[:2], A, *rows[2:4], z=rows[4], return_last_state=False, **options, **kwargs)
         packed = _by_token(out, call, 2)  # (1, channels, T)
         return packed.reshape(packed.shape[1], batch, L).movedim(1, 0)
 
-    return selective_scan_fn
 
+@dataclass(frozen=True, eq=False)
+class UnfusedMamba(Adapter):
+    """``mamba_inner_fn``, mamba-ssm's fused Mamba (xz (B, 2D, L)): a packed call returns None, so the layer
+    takes its unfused path (conv and scan served)."""
 
-def _fused_mamba1_adapter(original: Callable, owner: str) -> Callable:
-    # mamba-ssm's fused Mamba: a packed forward takes the layer's unfused path (conv and scan served above)
-    def mamba_inner_fn(xz, *args, **kwargs):
-        if _packed_call(kwargs, owner, xz.shape[0] * xz.shape[-1]) is not None:
+    def __call__(self, xz, *args, **kwargs):
+        if _packed_call(kwargs, self.owner, xz.shape[0] * xz.shape[-1]) is not None:
             return None
-        return original(xz, *args, **kwargs)
-
-    return mamba_inner_fn
+        return self.original(xz, *args, **kwargs)
 
 
 # transformers' primitives (by the kernel name transformers registers them under) -> nopad's adapter
-ADAPTERS: dict[str, Callable[[Callable, str], Callable]] = {
-    "causal_conv1d_fn": _conv_adapter,
-    "chunk_gated_delta_rule": _gdn_adapter,
-    "mamba_chunk_scan_combined": _ssd_adapter,
-    "mamba_split_conv1d_scan_combined": _fused_mamba_adapter,
-    "chunk_kda": _kda_adapter,
-    "selective_scan_fn": _selective_scan_adapter,
-    "mamba_inner_fn": _fused_mamba1_adapter,
+ADAPTERS: dict[str, type[Adapter]] = {
+    "causal_conv1d_fn": PackedConv,
+    "chunk_gated_delta_rule": PackedGatedDeltaRule,
+    "mamba_chunk_scan_combined": PackedSSDScan,
+    "mamba_split_conv1d_scan_combined": UnfusedMamba2,
+    "chunk_kda": PackedKDA,
+    "selective_scan_fn": PackedSelectiveScan,
+    "mamba_inner_fn": UnfusedMamba,
 }
 # primitives of one decoding step (they run only with a cache, which a packed forward never has)
 STEP_PRIMITIVES = {
@@ -784,60 +772,80 @@ def _fast_path_globals(cls: type) -> tuple[str, ...]:
     return tuple(sorted(_names_read(_innermost(method).__code__) & set(_FAST_PATH_ADAPTERS)))
 
 
-def _attribute_conv(module: torch.nn.Module, value: Callable | None, owner: str) -> Callable:
-    # the layer calls self.causal_conv1d_fn(x=..., weight=..., bias=..., activation=..., seq_idx=...)
-    def unpacked(x, weight, bias=None, activation=None, **kwargs):
-        if value is not None:
-            return value(x=x, weight=weight, bias=bias, activation=activation, **kwargs)
-        return F.silu(module.conv1d(x)[..., : x.shape[-1]])  # what the layer runs where it has none
+@dataclass(frozen=True, eq=False)
+class PackedConvX(PackedConv):
+    """:class:`PackedConv` as transformers 5.10 calls it: its input named ``x`` (causal-conv1d's own name),
+    which some layers pass by keyword."""
 
-    return _keyword_x(_conv_adapter(unpacked, owner))
-
-
-def _attribute_gdn(module: torch.nn.Module, value: Callable, owner: str) -> Callable:
-    chunked = takes_keyword(value, "chunk_size")  # fla's kernel takes none: it chooses its own
-
-    def unpacked(query, key, value_, chunk_size=64, **kwargs):
-        return value(query, key, value_, **({"chunk_size": chunk_size} if chunked else {}), **kwargs)
-
-    return _gdn_adapter(unpacked, owner)
+    def __call__(self, x, weight, bias=None, activation=None, **kwargs):
+        return super().__call__(x, weight, bias, activation=activation, **kwargs)
 
 
-_ATTRIBUTE_ADAPTERS: dict[str, Callable[[torch.nn.Module, Any, str], Callable]] = {
-    "causal_conv1d_fn": _attribute_conv,
-    "chunk_gated_delta_rule": _attribute_gdn,
-}
+@dataclass(frozen=True, eq=False)
+class LayerConv:
+    """What a 5.10 gated delta net runs for a conv call that is not packed: the primitive it keeps as its
+    attribute (called by keyword) or, where that is None (no causal-conv1d), its own torch conv."""
+
+    module: torch.nn.Module = field(repr=False)
+    primitive: Callable | None
+
+    def __call__(self, x, weight, bias=None, activation=None, **kwargs):
+        if self.primitive is not None:
+            return self.primitive(x=x, weight=weight, bias=bias, activation=activation, **kwargs)
+        return F.silu(self.module.conv1d(x)[..., : x.shape[-1]])
 
 
-def _keyword_x(adapter: Callable) -> Callable:
-    # 5.10 names the conv's input ``x`` (causal-conv1d's own name), and some layers pass it by keyword
-    def causal_conv1d_fn(x, weight, bias=None, activation=None, **kwargs):
-        return adapter(x, weight, bias, activation=activation, **kwargs)
+@dataclass(frozen=True, eq=False)
+class LayerDeltaRule:
+    """What a 5.10 gated delta net runs for a delta-rule call that is not packed: the rule it keeps as its
+    attribute, handed ``chunk_size`` only where it takes one (fla's kernel chooses its own)."""
 
-    return causal_conv1d_fn
+    rule: Callable
+    chunked: bool
+
+    def __call__(self, query, key, value, chunk_size=64, **kwargs):
+        return self.rule(query, key, value, **({"chunk_size": chunk_size} if self.chunked else {}), **kwargs)
 
 
-def _without_final_state(adapter: Callable, flag: str) -> Callable:
-    # 5.10's mixers always ask their scan for its final state (kept only with a cache, which a packed
-    # forward never has): none is returned. They view its output as mamba-ssm returns it: contiguous
-    def scan(*args, **kwargs):
-        wanted = kwargs.pop(flag, False)
-        out = adapter(*args, **kwargs).contiguous()
+def _attribute_adapter(module: torch.nn.Module, name: str) -> Adapter:
+    """What a 5.10 gated delta net keeps as its attribute ``name`` (a primitive) in a route."""
+    value: Any = getattr(module, name, None)
+    if name == "causal_conv1d_fn":
+        return PackedConvX(LayerConv(module, value), type(module).__name__)
+    return PackedGatedDeltaRule(LayerDeltaRule(value, takes_keyword(value, "chunk_size")), type(module).__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class MixerSSDScan(PackedSSDScan):
+    """:class:`PackedSSDScan` as 5.10's Mamba2 mixers call it: they always ask for the final state (kept only
+    with a cache, which a packed forward never has: None is returned) and view the output as mamba-ssm
+    returns it, contiguous. ``clamped``: the mixer, where its torch forward clamps the time steps at
+    ``time_step_min`` and its CUDA forward does not: clamped as the mixer alone would on this machine,
+    where it would run its torch forward (no mamba-ssm, ``fast_alone`` False, or off CUDA)."""
+
+    clamped: torch.nn.Module | None = field(default=None, repr=False)
+    fast_alone: bool = field(default=False, repr=False)
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        if self.clamped is not None and not (self.fast_alone and hidden_states.device.type == "cuda"):
+            low, high = kwargs.get("dt_limit", (0.0, math.inf))
+            kwargs["dt_limit"] = (max(low, self.clamped.time_step_min), high)
+        wanted = kwargs.pop("return_final_states", False)
+        out = super().__call__(hidden_states, *args, **kwargs).contiguous()
         return (out, None) if wanted else out
 
-    return scan
 
+@dataclass(frozen=True, eq=False)
+class MixerSelectiveScan(PackedSelectiveScan):
+    """:class:`PackedSelectiveScan` as 5.10's Mamba mixers call it: zamba's concatenates the per-head final
+    states before it checks for a cache, so zeros of the state's shape stand in where it asks for one
+    (discarded: a packed forward has no cache)."""
 
-def _selective_scan_state(adapter: Callable) -> Callable:
-    # as above, but zamba's mixer concatenates the per-head final states before it checks for a cache:
-    # zeros of the state's shape stand in for it (discarded: a packed forward has no cache)
-    def selective_scan_fn(hidden_states, dt, A, *args, return_last_state=False, **kwargs):
-        out = adapter(hidden_states, dt, A, *args, **kwargs)
+    def __call__(self, hidden_states, dt, A, *args, return_last_state=False, **kwargs):
+        out = super().__call__(hidden_states, dt, A, *args, **kwargs)
         if not return_last_state:
             return out
         return out, A.new_zeros(()).expand(hidden_states.shape[0], *A.shape)
-
-    return selective_scan_fn
 
 
 class _OffCudaDevice:
@@ -864,15 +872,12 @@ def _torch_selective_scan_fn(*args: Any, return_last_state: bool = False, **kwar
     return torch_selective_scan(*args, **kwargs)
 
 
-_FAST_PATH_ADAPTERS: dict[str, Callable[[Any, str], Callable]] = {
-    "causal_conv1d_fn": lambda original, owner: _keyword_x(_conv_adapter(original, owner)),
-    "mamba_chunk_scan_combined": lambda original, owner: _without_final_state(
-        _ssd_adapter(original, owner), "return_final_states"
-    ),
-    "selective_scan_fn": lambda original, owner: _selective_scan_state(
-        _selective_scan_adapter(original or _torch_selective_scan_fn, owner)
-    ),
+_FAST_PATH_ADAPTERS: dict[str, type[Adapter]] = {
+    "causal_conv1d_fn": PackedConvX,
+    "mamba_chunk_scan_combined": MixerSSDScan,
+    "selective_scan_fn": MixerSelectiveScan,
 }
+_FAST_PATH_FALLBACKS = {"selective_scan_fn": _torch_selective_scan_fn}  # where the module holds None
 
 
 def _clamps_at_minimum(torch_path: Callable, fast: Callable) -> bool:
@@ -881,20 +886,6 @@ def _clamps_at_minimum(torch_path: Callable, fast: Callable) -> bool:
     return "time_step_min" in _names_read(_innermost(torch_path).__code__) and "time_step_min" not in _names_read(
         _innermost(fast).__code__
     )
-
-
-def _torch_path_clamp(scan: Callable, module: torch.nn.Module) -> Callable:
-    # a packed forward computes what each sequence alone computes on this machine: where the mixer
-    # alone would run its torch forward (no mamba-ssm, or off CUDA), its time steps clamped as there
-    fast_alone = bool(_innermost(getattr(type(module), _FAST_PATH)).__globals__.get("is_fast_path_available"))
-
-    def mamba_chunk_scan_combined(hidden_states, *args, **kwargs):
-        if not (fast_alone and hidden_states.device.type == "cuda"):
-            low, high = kwargs.get("dt_limit", (0.0, math.inf))
-            kwargs["dt_limit"] = (max(low, module.time_step_min), high)
-        return scan(hidden_states, *args, **kwargs)
-
-    return mamba_chunk_scan_combined
 
 
 class _NotTraining:
@@ -908,38 +899,6 @@ class _NotTraining:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_module"], name)
-
-
-def _fast_path_forward(module: torch.nn.Module, names: tuple[str, ...]) -> Callable:
-    """The mixer's forward: a packed call runs its ``cuda_kernels_forward`` reading nopad's adapters for
-    ``names``; any other call its own forward."""
-    original = module.forward
-    owner = type(module).__name__
-    fast = getattr(type(module), _FAST_PATH)
-    globals_ = _innermost(fast).__globals__
-    adapters = {name: _FAST_PATH_ADAPTERS[name](globals_.get(name), owner) for name in names}
-    torch_path = dict(_methods(type(module))).get("torch_forward")
-    if "mamba_chunk_scan_combined" in adapters and torch_path is not None and _clamps_at_minimum(torch_path, fast):
-        adapters["mamba_chunk_scan_combined"] = _torch_path_clamp(adapters["mamba_chunk_scan_combined"], module)
-    packed = rebind(fast, {**adapters, "torch": _OffCuda()})
-    # 5.10's forwards hand cuda_kernels_forward their first three parameters: states, cache, mask
-    params = list(inspect.signature(original).parameters)[:3]
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        row = _scoped_row(module, kwargs)
-        token = None if row is _KEEP else _LAYER_ROW.set(row)
-        try:
-            if _row_source(kwargs, owner) is None:
-                return original(*args, **kwargs)
-            given = {**dict(zip(params, args)), **kwargs}
-            states, cache, mask = (given.get(name) for name in params)
-            _no_state(owner, cache=cache)
-            return packed(_NotTraining(module), states, cache, mask)
-        finally:
-            if token is not None:
-                _LAYER_ROW.reset(token)
-
-    return forward
 
 
 _KEEP = object()
@@ -965,41 +924,79 @@ def _scoped_row(module: torch.nn.Module, kwargs: dict) -> Any:
     return None if checkpointed else _KEEP
 
 
-def _row_forward(module: torch.nn.Module) -> Callable:
-    """The module's forward, the boundaries it is handed kept for the primitives the layers below it
-    call without them (:func:`_scoped_row`)."""
-    original = module.forward
+@dataclass(frozen=True, eq=False)
+class CarrierForward(Adapter):
+    """The forward of a module on the way down to a 5.10-shaped layer (or of that layer): its own (``run``),
+    the boundaries it is handed kept for the primitives the layers below it call without them
+    (:func:`_scoped_row`)."""
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        row = _scoped_row(module, kwargs)
+    module: torch.nn.Module = field(repr=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        row = _scoped_row(self.module, kwargs)
         if row is _KEEP:
-            return original(*args, **kwargs)
+            return self.run(*args, **kwargs)
         token = _LAYER_ROW.set(row)
         try:
-            return original(*args, **kwargs)
+            return self.run(*args, **kwargs)
         finally:
             _LAYER_ROW.reset(token)
 
-    return forward
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        return self.original(*args, **kwargs)
 
 
-def _short_conv_forward(module: torch.nn.Module) -> Callable:
-    """olmo_hybrid's short conv (a depthwise ``nn.Conv1d`` with a forward of its own, called with
-    ``(x, cache=, use_precomputed=, output_final_state=)`` and returning ``(out, conv state)``): a packed
-    call convolves each sequence alone, and returns no state; any other call runs its own forward."""
-    original = module.forward
+def _row_forward(module: torch.nn.Module) -> CarrierForward:
+    return CarrierForward(module.forward, type(module).__name__, module)
+
+
+@dataclass(frozen=True, eq=False)
+class MixerForward(CarrierForward):
+    """A 5.10 mixer's forward in a route: a packed call runs ``packed``, its ``cuda_kernels_forward`` reading
+    nopad's adapters, with the mixer read as not training; any other call its own forward."""
+
+    packed: Callable = field(repr=False)
+    params: list[str] = field(repr=False)  # what 5.10's forwards hand cuda_kernels_forward: states, cache, mask
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        if _row_source(kwargs, self.owner) is None:
+            return self.original(*args, **kwargs)
+        given = {**dict(zip(self.params, args)), **kwargs}
+        states, cache, mask = (given.get(name) for name in self.params)
+        _no_state(self.owner, cache=cache)
+        return self.packed(_NotTraining(self.module), states, cache, mask)
+
+
+def _fast_path_forward(module: torch.nn.Module, names: tuple[str, ...]) -> MixerForward:
+    """The mixer's forward, its ``cuda_kernels_forward`` reading nopad's adapters for ``names``."""
     owner = type(module).__name__
-    conv = _conv_adapter(original, owner)
+    fast = getattr(type(module), _FAST_PATH)
+    globals_ = _innermost(fast).__globals__
+    adapters = {n: _FAST_PATH_ADAPTERS[n](globals_.get(n) or _FAST_PATH_FALLBACKS.get(n), owner) for n in names}
+    torch_path, scan = dict(_methods(type(module))).get("torch_forward"), "mamba_chunk_scan_combined"
+    if scan in adapters and torch_path is not None and _clamps_at_minimum(torch_path, fast):
+        adapters[scan] = MixerSSDScan(globals_.get(scan), owner, module, bool(globals_.get("is_fast_path_available")))
+    packed = rebind(fast, {**adapters, "torch": _OffCuda()})
+    return MixerForward(module.forward, owner, module, packed, list(inspect.signature(module.forward).parameters)[:3])
 
-    def forward(hidden_states: Tensor, cache: Any = None, use_precomputed: bool = False, **kwargs: Any) -> Any:
-        if _row_source(kwargs, owner) is None:
-            return original(hidden_states, cache=cache, use_precomputed=use_precomputed, **kwargs)
-        _no_state(owner, cache=cache, use_precomputed=use_precomputed)
-        weight = module.weight.squeeze(1)  # type: ignore[operator]
-        out = conv(hidden_states.transpose(1, 2), weight, module.bias, activation=module.act_fn)
+
+@dataclass(frozen=True, eq=False)
+class PackedShortConv(PackedConv):
+    """The forward of olmo_hybrid's short conv in 5.10 (a depthwise ``nn.Conv1d`` called with ``(x, cache=,
+    use_precomputed=, output_final_state=)``, returning ``(out, conv state)``): a packed call convolves each
+    sequence alone and returns no state; any other call runs its own forward."""
+
+    module: torch.nn.Module = field(repr=False)
+
+    def __call__(  # type: ignore[override]  # the conv's forward, which only its module calls
+        self, hidden_states: Tensor, cache: Any = None, use_precomputed: bool = False, **kwargs: Any
+    ) -> Any:
+        if _row_source(kwargs, self.owner) is None:
+            return self.original(hidden_states, cache=cache, use_precomputed=use_precomputed, **kwargs)
+        _no_state(self.owner, cache=cache, use_precomputed=use_precomputed)
+        weight = self.module.weight.squeeze(1)  # type: ignore[operator]
+        out = super().__call__(hidden_states.transpose(1, 2), weight, self.module.bias, activation=self.module.act_fn)
         return out.transpose(1, 2), None
-
-    return forward
 
 
 # the convs a 5.10-shaped gated delta net holds beside the primitives it keeps as attributes: its
@@ -1011,17 +1008,13 @@ def _shaped_510(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Any
     """What a 5.10-shaped state layer gets in a route: (module, attribute, value), its short convs'
     forwards among them; nothing for other layers."""
     survey = _class_survey(type(module))
-    owner = type(module).__name__
     if survey.fast_path:
         return [(module, "forward", _fast_path_forward(module, survey.fast_path))]
     if not survey.attributes:
         return []
-    patched = [
-        (module, name, _ATTRIBUTE_ADAPTERS[name](module, getattr(module, name, None), owner))
-        for name in survey.attributes
-    ]
+    patched = [(module, name, _attribute_adapter(module, name)) for name in survey.attributes]
     patched += [
-        (conv, "forward", _short_conv_forward(conv))
+        (conv, "forward", PackedShortConv(conv.forward, type(conv).__name__, conv))
         for conv in module.modules()
         if isinstance(conv, torch.nn.Conv1d) and _SHORT_CONV.search(type(conv).__name__)
     ]
@@ -1059,20 +1052,26 @@ def _unserved_convs(module: torch.nn.Module) -> list[str]:
 # ---- registered packed forms ------------------------------------------------------------------------
 
 
-def _registered_forward(module: torch.nn.Module, form: Callable) -> Callable:
-    original = module.forward
-    owner = type(module).__name__
+@dataclass(frozen=True, eq=False)
+class RegisteredForward(Adapter):
+    """The forward of a module whose class has a registered packed form: a packed call runs
+    ``form(module, row, *args, **kwargs)``; any other call its own forward."""
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    module: torch.nn.Module = field(repr=False)
+    form: Callable
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tokens = next(
             (a.shape[0] * a.shape[1] for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and a.dim() >= 2), 0
         )
-        call = _packed_call(kwargs, owner, tokens)
+        call = _packed_call(kwargs, self.owner, tokens)
         if call is None:
-            return original(*args, **kwargs)
-        return form(module, call.row, *args, **kwargs)
+            return self.original(*args, **kwargs)
+        return self.form(self.module, call.row, *args, **kwargs)
 
-    return forward
+
+def _registered_forward(module: torch.nn.Module, form: Callable) -> RegisteredForward:
+    return RegisteredForward(module.forward, type(module).__name__, module, form)
 
 
 # ---- the guard -------------------------------------------------------------------------------------
