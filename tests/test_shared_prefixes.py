@@ -338,3 +338,144 @@ def test_the_tiled_attention_equals_causal_attention_over_each_row(batch, tile, 
             *(t[span].transpose(0, 1) for t in (rows_q, rows_k, rows_v)), attn_mask=allowed, scale=0.7, enable_gqa=True
         )
         torch.testing.assert_close(got[span], want.transpose(0, 1))
+
+
+# ---- the state-carrying layers: each completion continues from its prompt's final state ----------------
+
+
+def shared_row(plan):
+    from nopad.core._layout import device_to_host
+    from nopad.modeling._layers import SharedPrefixRow
+
+    leads = plan.leader == torch.arange(plan.rows)
+    order = plan.block_order
+    parts = torch.stack(
+        [(plan.prompt_lengths * leads).index_select(0, order), plan.completion_lengths.index_select(0, order)]
+    )
+    return SharedPrefixRow(*device_to_host(parts))
+
+
+def state_inputs(total: int, seed: int):
+    """Random inputs of the three forms over ``total`` tokens (conv: 6 channels; GDN: 2 value heads over
+    1 key head; SSD: 2 heads, 1 group), float32, leaves that require grad."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, low=-1.0, high=1.0):
+        return (torch.rand(*shape, generator=gen) * (high - low) + low).requires_grad_()
+
+    return {
+        "conv": (rand(6, total), rand(6, 4), rand(6)),
+        "gdn": (
+            rand(total, 1, 4),
+            rand(total, 1, 4),
+            rand(total, 2, 3),
+            rand(total, 2, low=-1, high=0),
+            rand(total, 2, low=0),
+        ),
+        "ssd": (
+            rand(total, 2, 3),
+            rand(total, 2),
+            rand(2, low=-2, high=-0.5),
+            rand(total, 1, 4),
+            rand(total, 1, 4),
+            rand(total, 2, 3),
+        ),
+    }
+
+
+def run_form(form: str, inputs, row, chunk: int, kernel_size: int):
+    """(T, *) the form's output over ``row`` (tokens first), from per-token inputs and parameters."""
+    from nopad.modeling._layers import causal_conv1d, gated_delta_rule, ssd_scan
+
+    if form == "conv":
+        x, weight, bias = inputs
+        return causal_conv1d(x, weight[:, :kernel_size], bias, row, activation="silu").t()
+    if form == "gdn":
+        return gated_delta_rule(*inputs, row, chunk_size=chunk, use_qk_l2norm=True)
+    x, dt, A, B, C, z = inputs
+    D, dt_bias = torch.linspace(-1, 1, 2), torch.linspace(0.5, -0.5, 2)
+    return ssd_scan(x, dt, A, B, C, row, chunk_size=chunk, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
+
+
+def per_token(form: str, inputs, index: torch.Tensor):
+    """The inputs with their token axis gathered by ``index`` (parameters as they are)."""
+    if form == "conv":
+        x, weight, bias = inputs
+        return (x.index_select(1, index), weight, bias)
+    token_axis = {"gdn": (0, 1, 2, 3, 4), "ssd": (0, 1, 3, 4, 5)}[form]
+    return tuple(t.index_select(0, index) if i in token_axis else t for i, t in enumerate(inputs))
+
+
+@settings(max_examples=15, deadline=None)
+@given(batches(), st.sampled_from(["conv", "gdn", "ssd"]), st.integers(1, 4), st.integers(1, 4))
+def test_the_state_forms_on_the_shared_layout_equal_each_row_alone_forward_and_backward(
+    batch, form, chunk, kernel_size
+):
+    from nopad.modeling._layers import PackedRow
+
+    prompts, completions = batch
+    plan = plan_shared_prefixes(*join_prompts(nested(prompts), nested(completions)))
+    inputs = state_inputs(plan.total, seed=plan.total)[form]
+    weights = torch.randn(plan.rows_total, generator=torch.Generator().manual_seed(1))
+    got = plan.unpack(run_form(form, inputs, shared_row(plan), chunk, kernel_size))  # every row's tokens
+    alone_row = PackedRow.from_cu_seqlens(plan.row_offsets)  # each row alone, its prompt its own
+    want = run_form(form, per_token(form, inputs, plan.unpack_index), alone_row, chunk, kernel_size)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    loss = lambda out: (out.flatten(1).sum(1) * weights).sum()  # noqa: E731
+    got_grads = torch.autograd.grad(loss(got), inputs, allow_unused=True)
+    want_grads = torch.autograd.grad(loss(want), inputs, allow_unused=True)
+    for name, a, b in zip("abcdef", got_grads, want_grads):  # a prompt's gradient: its rows' summed, as theirs
+        if b is not None:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{form} grad {name}")
+
+
+def test_the_recurrent_forms_take_and_return_a_state_per_sequence():
+    from nopad.modeling._layers import PackedRow, _gated_delta_rule, _ssd_scan
+
+    # sequences of 3, 0 and 5 tokens, each run whole, then split after 1 / 0 / 2 tokens: the second
+    # parts from the first parts' final states give the same outputs and final states
+    row = PackedRow.from_lengths([3, 0, 5])
+    head, tail = torch.tensor([0, 3, 4]), torch.tensor([1, 2, 5, 6, 7])
+    halves = PackedRow.from_lengths([1, 0, 2]), PackedRow.from_lengths([2, 0, 3])
+    gdn, ssd = state_inputs(8, seed=3)["gdn"], state_inputs(8, seed=4)["ssd"]
+    runs = (
+        (lambda *a, **o: _gated_delta_rule(*a, 2, None, True, **o), gdn, "initial_state"),
+        (lambda *a, **o: _ssd_scan(*a, 2, dt_softplus=True, **o), ssd[:5], "initial_states"),
+    )
+    for run, inputs, initial in runs:
+
+        def part(index, inputs=inputs):
+            return tuple(t.index_select(0, index) if t.dim() > 1 else t for t in inputs)
+
+        out, final = run(*inputs, row, final_state=True)
+        first, state = run(*part(head), halves[0], final_state=True)
+        assert torch.equal(state[1], torch.zeros_like(state[1]))  # an empty sequence: its initial (zero) state
+        second, final_2 = run(*part(tail), halves[1], final_state=True, **{initial: state})
+        joined = torch.cat([first, second]).index_select(0, torch.argsort(torch.cat([head, tail])))
+        torch.testing.assert_close(joined, out)
+        torch.testing.assert_close(final_2, final)
+        assert torch.equal(final_2[1], state[1])  # empty again: the state it was given
+
+
+def test_the_state_forms_are_a_fixed_number_of_ops_whatever_the_groups():
+    counts = {}
+    for rows in (8, 512):
+        prompts, completions = [], []
+        # groups of 4 rows; the longest prompt (9) and completion (6) twice in both batches (a step of
+        # one sequence lets torch's matmul take views where it copies for several: other op names)
+        for g in range(rows // 4):
+            prompt = [1 + (g + t) % 50 for t in range(9 if g < 2 else 1 + g % 9)]
+            prompts += [prompt] * 4
+            completions += [[2 + t for t in range(6 if g < 2 and r == 0 else (r + g) % 7)] for r in range(4)]
+        plan = plan_shared_prefixes(*join_prompts(nested(prompts), nested(completions)))
+        with OpCounter() as counter:
+            row = shared_row(plan)
+        counts.setdefault("row", []).append((counter.ops, counter.syncs))
+        for form in ("conv", "gdn", "ssd"):
+            inputs = state_inputs(plan.total, seed=0)[form]
+            with OpCounter() as counter:
+                run_form(form, inputs, row, 4, 4)
+            counts.setdefault(form, []).append((counter.ops, counter.syncs))
+    for what, (small, large) in counts.items():
+        assert small == large, (what, counts)
+        assert small[1] == (1 if what == "row" else 0), (what, counts)
