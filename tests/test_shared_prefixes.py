@@ -245,15 +245,16 @@ def test_a_llama_on_the_shared_layout_equals_each_row_alone(tile):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_a_model_with_state_carrying_layers_is_refused_by_name():
+def test_a_state_layer_without_a_shared_prefix_form_is_refused_by_name():
     from nopad._apps.families import tiny_model
+    from nopad.modeling._routing import route_of
 
-    model = tiny_model("lfm2")
+    model = tiny_model("mamba")  # Mamba's selective scan: no form that takes a prompt's final state
     if isinstance(model, str):
         pytest.skip(model)
-    with pytest.raises(ValueError, match=r"model: expected a model whose every position-mixing layer is softmax.*Lfm2"):
+    with pytest.raises(ValueError, match=r"model: expected a model whose position-mixing layers are .*MambaMixer"):
         use_shared_prefix_attention(model)
-    assert model.config._attn_implementation != "nopad_shared"
+    assert model.config._attn_implementation != "nopad_shared" and route_of(model) is None  # nothing changed
 
 
 def test_the_attention_refuses_a_model_it_has_not_checked_and_a_missing_plan():
@@ -344,15 +345,9 @@ def test_the_tiled_attention_equals_causal_attention_over_each_row(batch, tile, 
 
 
 def shared_row(plan):
-    from nopad.core._layout import device_to_host
-    from nopad.modeling._layers import SharedPrefixRow
+    from nopad.modeling._prefixes import shared_prefix_row
 
-    leads = plan.leader == torch.arange(plan.rows)
-    order = plan.block_order
-    parts = torch.stack(
-        [(plan.prompt_lengths * leads).index_select(0, order), plan.completion_lengths.index_select(0, order)]
-    )
-    return SharedPrefixRow(*device_to_host(parts))
+    return shared_prefix_row(plan)
 
 
 def state_inputs(total: int, seed: int):
@@ -479,3 +474,73 @@ def test_the_state_forms_are_a_fixed_number_of_ops_whatever_the_groups():
     for what, (small, large) in counts.items():
         assert small == large, (what, counts)
         assert small[1] == (1 if what == "row" else 0), (what, counts)
+
+
+def hybrid(family: str, seed: int = 0):
+    """A tiny random-weight model of ``family`` (fp32, eval): its state layers' chunks shrunk (Bamba's
+    scan to 4 tokens) and Gemma 3's window to 4, so that sequences cross them."""
+    from nopad._apps.families import tiny_config, tiny_model
+
+    if family == "gemma3_text":
+        from transformers import Gemma3ForCausalLM
+
+        config = tiny_config(family)
+        config.sliding_window = 4
+        torch.manual_seed(seed)
+        return Gemma3ForCausalLM(config).float().eval()
+    model = tiny_model(family, seed)
+    if isinstance(model, str):
+        pytest.skip(model)
+    for module in model.modules():
+        if hasattr(module, "A_log") and isinstance(getattr(module, "chunk_size", None), int):
+            module.chunk_size = 4
+    return model
+
+
+def max_grad_error(model, reference) -> tuple[float, str]:
+    """The worst gradient difference over every parameter, relative to max(1, the parameter's largest
+    gradient) as tests/test_packed_models.py measures it, and that parameter's name."""
+    worst = (0.0, "")
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert (got.grad is None) == (want.grad is None), name
+        if want.grad is not None:
+            diff = (got.grad.double() - want.grad.double()).abs().max().item()
+            worst = max(worst, (diff / max(1.0, want.grad.abs().max().item()), name))
+    return worst
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5_text", "bamba", "gemma3_text"])
+def test_a_hybrid_on_the_shared_layout_equals_each_row_alone_with_every_gradient(family):
+    reference, model = hybrid(family), hybrid(family)
+    use_shared_prefix_attention(model)
+    if family == "bamba":  # training mode: the fused Mamba2 kernel's path, sent down the unfused conv and scan
+        reference.train(), model.train()
+    vocab = model.config.vocab_size
+    # groups of 16, 1, 3 and 2 rows; prompts of 5, 1, 9 and 4 tokens; completions of 0 to 7
+    prompts, completions = grpo_rows(1, [5, 1, 9, 4], [16, 1, 3, 2], 7, vocab=vocab)
+    input_ids, prompt_lengths = join_prompts(nested(prompts), nested(completions))
+    values = input_ids.values()
+    plan = plan_shared_prefixes(input_ids, prompt_lengths)
+    assert plan.groups == 4 and plan.shared
+    weights = torch.randn(plan.rows, 16, generator=torch.Generator().manual_seed(0))
+    logits = model(input_ids=plan.pack(values)[None], shared_prefixes=plan, use_cache=False).logits[0]
+    shared = plan_logprobs(logits, plan, values)
+    sum((lp * weights[r, : lp.shape[0]]).sum() for r, lp in enumerate(shared)).backward()
+    for r, (p, c) in enumerate(zip(prompts, completions)):  # each (prompt + completion) alone
+        alone = reference(input_ids=torch.tensor([p + c]), use_cache=False).logits[0]
+        lp = completion_logprobs(alone, plan_shared_prefixes(nested([p + c]), [len(p)]), torch.tensor(p + c))[0]
+        torch.testing.assert_close(shared[r], lp, atol=1e-5, rtol=1e-5)
+        (lp * weights[r, : lp.shape[0]]).sum().backward()
+    error, name = max_grad_error(model, reference)
+    assert error <= 1e-5, (family, name, error)
+
+
+def test_boundaries_given_beside_the_plan_are_refused_by_name():
+    model = use_shared_prefix_attention(hybrid("lfm2"))
+    plan = plan_shared_prefixes(*join_prompts(nested([[1, 2], [1, 2]]), nested([[3], [4, 5]])))
+    ids = plan.pack(torch.tensor([1, 2, 3, 1, 2, 4, 5]))[None]
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q: expected None with shared_prefixes"):
+        model(input_ids=ids, shared_prefixes=plan, cu_seq_lens_q=plan.cu_seqlens_q, use_cache=False)
+    with pytest.raises(ValueError, match=r"kernel: expected 'auto' or 'torch' for a shared-prefix row"):
+        run_form_kernel = __import__("nopad.modeling._layers", fromlist=["causal_conv1d"]).causal_conv1d
+        run_form_kernel(torch.ones(2, plan.total), torch.ones(2, 3), None, shared_row(plan), kernel="causal-conv1d")
