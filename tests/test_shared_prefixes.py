@@ -455,13 +455,7 @@ def test_the_recurrent_forms_take_and_return_a_state_per_sequence():
 def test_the_state_forms_are_a_fixed_number_of_ops_whatever_the_groups():
     counts = {}
     for rows in (8, 512):
-        prompts, completions = [], []
-        # groups of 4 rows; the longest prompt (9) and completion (6) twice in both batches (a step of
-        # one sequence lets torch's matmul take views where it copies for several: other op names)
-        for g in range(rows // 4):
-            prompt = [1 + (g + t) % 50 for t in range(9 if g < 2 else 1 + g % 9)]
-            prompts += [prompt] * 4
-            completions += [[2 + t for t in range(6 if g < 2 and r == 0 else (r + g) % 7)] for r in range(4)]
+        prompts, completions = equal_length_batches(rows)
         plan = plan_shared_prefixes(*join_prompts(nested(prompts), nested(completions)))
         with OpCounter() as counter:
             row = shared_row(plan)
@@ -509,12 +503,15 @@ def max_grad_error(model, reference) -> tuple[float, str]:
     return worst
 
 
-@pytest.mark.parametrize("family", ["lfm2", "qwen3_5_text", "bamba", "gemma3_text"])
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5_text", "bamba", "gemma3_text", "qwen3_5_text-checkpointed"])
 def test_a_hybrid_on_the_shared_layout_equals_each_row_alone_with_every_gradient(family):
+    family, _, checkpointed = family.partition("-")
     reference, model = hybrid(family), hybrid(family)
     use_shared_prefix_attention(model)
     if family == "bamba":  # training mode: the fused Mamba2 kernel's path, sent down the unfused conv and scan
         reference.train(), model.train()
+    if checkpointed:  # each layer recomputed in backward: the plan's row reaches it again through the kwargs
+        model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     vocab = model.config.vocab_size
     # groups of 16, 1, 3 and 2 rows; prompts of 5, 1, 9 and 4 tokens; completions of 0 to 7
     prompts, completions = grpo_rows(1, [5, 1, 9, 4], [16, 1, 3, 2], 7, vocab=vocab)
@@ -544,3 +541,31 @@ def test_boundaries_given_beside_the_plan_are_refused_by_name():
     with pytest.raises(ValueError, match=r"kernel: expected 'auto' or 'torch' for a shared-prefix row"):
         run_form_kernel = __import__("nopad.modeling._layers", fromlist=["causal_conv1d"]).causal_conv1d
         run_form_kernel(torch.ones(2, plan.total), torch.ones(2, 3), None, shared_row(plan), kernel="causal-conv1d")
+
+
+def equal_length_batches(rows: int):
+    """Groups of 4 rows; the longest prompt (9) and completion (6) twice whatever ``rows`` (the state
+    forms' loops run as many steps as the longest has chunks; a step of one sequence lets torch's
+    matmul take views where it copies for several: other op names). Returns (prompts, completions)."""
+    prompts, completions = [], []
+    for g in range(rows // 4):
+        prompt = [1 + (g + t) % 50 for t in range(9 if g < 2 else 1 + g % 9)]
+        prompts += [prompt] * 4
+        completions += [[2 + t for t in range(6 if g < 2 and r == 0 else (r + g) % 7)] for r in range(4)]
+    return prompts, completions
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5_text", "bamba", "gemma3_text"])
+def test_a_hybrid_forward_and_backward_is_a_fixed_number_of_ops_whatever_the_groups(family):
+    model = use_shared_prefix_attention(hybrid(family))
+    counts = []
+    for rows in (8, 512):
+        input_ids, prompt_lengths = join_prompts(*(nested(t) for t in equal_length_batches(rows)))
+        plan = plan_shared_prefixes(input_ids, prompt_lengths)
+        model.zero_grad(set_to_none=True)
+        with OpCounter() as counter:
+            out = model(input_ids=plan.pack(input_ids.values())[None], shared_prefixes=plan, use_cache=False)
+            out.logits.sum().backward()
+        counts.append((counter.by_op, counter.syncs))
+    # syncs: the row's lengths (one per plan) and transformers' own mask preparation reading the position ids
+    assert counts[0] == counts[1] and counts[0][1] <= 2, counts
