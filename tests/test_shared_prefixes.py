@@ -541,6 +541,10 @@ def test_boundaries_given_beside_the_plan_are_refused_by_name():
     with pytest.raises(ValueError, match=r"kernel: expected 'auto' or 'torch' for a shared-prefix row"):
         run_form_kernel = __import__("nopad.modeling._layers", fromlist=["causal_conv1d"]).causal_conv1d
         run_form_kernel(torch.ones(2, plan.total), torch.ones(2, 3), None, shared_row(plan), kernel="causal-conv1d")
+    from nopad.modeling._layers import SharedPrefixRow
+
+    with pytest.raises(ValueError, match=r"row: expected blocks of a prompt .*, got prompt parts \[0, 2\]"):
+        SharedPrefixRow([0, 2], [1, 1])  # the first block holds no prompt: its completion continues nothing
 
 
 def equal_length_batches(rows: int):

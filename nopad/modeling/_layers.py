@@ -921,7 +921,8 @@ def causal_conv1d(
     ``kernel``: "auto" runs causal-conv1d (seq_idx) where it is installed, on CUDA, and passed its
     probe, with a ``silu`` or no activation; "torch" the torch form (:func:`torch_causal_conv1d`);
     "causal-conv1d" requires the kernel. Shapes, dtypes and the activation are checked here (no op,
-    no sync): a bad one is a ValueError naming the argument, what was expected and what came.
+    no sync): a bad one is a ValueError naming the argument, what was expected and what came. A
+    :class:`SharedPrefixRow` runs the shared-prefix form (torch: ``kernel`` "auto" or "torch").
     """
     _check_conv(x, weight, bias, row, activation)
     if isinstance(row, SharedPrefixRow):
@@ -952,7 +953,8 @@ def gated_delta_rule(
     :func:`torch_gated_delta_rule`. ``kernel``: "auto" runs flash-linear-attention's
     ``chunk_gated_delta_rule(cu_seqlens=...)`` where it is installed, on CUDA, and passed its
     probe (with its own chunking); "torch" the torch form; "flash-linear-attention" requires it.
-    Shapes, dtypes and ``chunk_size`` are checked here (no op, no sync).
+    Shapes, dtypes and ``chunk_size`` are checked here (no op, no sync). A :class:`SharedPrefixRow`
+    runs the shared-prefix form (torch: ``kernel`` "auto" or "torch").
     """
     _check_gdn(q, k, v, g, beta, row, chunk_size, use_qk_l2norm)
     if isinstance(row, SharedPrefixRow):
@@ -985,7 +987,8 @@ def ssd_scan(
     x (T, H, P); dt (T, H); A (H,); B, C (T, G, N) -> (T, H, P) float32: see :func:`torch_ssd_scan`.
     ``kernel``: "auto" runs mamba-ssm's ``mamba_chunk_scan_combined(seq_idx=...)`` where it is
     installed, on CUDA, and passed its probe; "torch" the torch form; "mamba-ssm" requires it.
-    Shapes, dtypes and ``chunk_size`` are checked here (no op, no sync).
+    Shapes, dtypes and ``chunk_size`` are checked here (no op, no sync). A :class:`SharedPrefixRow`
+    runs the shared-prefix form (torch: ``kernel`` "auto" or "torch").
     """
     options: dict[str, Any] = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     _check_ssd(x, dt, A, B, C, row, chunk_size, options)
