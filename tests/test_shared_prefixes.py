@@ -513,12 +513,13 @@ def test_a_hybrid_on_the_shared_layout_equals_each_row_alone_with_every_gradient
     if checkpointed:  # each layer recomputed in backward: the plan's row reaches it again through the kwargs
         model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     vocab = model.config.vocab_size
-    # groups of 16, 1, 3 and 2 rows; prompts of 5, 1, 9 and 4 tokens; completions of 0 to 7
-    prompts, completions = grpo_rows(1, [5, 1, 9, 4], [16, 1, 3, 2], 7, vocab=vocab)
+    # groups of 16, 1, 3, 2 and 2 rows; prompts of 5, 1, 9, 4 and 70 tokens (past the gated delta rule's
+    # 64-token chunk); completions of 0 to 7
+    prompts, completions = grpo_rows(1, [5, 1, 9, 4, 70], [16, 1, 3, 2, 2], 7, vocab=vocab)
     input_ids, prompt_lengths = join_prompts(nested(prompts), nested(completions))
     values = input_ids.values()
     plan = plan_shared_prefixes(input_ids, prompt_lengths)
-    assert plan.groups == 4 and plan.shared
+    assert plan.groups == 5 and plan.shared
     weights = torch.randn(plan.rows, 16, generator=torch.Generator().manual_seed(0))
     logits = model(input_ids=plan.pack(values)[None], shared_prefixes=plan, use_cache=False).logits[0]
     shared = plan_logprobs(logits, plan, values)
