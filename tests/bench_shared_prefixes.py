@@ -1,7 +1,11 @@
-"""CPU micro-benchmark of issue 38's first slice: a tiny Llama's forward + backward over one GRPO group,
-packed with shared prefixes against packed without (the same exact attention over both plans).
+"""CPU micro-benchmark of issue 38: a tiny model's forward + backward over one GRPO group, packed with
+shared prefixes against packed without (the same exact attention and state-layer forms over both plans).
 
-    OMP_NUM_THREADS=1 python -m tests.bench_shared_prefixes [--prompt 1024] [--repeats 3]
+    OMP_NUM_THREADS=1 python -m tests.bench_shared_prefixes [--model llama|lfm2|qwen3_5_text|bamba]
+        [--prompt 1024] [--repeats 3]
+
+``--model``: a tiny Llama (default) or a tiny random-weight hybrid of that transformers model type
+(LFM2's short convs, Qwen3.5's gated delta nets, Bamba's Mamba2 mixers, each beside attention).
 
 Prints times, their ratio and the token ratio; asserts nothing about time.
 """
@@ -34,18 +38,31 @@ def step(model: torch.nn.Module, plan, values: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def tiny(name: str) -> torch.nn.Module:
+    if name == "llama":
+        return tiny_llama()
+    from nopad._apps.families import tiny_model
+
+    model = tiny_model(name)
+    if isinstance(model, str):
+        raise SystemExit(f"{name}: {model}")
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama")
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--completions", type=int, nargs="+", default=[128 * k for k in range(1, 9)])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, 97, (args.prompt,), generator=gen)
-    completions = [torch.randint(1, 97, (n,), generator=gen) for n in args.completions]
+    model = use_shared_prefix_attention(tiny(args.model)).train()
+    vocab = min(97, model.config.vocab_size)
+    prompt = torch.randint(1, vocab, (args.prompt,), generator=gen)
+    completions = [torch.randint(1, vocab, (n,), generator=gen) for n in args.completions]
     input_ids, prompt_lengths = join_prompts(nested([prompt] * len(completions)), nested(completions))
     values = input_ids.values()
-    model = use_shared_prefix_attention(tiny_llama()).train()
     plans = {
         "shared": plan_shared_prefixes(input_ids, prompt_lengths),
         "plain": plan_shared_prefixes(input_ids, prompt_lengths, share=False),
@@ -59,8 +76,9 @@ def main() -> None:
     shared, plain = (statistics.median(times[name]) for name in ("shared", "plain"))
     tokens = plans["plain"].total / plans["shared"].total
     print(
-        f"prompt {args.prompt}, {len(completions)} completions of {min(args.completions)}-{max(args.completions)} "
-        f"tokens: packed {plans['plain'].total} tokens {plain * 1e3:.0f} ms, shared prefixes "
+        f"{args.model}: prompt {args.prompt}, {len(completions)} completions of "
+        f"{min(args.completions)}-{max(args.completions)} tokens: "
+        f"packed {plans['plain'].total} tokens {plain * 1e3:.0f} ms, shared prefixes "
         f"{plans['shared'].total} tokens {shared * 1e3:.0f} ms (fwd+bwd, median of {args.repeats}); "
         f"speed-up {plain / shared:.2f}x, token ratio {tokens:.2f}x"
     )

@@ -245,15 +245,16 @@ def test_a_llama_on_the_shared_layout_equals_each_row_alone(tile):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_a_model_with_state_carrying_layers_is_refused_by_name():
+def test_a_state_layer_without_a_shared_prefix_form_is_refused_by_name():
     from nopad._apps.families import tiny_model
+    from nopad.modeling._routing import route_of
 
-    model = tiny_model("lfm2")
+    model = tiny_model("mamba")  # Mamba's selective scan: no form that takes a prompt's final state
     if isinstance(model, str):
         pytest.skip(model)
-    with pytest.raises(ValueError, match=r"model: expected a model whose every position-mixing layer is softmax.*Lfm2"):
+    with pytest.raises(ValueError, match=r"model: expected a model whose position-mixing layers are .*MambaMixer"):
         use_shared_prefix_attention(model)
-    assert model.config._attn_implementation != "nopad_shared"
+    assert model.config._attn_implementation != "nopad_shared" and route_of(model) is None  # nothing changed
 
 
 def test_the_attention_refuses_a_model_it_has_not_checked_and_a_missing_plan():
@@ -338,3 +339,238 @@ def test_the_tiled_attention_equals_causal_attention_over_each_row(batch, tile, 
             *(t[span].transpose(0, 1) for t in (rows_q, rows_k, rows_v)), attn_mask=allowed, scale=0.7, enable_gqa=True
         )
         torch.testing.assert_close(got[span], want.transpose(0, 1))
+
+
+# ---- the state-carrying layers: each completion continues from its prompt's final state ----------------
+
+
+def shared_row(plan):
+    from nopad.modeling._prefixes import shared_prefix_row
+
+    return shared_prefix_row(plan)
+
+
+def state_inputs(total: int, seed: int):
+    """Random inputs of the three forms over ``total`` tokens (conv: 6 channels; GDN: 2 value heads over
+    1 key head; SSD: 2 heads, 1 group), float32, leaves that require grad."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, low=-1.0, high=1.0):
+        return (torch.rand(*shape, generator=gen) * (high - low) + low).requires_grad_()
+
+    return {
+        "conv": (rand(6, total), rand(6, 4), rand(6)),
+        "gdn": (
+            rand(total, 1, 4),
+            rand(total, 1, 4),
+            rand(total, 2, 3),
+            rand(total, 2, low=-1, high=0),
+            rand(total, 2, low=0),
+        ),
+        "ssd": (
+            rand(total, 2, 3),
+            rand(total, 2),
+            rand(2, low=-2, high=-0.5),
+            rand(total, 1, 4),
+            rand(total, 1, 4),
+            rand(total, 2, 3),
+        ),
+    }
+
+
+def run_form(form: str, inputs, row, chunk: int, kernel_size: int):
+    """(T, *) the form's output over ``row`` (tokens first), from per-token inputs and parameters."""
+    from nopad.modeling._layers import causal_conv1d, gated_delta_rule, ssd_scan
+
+    if form == "conv":
+        x, weight, bias = inputs
+        return causal_conv1d(x, weight[:, :kernel_size], bias, row, activation="silu").t()
+    if form == "gdn":
+        return gated_delta_rule(*inputs, row, chunk_size=chunk, use_qk_l2norm=True)
+    x, dt, A, B, C, z = inputs
+    D, dt_bias = torch.linspace(-1, 1, 2), torch.linspace(0.5, -0.5, 2)
+    return ssd_scan(x, dt, A, B, C, row, chunk_size=chunk, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
+
+
+def per_token(form: str, inputs, index: torch.Tensor):
+    """The inputs with their token axis gathered by ``index`` (parameters as they are)."""
+    if form == "conv":
+        x, weight, bias = inputs
+        return (x.index_select(1, index), weight, bias)
+    token_axis = {"gdn": (0, 1, 2, 3, 4), "ssd": (0, 1, 3, 4, 5)}[form]
+    return tuple(t.index_select(0, index) if i in token_axis else t for i, t in enumerate(inputs))
+
+
+@settings(max_examples=15, deadline=None)
+@given(batches(), st.sampled_from(["conv", "gdn", "ssd"]), st.integers(1, 4), st.integers(1, 4))
+def test_the_state_forms_on_the_shared_layout_equal_each_row_alone_forward_and_backward(
+    batch, form, chunk, kernel_size
+):
+    from nopad.modeling._layers import PackedRow
+
+    prompts, completions = batch
+    plan = plan_shared_prefixes(*join_prompts(nested(prompts), nested(completions)))
+    inputs = state_inputs(plan.total, seed=plan.total)[form]
+    weights = torch.randn(plan.rows_total, generator=torch.Generator().manual_seed(1))
+    got = plan.unpack(run_form(form, inputs, shared_row(plan), chunk, kernel_size))  # every row's tokens
+    alone_row = PackedRow.from_cu_seqlens(plan.row_offsets)  # each row alone, its prompt its own
+    want = run_form(form, per_token(form, inputs, plan.unpack_index), alone_row, chunk, kernel_size)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    loss = lambda out: (out.flatten(1).sum(1) * weights).sum()  # noqa: E731
+    got_grads = torch.autograd.grad(loss(got), inputs, allow_unused=True)
+    want_grads = torch.autograd.grad(loss(want), inputs, allow_unused=True)
+    for name, a, b in zip("abcdef", got_grads, want_grads):  # a prompt's gradient: its rows' summed, as theirs
+        if b is not None:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{form} grad {name}")
+
+
+def test_the_recurrent_forms_take_and_return_a_state_per_sequence():
+    from nopad.modeling._layers import PackedRow, _gated_delta_rule, _ssd_scan
+
+    # sequences of 3, 0 and 5 tokens, each run whole, then split after 1 / 0 / 2 tokens: the second
+    # parts from the first parts' final states give the same outputs and final states
+    row = PackedRow.from_lengths([3, 0, 5])
+    head, tail = torch.tensor([0, 3, 4]), torch.tensor([1, 2, 5, 6, 7])
+    halves = PackedRow.from_lengths([1, 0, 2]), PackedRow.from_lengths([2, 0, 3])
+    gdn, ssd = state_inputs(8, seed=3)["gdn"], state_inputs(8, seed=4)["ssd"]
+    runs = (
+        (lambda *a, **o: _gated_delta_rule(*a, 2, None, True, **o), gdn, "initial_state"),
+        (lambda *a, **o: _ssd_scan(*a, 2, dt_softplus=True, **o), ssd[:5], "initial_states"),
+    )
+    for run, inputs, initial in runs:
+
+        def part(index, inputs=inputs):
+            return tuple(t.index_select(0, index) if t.dim() > 1 else t for t in inputs)
+
+        out, final = run(*inputs, row, final_state=True)
+        first, state = run(*part(head), halves[0], final_state=True)
+        assert torch.equal(state[1], torch.zeros_like(state[1]))  # an empty sequence: its initial (zero) state
+        second, final_2 = run(*part(tail), halves[1], final_state=True, **{initial: state})
+        joined = torch.cat([first, second]).index_select(0, torch.argsort(torch.cat([head, tail])))
+        torch.testing.assert_close(joined, out)
+        torch.testing.assert_close(final_2, final)
+        assert torch.equal(final_2[1], state[1])  # empty again: the state it was given
+
+
+def test_the_state_forms_are_a_fixed_number_of_ops_whatever_the_groups():
+    counts = {}
+    for rows in (8, 512):
+        prompts, completions = equal_length_batches(rows)
+        plan = plan_shared_prefixes(*join_prompts(nested(prompts), nested(completions)))
+        with OpCounter() as counter:
+            row = shared_row(plan)
+        counts.setdefault("row", []).append((counter.ops, counter.syncs))
+        for form in ("conv", "gdn", "ssd"):
+            inputs = state_inputs(plan.total, seed=0)[form]
+            with OpCounter() as counter:
+                run_form(form, inputs, row, 4, 4)
+            counts.setdefault(form, []).append((counter.ops, counter.syncs))
+    for what, (small, large) in counts.items():
+        assert small == large, (what, counts)
+        assert small[1] == (1 if what == "row" else 0), (what, counts)
+
+
+def hybrid(family: str, seed: int = 0):
+    """A tiny random-weight model of ``family`` (fp32, eval): its state layers' chunks shrunk (Bamba's
+    scan to 4 tokens) and Gemma 3's window to 4, so that sequences cross them."""
+    from nopad._apps.families import tiny_config, tiny_model
+
+    if family == "gemma3_text":
+        from transformers import Gemma3ForCausalLM
+
+        config = tiny_config(family)
+        config.sliding_window = 4
+        torch.manual_seed(seed)
+        return Gemma3ForCausalLM(config).float().eval()
+    model = tiny_model(family, seed)
+    if isinstance(model, str):
+        pytest.skip(model)
+    for module in model.modules():
+        if hasattr(module, "A_log") and isinstance(getattr(module, "chunk_size", None), int):
+            module.chunk_size = 4
+    return model
+
+
+def max_grad_error(model, reference) -> tuple[float, str]:
+    """The worst gradient difference over every parameter, relative to max(1, the parameter's largest
+    gradient) as tests/test_packed_models.py measures it, and that parameter's name."""
+    worst = (0.0, "")
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert (got.grad is None) == (want.grad is None), name
+        if want.grad is not None:
+            diff = (got.grad.double() - want.grad.double()).abs().max().item()
+            worst = max(worst, (diff / max(1.0, want.grad.abs().max().item()), name))
+    return worst
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5_text", "bamba", "gemma3_text", "qwen3_5_text-checkpointed"])
+def test_a_hybrid_on_the_shared_layout_equals_each_row_alone_with_every_gradient(family):
+    family, _, checkpointed = family.partition("-")
+    reference, model = hybrid(family), hybrid(family)
+    use_shared_prefix_attention(model)
+    if family == "bamba":  # training mode: the fused Mamba2 kernel's path, sent down the unfused conv and scan
+        reference.train(), model.train()
+    if checkpointed:  # each layer recomputed in backward: the plan's row reaches it again through the kwargs
+        model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    vocab = model.config.vocab_size
+    # groups of 16, 1, 3, 2 and 2 rows; prompts of 5, 1, 9, 4 and 70 tokens (past the gated delta rule's
+    # 64-token chunk); completions of 0 to 7
+    prompts, completions = grpo_rows(1, [5, 1, 9, 4, 70], [16, 1, 3, 2, 2], 7, vocab=vocab)
+    input_ids, prompt_lengths = join_prompts(nested(prompts), nested(completions))
+    values = input_ids.values()
+    plan = plan_shared_prefixes(input_ids, prompt_lengths)
+    assert plan.groups == 5 and plan.shared
+    weights = torch.randn(plan.rows, 16, generator=torch.Generator().manual_seed(0))
+    logits = model(input_ids=plan.pack(values)[None], shared_prefixes=plan, use_cache=False).logits[0]
+    shared = plan_logprobs(logits, plan, values)
+    sum((lp * weights[r, : lp.shape[0]]).sum() for r, lp in enumerate(shared)).backward()
+    for r, (p, c) in enumerate(zip(prompts, completions)):  # each (prompt + completion) alone
+        alone = reference(input_ids=torch.tensor([p + c]), use_cache=False).logits[0]
+        lp = completion_logprobs(alone, plan_shared_prefixes(nested([p + c]), [len(p)]), torch.tensor(p + c))[0]
+        torch.testing.assert_close(shared[r], lp, atol=1e-5, rtol=1e-5)
+        (lp * weights[r, : lp.shape[0]]).sum().backward()
+    error, name = max_grad_error(model, reference)
+    assert error <= 1e-5, (family, name, error)
+
+
+def test_boundaries_given_beside_the_plan_are_refused_by_name():
+    model = use_shared_prefix_attention(hybrid("lfm2"))
+    plan = plan_shared_prefixes(*join_prompts(nested([[1, 2], [1, 2]]), nested([[3], [4, 5]])))
+    ids = plan.pack(torch.tensor([1, 2, 3, 1, 2, 4, 5]))[None]
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q: expected None with shared_prefixes"):
+        model(input_ids=ids, shared_prefixes=plan, cu_seq_lens_q=plan.cu_seqlens_q, use_cache=False)
+    with pytest.raises(ValueError, match=r"kernel: expected 'auto' or 'torch' for a shared-prefix row"):
+        run_form_kernel = __import__("nopad.modeling._layers", fromlist=["causal_conv1d"]).causal_conv1d
+        run_form_kernel(torch.ones(2, plan.total), torch.ones(2, 3), None, shared_row(plan), kernel="causal-conv1d")
+    from nopad.modeling._layers import SharedPrefixRow
+
+    with pytest.raises(ValueError, match=r"row: expected blocks of a prompt .*, got prompt parts \[0, 2\]"):
+        SharedPrefixRow([0, 2], [1, 1])  # the first block holds no prompt: its completion continues nothing
+
+
+def equal_length_batches(rows: int):
+    """Groups of 4 rows; the longest prompt (9) and completion (6) twice whatever ``rows`` (the state
+    forms' loops run as many steps as the longest has chunks; a step of one sequence lets torch's
+    matmul take views where it copies for several: other op names). Returns (prompts, completions)."""
+    prompts, completions = [], []
+    for g in range(rows // 4):
+        prompt = [1 + (g + t) % 50 for t in range(9 if g < 2 else 1 + g % 9)]
+        prompts += [prompt] * 4
+        completions += [[2 + t for t in range(6 if g < 2 and r == 0 else (r + g) % 7)] for r in range(4)]
+    return prompts, completions
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5_text", "bamba", "gemma3_text"])
+def test_a_hybrid_forward_and_backward_is_a_fixed_number_of_ops_whatever_the_groups(family):
+    model = use_shared_prefix_attention(hybrid(family))
+    counts = []
+    for rows in (8, 512):
+        input_ids, prompt_lengths = join_prompts(*(nested(t) for t in equal_length_batches(rows)))
+        plan = plan_shared_prefixes(input_ids, prompt_lengths)
+        model.zero_grad(set_to_none=True)
+        with OpCounter() as counter:
+            out = model(input_ids=plan.pack(input_ids.values())[None], shared_prefixes=plan, use_cache=False)
+            out.logits.sum().backward()
+        counts.append((counter.by_op, counter.syncs))
+    # syncs: the row's lengths (one per plan) and transformers' own mask preparation reading the position ids
+    assert counts[0] == counts[1] and counts[0][1] <= 2, counts

@@ -22,6 +22,12 @@ whatever the number of sequences, and a fixed number of tensor ops per step. (An
 mask would keep chunks full, but a chunk touching several sequences then needs a state per
 sequence inside it; the aligned layout costs at most chunk - 1 zero slots per sequence.)
 
+A :class:`SharedPrefixRow` (a GRPO group's prompt once, then its completions: the shared-prefix
+layout of :mod:`nopad.batches._prefixes`) is served by the same three entries: each completion
+continues from its prompt's final state (the conv reads the prompt's last K - 1 inputs; the delta
+rule and the scan run the prompts as one packed row, then the completions as another, each from its
+prompt's final state), in the torch forms.
+
 Shapes: T tokens of the packed row, N sequences, H heads.
 """
 
@@ -153,6 +159,29 @@ class ChunkLayout:
         step = positions // chunk
         seq = spread_over_tokens(rank_d, row.cu_seqlens, row.total)  # each token's sequence rank
         self.slots = (first_d[step] + seq) * chunk + positions % chunk
+        self._order, self._rank = order, rank_d
+        self._order_d: Tensor | None = None
+
+    def by_rank(self, per_sequence: Tensor) -> Tensor:
+        """(N, *rest) one entry per sequence -> (N, *rest) in rank order (longest first): the order of
+        the state rows the recurrence advances. One gather."""
+        if self._order_d is None:
+            self._order_d = host_to_device(self._order.astype(np.int64), self._rank.device)
+        return per_sequence.index_select(0, self._order_d)
+
+    def by_sequence(self, per_rank: Tensor) -> Tensor:
+        """(N, *rest) in rank order -> (N, *rest) one entry per sequence: the inverse of :meth:`by_rank`."""
+        return per_rank.index_select(0, self._rank)
+
+    def final_states(self, finished: list[Tensor], rest: Tensor) -> Tensor:
+        """(N, *rest) each sequence's state after its last chunk, from the recurrence's ``finished``
+        pieces (step c's: the states of the sequences whose last chunk step c was, rank order) and
+        ``rest``, the states of the sequences with no chunk (their initial ones)."""
+        return self.by_sequence(torch.cat([*reversed(finished), rest]))
+
+    def finishing(self, step: int) -> int:
+        """How many sequences advance past step ``step`` (the rest, up to that step's count, end there)."""
+        return self.steps[step + 1][1] if step + 1 < len(self.steps) else 0
 
     def to_chunks(self, x: Tensor) -> Tensor:
         """(T, *rest) -> (num_chunks, chunk, *rest), zeros in the slots no token fills."""
@@ -162,6 +191,101 @@ class ChunkLayout:
     def from_chunks(self, y: Tensor) -> Tensor:
         """(num_chunks, chunk, *rest) -> (T, *rest): the tokens back in packed order."""
         return y.flatten(0, 1).index_select(0, self.slots)
+
+
+class SharedPrefixRow(PackedRow):
+    """A packed row in the shared-prefix layout (:mod:`nopad.batches._prefixes`): blocks, each an
+    optional prompt then a completion; a completion continues its group's prompt, the one in the
+    nearest block before it that has one (its group's leader).
+
+    As a :class:`PackedRow` its sequences are the 2B parts (prompt part, completion part of each
+    block, empty ones kept), so the boundaries handed to a layer tell where each part starts. The
+    state layers' forms read it whole: a prompt runs from a zero state; a completion starts from its
+    prompt's final state (the delta rule's and the scan's recurrent state, the conv's last K - 1
+    inputs), as if it ran right after its prompt alone. Fixed ops whatever B: each form runs the
+    prompts as one packed row, then the completions as another, their initial states gathered by
+    ``completion_group``.
+
+    Built from host lengths (block order): ``prompt_parts`` (B,) the prompt tokens each block holds
+    (0 for a group's other rows), ``completions`` (B,); the first block must hold a prompt. Host math
+    and host->device copies; no sync.
+
+    Device tensors: ``prompt_tokens`` (Tp,), ``completion_tokens`` (Tc,) the packed tokens of the
+    prompts and of the completions; ``merge`` (T,) where each packed token is in their concatenation;
+    ``completion_group`` (B,) the prompt (group) each completion continues. ``prompts`` (G sequences)
+    and ``completion_row`` (B sequences) are the two rows the recurrent forms run.
+    """
+
+    def __init__(self, prompt_parts: np.ndarray, completions: np.ndarray, device: torch.device | str = "cpu") -> None:
+        prompt_parts = np.asarray(prompt_parts, dtype=np.int64)
+        completions = np.asarray(completions, dtype=np.int64)
+        blocks = len(prompt_parts)
+        leads = prompt_parts > 0
+        if completions.shape != (blocks,) or (blocks and not leads[0]) or (prompt_parts < 0).any():
+            got = f"prompt parts {prompt_parts.tolist()}, completions {completions.tolist()}"
+            raise input_error("row", None, "blocks of a prompt (>= 0 tokens, the first > 0) and a completion", got)
+        device = torch.device(device)
+        parts = np.stack([prompt_parts, completions], 1).reshape(-1)  # (2B,) prompt, completion, ...
+        part_offsets = host_offsets(parts)
+        super().__init__(host_to_device(part_offsets, device), parts)
+        group = np.cumsum(leads) - 1  # (B,) the group of each block: its prompt's index among the prompts
+        lead_block = np.flatnonzero(leads)[group] if blocks else group
+        prompt_offsets, completion_offsets = host_offsets(prompt_parts), host_offsets(completions)
+        # per part, for the conv: the end of the prompt it continues and that prompt's length (0: none)
+        before_end = np.stack([np.zeros(blocks, np.int64), part_offsets[1:-1:2][lead_block]], 1).reshape(-1)
+        before_len = np.stack([np.zeros(blocks, np.int64), prompt_parts[lead_block]], 1).reshape(-1)
+        prompt_lengths = prompt_parts[leads]  # (G,) one per group, in group order
+        fields = [
+            part_offsets[0:-1:2],  # (B,) where each block's prompt part starts in the row
+            part_offsets[1:-1:2],  # (B,) ... its completion part
+            prompt_offsets,  # (B+1,) the prompt parts' offsets among the prompts' tokens
+            completion_offsets,  # (B+1,) the completions' among the completions' tokens
+            host_offsets(prompt_lengths),  # (G+1,) the prompts' row
+            group,
+            before_end,
+            before_len,
+        ]
+        prompt_at, completion_at, prompt_cu, completion_cu, groups_cu, group_d, end_d, len_d = host_to_device(
+            np.concatenate(fields), device
+        ).split([len(f) for f in fields])
+        self.prompt_total, self.completion_total = int(prompt_offsets[-1]), int(completion_offsets[-1])
+        self.prompt_tokens = spread_over_tokens(
+            prompt_at - prompt_cu[:-1], prompt_cu, self.prompt_total, plus_position=True
+        )
+        self.completion_tokens = spread_over_tokens(
+            completion_at - completion_cu[:-1], completion_cu, self.completion_total, plus_position=True
+        )
+        order = torch.cat([self.prompt_tokens, self.completion_tokens])
+        self.merge = torch.empty_like(order).index_copy_(0, order, torch.arange(self.total, device=device))
+        self.completion_group = group_d
+        self.prompts = PackedRow(groups_cu, prompt_lengths)
+        self.completion_row = PackedRow(completion_cu, completions)
+        self._before_end = spread_over_tokens(end_d, self.cu_seqlens, self.total)
+        self._before_len = spread_over_tokens(len_d, self.cu_seqlens, self.total)
+        self._taps: dict[int, Tensor] = {}
+
+    def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(T, *rest) -> (Tp, *rest) the prompts' tokens, (Tc, *rest) the completions'. Two gathers."""
+        return x.index_select(0, self.prompt_tokens), x.index_select(0, self.completion_tokens)
+
+    def join(self, prompts: Tensor, completions: Tensor) -> Tensor:
+        """The inverse of :meth:`split`: (Tp, *rest), (Tc, *rest) -> (T, *rest) in the packed row's order."""
+        return torch.cat([prompts, completions]).index_select(0, self.merge)
+
+    def conv_taps(self, kernel: int) -> Tensor:
+        """(K - 1, T): for tap j (1..K-1) the packed token j steps back in each token's own sequence
+        (a completion's first taps read its prompt's last tokens), T where that is before the start.
+        Cached per kernel size."""
+        if kernel not in self._taps:
+            at = torch.arange(self.total, device=self.device)
+            offset, end, length = self.position_ids, self._before_end, self._before_len
+            taps = []
+            for j in range(1, kernel):
+                back = j - offset  # > 0: how far into the prompt before the part the tap reaches
+                prior = torch.where(back <= length, end - back, self.total)
+                taps.append(torch.where(offset >= j, at - j, prior))
+            self._taps[kernel] = torch.stack(taps) if taps else at.new_zeros((0, self.total))
+        return self._taps[kernel]
 
 
 # ---- causal depthwise conv -----------------------------------------------------------------------
@@ -214,6 +338,24 @@ def torch_causal_conv1d(
     return _activation(activation)(out).to(dtype)
 
 
+def _shared_causal_conv1d(
+    x: Tensor, weight: Tensor, bias: Tensor | None, row: SharedPrefixRow, activation: str | Callable | None
+) -> Tensor:
+    """:func:`torch_causal_conv1d` over a shared-prefix row: (C, T) -> (C, T), a completion's first
+    taps reading its prompt's last inputs (:meth:`SharedPrefixRow.conv_taps`). K gathers."""
+    K = weight.shape[-1]
+    dtype = x.dtype
+    x = x.to(weight.dtype)
+    padded = F.pad(x, (0, 1))  # column T: the zero a tap before a sequence's start reads
+    taps = row.conv_taps(K)
+    out = x * weight[:, K - 1 : K]
+    for j in range(1, K):
+        out = out + padded.index_select(1, taps[j - 1]) * weight[:, K - 1 - j : K - j]
+    if bias is not None:
+        out = out + bias[:, None]
+    return _activation(activation)(out).to(dtype)
+
+
 # ---- the chunked gated delta rule ------------------------------------------------------------------
 
 
@@ -246,6 +388,25 @@ def torch_gated_delta_rule(
     ``scale`` defaults to D_k ** -0.5; ``use_qk_l2norm`` normalises q and k first. Computed in
     float32, chunk by chunk (:class:`ChunkLayout`); returns (T, H, D_v) in q's dtype.
     """
+    return _gated_delta_rule(q, k, v, g, beta, row, chunk_size, scale, use_qk_l2norm)[0]
+
+
+def _gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    row: PackedRow,
+    chunk_size: int,
+    scale: float | None,
+    use_qk_l2norm: bool,
+    initial_state: Tensor | None = None,
+    final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`torch_gated_delta_rule`, each sequence's state starting from ``initial_state`` (N, H,
+    D_k, D_v) where given (else zero); with ``final_state``, also (N, H, D_k, D_v) float32 each
+    sequence's state after its last token (its initial one for an empty sequence), else None."""
     dtype = q.dtype
     T, H, Dv = v.shape
     if k.shape[1] != H:  # grouped values: repeat each query/key head for the value heads it serves
@@ -273,16 +434,47 @@ def torch_gated_delta_rule(
     q_decayed = q * decay.exp().unsqueeze(-1)
     k_decayed = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
     chunk_decay = decay[..., -1].exp()[..., None, None]
-    state = q.new_zeros((layout.steps[0][1] if layout.steps else 0, H, k.shape[-1], Dv))
-    outputs = []
-    for first, count in layout.steps:
+    advancing = layout.steps[0][1] if layout.steps else 0
+    if initial_state is None:
+        initial = q.new_zeros((len(row.lengths), H, k.shape[-1], Dv)) if final_state else None
+        state = q.new_zeros((advancing, H, k.shape[-1], Dv))
+    else:
+        initial = layout.by_rank(initial_state.float())
+        state = initial[:advancing]
+    outputs, finished = [], []
+    for step, (first, count) in enumerate(layout.steps):
         c = slice(first, first + count)
         state = state[:count]  # the sequences that have this chunk: a prefix (longest first)
         v_new = new_values[c] - k_cumdecay[c] @ state
         outputs.append(q_decayed[c] @ state + intra[c] @ v_new)
         state = state * chunk_decay[c] + k_decayed[c].transpose(-1, -2) @ v_new
+        if final_state:
+            finished.append(state[layout.finishing(step) :])
     out = torch.cat(outputs) if outputs else v.new_zeros((0, H, layout.chunk, Dv))
-    return layout.from_chunks(out.transpose(1, 2)).to(dtype)
+    finals = None if initial is None or not final_state else layout.final_states(finished, initial[advancing:])
+    return layout.from_chunks(out.transpose(1, 2)).to(dtype), finals
+
+
+def _shared_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    row: SharedPrefixRow,
+    chunk_size: int,
+    scale: float | None,
+    use_qk_l2norm: bool,
+) -> Tensor:
+    """:func:`torch_gated_delta_rule` over a shared-prefix row: the prompts from a zero state, then each
+    completion from its prompt's final state. Two packed runs and a gather; (T, H, D_v) like the form."""
+    (qp, qc), (kp, kc), (vp, vc), (gp, gc), (bp, bc) = (row.split(t) for t in (q, k, v, g, beta))
+    options = (chunk_size, scale, use_qk_l2norm)
+    prompts, finals = _gated_delta_rule(qp, kp, vp, gp, bp, row.prompts, *options, final_state=True)
+    assert finals is not None
+    initial = finals.index_select(0, row.completion_group)  # backward: each completion's share, summed
+    completions, _ = _gated_delta_rule(qc, kc, vc, gc, bc, row.completion_row, *options, initial_state=initial)
+    return row.join(prompts, completions)
 
 
 # ---- Mamba2's chunked state-space scan ------------------------------------------------------------
@@ -322,6 +514,31 @@ def torch_ssd_scan(
     Computed in float32, chunk by chunk (:class:`ChunkLayout`); returns (T, H, P) float32, as
     transformers' reference scan does.
     """
+    return _ssd_scan(
+        x, dt, A, B, C, row, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit
+    )[0]
+
+
+def _ssd_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    row: PackedRow,
+    chunk_size: int,
+    *,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    initial_states: Tensor | None = None,
+    final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`torch_ssd_scan`, each sequence's state starting from ``initial_states`` (N, H, P, N_state)
+    where given (else zero); with ``final_state``, also (N, H, P, N_state) float32 each sequence's
+    state after its last token (its initial one for an empty sequence), else None."""
     T, H, P = x.shape
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
@@ -343,21 +560,48 @@ def torch_ssd_scan(
     to_end = (decay[..., -1:] - decay).exp()  # (chunks, H, L)
     chunk_states = torch.einsum("clhn,chl,clhp->chpn", B, to_end, xs)
     chunk_decay = decay[..., -1].exp()[..., None, None]  # (chunks, H, 1, 1)
-    state = xs.new_zeros((layout.steps[0][1] if layout.steps else 0, H, P, B.shape[-1]))
-    entering = []  # the state each chunk starts from, in chunk order
-    for first, count in layout.steps:
+    advancing = layout.steps[0][1] if layout.steps else 0
+    if initial_states is None:
+        initial = xs.new_zeros((len(row.lengths), H, P, B.shape[-1])) if final_state else None
+        state = xs.new_zeros((advancing, H, P, B.shape[-1]))
+    else:
+        initial = layout.by_rank(initial_states.float())
+        state = initial[:advancing]
+    entering, finished = [], []  # the state each chunk starts from, in chunk order
+    for step, (first, count) in enumerate(layout.steps):
         c = slice(first, first + count)
         state = state[:count]
         entering.append(state)
         state = state * chunk_decay[c] + chunk_states[c]
+        if final_state:
+            finished.append(state[layout.finishing(step) :])
     starts = torch.cat(entering) if entering else chunk_states
+    finals = None if initial is None or not final_state else layout.final_states(finished, initial[advancing:])
     y = y + torch.einsum("clhn,chpn,chl->clhp", C, starts, decay.exp())
     out = layout.from_chunks(y)
     if skip is not None:
         out = out + skip
     if z is not None:
         out = out * F.silu(z.float())
-    return out
+    return out, finals
+
+
+def _shared_ssd_scan(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, row: SharedPrefixRow, chunk_size: int, **options: Any
+) -> Tensor:
+    """:func:`torch_ssd_scan` over a shared-prefix row: the prompts from a zero state, then each
+    completion from its prompt's final state. Two packed runs and a gather; (T, H, P) float32.
+    ``options``: the scan's D, z, dt_bias, dt_softplus and dt_limit."""
+    z = options.pop("z", None)
+    (xp, xc), (dtp, dtc), (Bp, Bc), (Cp, Cc) = (row.split(t) for t in (x, dt, B, C))
+    zp, zc = (None, None) if z is None else row.split(z)
+    prompts, finals = _ssd_scan(xp, dtp, A, Bp, Cp, row.prompts, chunk_size, z=zp, final_state=True, **options)
+    assert finals is not None
+    initial = finals.index_select(0, row.completion_group)  # backward: each completion's share, summed
+    completions, _ = _ssd_scan(
+        xc, dtc, A, Bc, Cc, row.completion_row, chunk_size, z=zc, initial_states=initial, **options
+    )
+    return row.join(prompts, completions)
 
 
 # ---- Mamba's selective scan --------------------------------------------------------------------------
@@ -639,6 +883,15 @@ def _check_ssd(x: Any, dt: Any, A: Any, B: Any, C: Any, row: Any, chunk_size: An
     check_flag(options["dt_softplus"], "dt_softplus")
 
 
+def _torch_only(kernel: str) -> None:
+    """A shared-prefix row runs the torch forms (no CUDA kernel here takes a state per sequence with
+    the boundaries): ``kernel`` must be "auto" or "torch"."""
+    if kernel not in ("auto", "torch"):
+        raise input_error(
+            "kernel", None, "'auto' or 'torch' for a shared-prefix row (its forms run in torch)", repr(kernel)
+        )
+
+
 def _use_kernel(form: str, kernel: str, device: torch.device) -> bool:
     """Whether a call runs ``form``'s CUDA kernel: ``kernel`` is "auto" (where it runs here), "torch"
     (never) or the kernel's package name (required: ValueError saying why it cannot run)."""
@@ -668,9 +921,13 @@ def causal_conv1d(
     ``kernel``: "auto" runs causal-conv1d (seq_idx) where it is installed, on CUDA, and passed its
     probe, with a ``silu`` or no activation; "torch" the torch form (:func:`torch_causal_conv1d`);
     "causal-conv1d" requires the kernel. Shapes, dtypes and the activation are checked here (no op,
-    no sync): a bad one is a ValueError naming the argument, what was expected and what came.
+    no sync): a bad one is a ValueError naming the argument, what was expected and what came. A
+    :class:`SharedPrefixRow` runs the shared-prefix form (torch: ``kernel`` "auto" or "torch").
     """
     _check_conv(x, weight, bias, row, activation)
+    if isinstance(row, SharedPrefixRow):
+        _torch_only(kernel)
+        return _shared_causal_conv1d(x, weight, bias, row, activation)
     if activation in (None, "silu", "swish") and _use_kernel("causal_conv1d", kernel, x.device):
         out = _conv_kernel(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype), row, activation)
         return out.to(x.dtype)
@@ -696,9 +953,13 @@ def gated_delta_rule(
     :func:`torch_gated_delta_rule`. ``kernel``: "auto" runs flash-linear-attention's
     ``chunk_gated_delta_rule(cu_seqlens=...)`` where it is installed, on CUDA, and passed its
     probe (with its own chunking); "torch" the torch form; "flash-linear-attention" requires it.
-    Shapes, dtypes and ``chunk_size`` are checked here (no op, no sync).
+    Shapes, dtypes and ``chunk_size`` are checked here (no op, no sync). A :class:`SharedPrefixRow`
+    runs the shared-prefix form (torch: ``kernel`` "auto" or "torch").
     """
     _check_gdn(q, k, v, g, beta, row, chunk_size, use_qk_l2norm)
+    if isinstance(row, SharedPrefixRow):
+        _torch_only(kernel)
+        return _shared_gated_delta_rule(q, k, v, g, beta, row, chunk_size, scale, use_qk_l2norm)
     if _use_kernel("gated_delta_rule", kernel, q.device):
         return _gdn_kernel(q, k, v, g, beta, row, scale=scale, use_qk_l2norm=use_qk_l2norm).to(q.dtype)
     options: dict[str, Any] = dict(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm)
@@ -726,10 +987,14 @@ def ssd_scan(
     x (T, H, P); dt (T, H); A (H,); B, C (T, G, N) -> (T, H, P) float32: see :func:`torch_ssd_scan`.
     ``kernel``: "auto" runs mamba-ssm's ``mamba_chunk_scan_combined(seq_idx=...)`` where it is
     installed, on CUDA, and passed its probe; "torch" the torch form; "mamba-ssm" requires it.
-    Shapes, dtypes and ``chunk_size`` are checked here (no op, no sync).
+    Shapes, dtypes and ``chunk_size`` are checked here (no op, no sync). A :class:`SharedPrefixRow`
+    runs the shared-prefix form (torch: ``kernel`` "auto" or "torch").
     """
     options: dict[str, Any] = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     _check_ssd(x, dt, A, B, C, row, chunk_size, options)
+    if isinstance(row, SharedPrefixRow):
+        _torch_only(kernel)
+        return _shared_ssd_scan(x, dt, A, B, C, row, chunk_size, **options)
     if _use_kernel("ssd_scan", kernel, x.device):
         return _ssd_kernel(x, dt, A, B, C, row, chunk_size, **options).float()
     return torch_ssd_scan(x, dt, A, B, C, row, chunk_size=chunk_size, **options)

@@ -20,33 +20,58 @@ tile with its row's keys up to its last query, one batched sdpa over all tiles w
 max_k) mask. A fixed number of ops whatever the number of rows; its cost grows with tiles x max_k,
 not with T x T as a dense mask's does.
 
-Layers that carry state along the sequence (gated delta nets, Mamba2 scans, convs) would have to
-continue each completion from its prompt's final state: not served yet, so a model with such a
-layer is refused by :func:`use_shared_prefix_attention`, naming the layer's class.
+Layers that carry state along the sequence continue each completion from its prompt's final state:
+the causal conv (LFM2's short conv, the conv inside a gated delta net or a Mamba2 mixer) reads the
+prompt's last K - 1 inputs, the gated delta rule and Mamba2's SSD scan start from the prompt's final
+recurrent state. transformers' primitives are served by nopad's adapters (:mod:`nopad.modeling._routing`,
+routed as for a packed forward); the shared-prefix mode reaches them through the row they already
+receive: a root pre-hook hands the layers boundaries (``cu_seq_lens_q``) whose packed row is a
+:class:`nopad.modeling._layers.SharedPrefixRow` made from the plan (one host sync per plan), and the
+packed forms in :mod:`nopad.modeling._layers` run the shared-prefix form for such a row: the prompts
+as one packed row (final state per prompt), then the completions as another, each from its
+prompt's state (a gather; its backward sums every completion's gradient into the one prompt). A
+fixed number of ops whatever the number of groups. Any other state layer (Kimi delta attention,
+Mamba's selective scan, a registered packed form, transformers 5.10's layer shapes) is refused by
+:func:`use_shared_prefix_attention`, naming the layer's class, before anything runs.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
+import types
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nopad.core._batch import takes_keyword
 from nopad.core._errors import input_error
-from nopad.core._memo import recall, remember
+from nopad.core._layout import device_to_host
+from nopad.core._memo import memo, recall, remember
 from nopad.modeling._attention import mask_window
-from nopad.modeling._routing import survey
-from nopad.parallel._ulysses import set_attn_implementation
+from nopad.modeling._layers import SharedPrefixRow
+from nopad.modeling._routing import ADAPTERS, callee, packed_row_of, route, survey
+from nopad.parallel._ulysses import SP_GROUP_KWARG, set_attn_implementation
 
 IMPLEMENTATION = "nopad_shared"
 PLAN_KWARG = "shared_prefixes"
 _CHECKED = "shared prefixes checked"
+_HOOKED = "shared prefixes hooked"
 # the layer kinds of transformers' ``config.layer_types`` this attention serves; any other (Llama 4's
-# chunked attention, a linear attention) is refused rather than run as full attention
-SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# chunked attention) is refused rather than run as full attention. The state layers' kinds are served
+# by their layers' packed forms (each layer's primitives checked below)
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
+# transformers' primitives whose packed forms take a shared-prefix row (the fused Mamba2 kernel's
+# adapter sends a packed forward down the layer's unfused conv and scan)
+SERVED_PRIMITIVES = (
+    "causal_conv1d_fn",
+    "chunk_gated_delta_rule",
+    "mamba_chunk_scan_combined",
+    "mamba_split_conv1d_scan_combined",
+)
 
 
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, plan: Any, *, scale: float, window: int | None = None) -> Tensor:
@@ -120,6 +145,114 @@ def shared_prefix_attention(
     return out.unsqueeze(0), None
 
 
+def shared_prefix_row(plan: Any) -> SharedPrefixRow:
+    """The :class:`SharedPrefixRow` of ``plan`` (its blocks' prompt parts and completions), made once
+    per plan (kept on ``plan.pack_index``) with one host sync, and kept as the packed row of its own
+    boundaries (``row.cu_seqlens``), so the adapters' ``packed_row_of(cu_seq_lens_q)`` finds it."""
+
+    def make() -> SharedPrefixRow:
+        order = plan.block_order
+        leads = plan.leader == torch.arange(plan.rows, device=order.device)
+        parts = torch.stack(
+            [(plan.prompt_lengths * leads).index_select(0, order), plan.completion_lengths.index_select(0, order)]
+        )
+        prompt_parts, completions = device_to_host(parts)
+        row = SharedPrefixRow(prompt_parts, completions, order.device)
+        remember(row.cu_seqlens, "packed_row", row)  # what packed_row_of reads (checked next)
+        assert packed_row_of(row.cu_seqlens) is row, "the routing no longer reads the row kept on its boundaries"
+        return row
+
+    return memo(plan.pack_index, "shared prefix row", make)
+
+
+def _hand_row(module: torch.nn.Module, args: tuple, kwargs: dict, *, stateful: bool) -> tuple[tuple, dict] | None:
+    """Root pre-hook (before the routing's): a forward given ``shared_prefixes=plan`` gets the plan's
+    position ids where none were given and, for a model with state layers (``stateful``), hands its
+    layers the boundaries of the plan's :class:`SharedPrefixRow`, so each runs its shared-prefix form."""
+    plan = kwargs.get(PLAN_KWARG)
+    if plan is None:
+        return None
+    owner = type(module).__name__
+    if not hasattr(plan, "tile_out"):
+        raise input_error(PLAN_KWARG, None, "the shared-prefix plan of the packed row", type(plan).__name__)
+    if kwargs.get("position_ids") is None:
+        kwargs = {**kwargs, "position_ids": plan.position_ids[None]}
+    if not stateful:
+        return args, kwargs
+    group = kwargs.get(SP_GROUP_KWARG)
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        raise input_error(
+            f"{owner} {SP_GROUP_KWARG}", None, "no sequence parallelism with shared prefixes", "an SP group"
+        )
+    row = shared_prefix_row(plan)
+    given = kwargs.get("cu_seq_lens_q")
+    if given is not None and given is not row.cu_seqlens:
+        raise input_error(
+            f"{owner} cu_seq_lens_q", None, "None with shared_prefixes (the plan gives the boundaries)", "a tensor"
+        )
+    longest = int(row.lengths.max()) if len(row.lengths) else 0
+    cu = row.cu_seqlens
+    kwargs = {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    return args, kwargs
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` reads, with those of the functions defined inside it."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+_ADAPTED: dict[type, frozenset[str]] = {}
+
+
+def _adapted_primitives(cls: type) -> frozenset[str]:
+    """The primitives with nopad adapters that the methods of ``cls`` (a transformers layer class) reach,
+    through transformers' helpers, by kernel name (as the routing finds them). Once per class."""
+    if cls in _ADAPTED:
+        return _ADAPTED[cls]
+    found: set[str] = set()
+    seen: set[Any] = set()
+
+    def walk(fn: Any) -> None:
+        fn = inspect.unwrap(fn)
+        if fn in seen or not inspect.isfunction(fn):
+            return
+        seen.add(fn)
+        for name in _code_names(fn.__code__):
+            what = callee(fn.__globals__.get(name))
+            if what is None:
+                continue
+            if what.name in ADAPTERS:
+                found.add(what.name)
+            elif what.function is not None and (what.function.__module__ or "").startswith("transformers.models."):
+                walk(what.function)
+
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("transformers.models."):
+            for value in vars(klass).values():
+                walk(value)
+    _ADAPTED[cls] = frozenset(found)
+    return _ADAPTED[cls]
+
+
+def _unserved_state_layers(model: torch.nn.Module, found: Any) -> list[str]:
+    """The state layers of ``model`` (from its survey) whose packed forms take no shared-prefix row:
+    each as "Class (why)"."""
+    why: dict[str, str] = {}
+    for _, cls in found.registered:
+        why.setdefault(cls, "a packed form registered with register_packed_module, which takes no prompt's state")
+    for name, cls_name in found.rebound:
+        reached = _adapted_primitives(type(model.get_submodule(name)))
+        unserved = sorted(reached - set(SERVED_PRIMITIVES))
+        if unserved or not reached:  # none found: a shape of the layer not read here (transformers 5.10's)
+            because = f"its {unserved} take" if unserved else "its primitives (kept on the layer) take"
+            why.setdefault(cls_name, f"{because} no prompt's final state")
+    return [f"{cls} ({reason})" for cls, reason in why.items()]
+
+
 @functools.cache
 def register() -> None:
     """Register ``nopad_shared`` with transformers' attention and mask interfaces. Once."""
@@ -143,15 +276,22 @@ def use_shared_prefix_attention(model: torch.nn.Module) -> torch.nn.Module:
     error = found.error(model)
     if error is not None:
         raise error
-    stateful = found.rebound + found.registered
-    if stateful:
-        classes = sorted({cls for _, cls in stateful})
+    unserved_layers = _unserved_state_layers(model, found)
+    if unserved_layers:
         raise input_error(
             "model",
             None,
-            "a model whose every position-mixing layer is softmax attention (shared prefixes do not yet "
-            "carry a prompt's final state into its completions)",
-            f"{type(model).__name__}, whose {classes} layers carry state along the sequence",
+            "a model whose position-mixing layers are softmax attention, causal convs, gated delta rules "
+            "or Mamba2 scans (their packed forms carry a prompt's final state into its completions)",
+            f"{type(model).__name__}, whose {'; '.join(unserved_layers)}",
+        )
+    stateful = bool(found.rebound)
+    if stateful and not takes_keyword(model.forward, "cu_seq_lens_q"):
+        raise input_error(
+            "model",
+            None,
+            "a model whose forward takes the packed row's boundaries (cu_seq_lens_q) for its state layers",
+            f"{type(model).__name__}.forward, which does not",
         )
     unserved = sorted({t for t in getattr(config, "layer_types", None) or [] if t not in SERVED_LAYER_TYPES})
     if unserved:
@@ -161,5 +301,10 @@ def use_shared_prefix_attention(model: torch.nn.Module) -> torch.nn.Module:
     for name, _ in found.attention:
         remember(model.get_submodule(name), _CHECKED, True)
     register()
+    if stateful:
+        route(model)  # the state layers' primitives served by the adapters, as in a packed forward
+    if recall(model, _HOOKED) is None:  # before the routing's own pre-hook: it reads the boundaries
+        hook = functools.partial(_hand_row, stateful=stateful)
+        remember(model, _HOOKED, model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
     set_attn_implementation(model, IMPLEMENTATION)
     return model
