@@ -654,8 +654,8 @@ def packed_logprobs(
     It takes ``tokens="response"`` (only responses are scored: the prompts of all but one row of a
     group are never computed), 1-row position ids counting each row from 0, the model's own
     attention switched for the call ("auto"), the chunked head, no ``score_mask`` and no
-    ``input_kwargs``; what else it cannot serve (a layer that carries state along the sequence) is a
-    ValueError naming it before any forward.
+    ``input_kwargs``. Layers that carry state along the sequence continue each response from its
+    prompt's final state; one with no such form is a ValueError naming it before any forward.
     """
     calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
     if check_flag(share_prefixes, "share_prefixes"):
