@@ -25,8 +25,12 @@ the vision inputs (``pixel_values``, ``image_grid_thw``, ``num_images``, ``pixel
 no mixed precision) and refused elsewhere; with activation checkpointing (``gradient_checkpointing``,
 on by default in ``GRPOConfig``) the packed attention stays switched on from the forward until
 backward has recomputed every layer (refused where the input embeddings take no gradient, which
-marks that point); a model wrapped by accelerate (DDP, FSDP, DeepSpeed) is
-refused: served is the single-process path, where accelerate hands the model over unwrapped.
+marks that point); a model wrapped by accelerate (DDP, FSDP, DeepSpeed) or sharded by FSDP2's
+``fully_shard`` is refused: served is the single-process path, where accelerate hands the model
+over unwrapped. A PEFT model (``peft_config=`` to the trainer) is served where its adapter wraps
+the layers in place (LoRA, DoRA, IA3, ...; TRL's reference, the adapter disabled, likewise);
+prompt learning (prompt or prefix tuning: virtual tokens before each row) and an adapter on the
+output layer are refused.
 ``batch_size`` keeps TRL's row chunks (one packed forward per chunk: the same results, without
 padding).
 

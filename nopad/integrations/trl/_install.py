@@ -112,13 +112,10 @@ def _packed_per_token_logps_and_entropies(
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0):
         raise _refuse("batch_size", "None or an int >= 0 (0 or None: one chunk)", repr(batch_size))
     accelerator = self.accelerator
-    inner = accelerator.unwrap_model(model)
-    if inner is not model:
-        raise _refuse(
-            "model",
-            "the model as accelerate hands it over in a single process (unwrapped)",
-            f"{type(model).__name__} around {type(inner).__name__} (not served yet: call uninstall())",
-        )
+    wrapped = _wrapping(accelerator, model)
+    if wrapped is not None:
+        raise _refuse("model", "the model as accelerate hands it over in a single process (unwrapped)", wrapped)
+    _check_adapters(model)
     _check_head_precision(self, model)
     global _HELD
     if _HELD is not None:  # a checkpointed forward whose backward never came: put the model back now
@@ -214,6 +211,52 @@ class _HeldUntilBackward:
 
 
 _HELD: _HeldUntilBackward | None = None
+
+
+def _wrapping(accelerator: Any, model: torch.nn.Module) -> str | None:
+    """What wraps ``model`` where nopad has not run it, or None: a wrapper accelerate unwraps (DDP, FSDP,
+    DeepSpeed's engine, ZeRO-3's among them), or FSDP2's ``fully_shard``, which swaps the classes of
+    the modules it shards in place (accelerate hands that model over as it is)."""
+    inner = accelerator.unwrap_model(model)
+    if inner is not model:
+        return f"{type(model).__name__} around {type(inner).__name__} (not served yet: call uninstall())"
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed: no FSDP2 either
+        return None
+    sharded = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
+    if sharded is None:
+        return None
+    return f"a model FSDP2 sharded ({type(sharded).__name__}; not served yet: call uninstall())"
+
+
+def _check_adapters(model: torch.nn.Module) -> None:
+    """PEFT adapters: those that wrap the model's layers in place (LoRA, DoRA, IA3, ...) run within the
+    packed forward as they run padded, and TRL's reference (the adapter disabled) likewise. Refused by
+    name: a prompt-learning adapter (prompt or prefix tuning: virtual tokens or keys put before each
+    row, where a packed row is many sequences) and an adapter on the output layer (TRL's head reads
+    its weight and would leave the adapter out; TRL refuses it too)."""
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        raise _refuse(
+            "model",
+            "a PEFT adapter that wraps the model's layers (LoRA, DoRA, IA3, ...), or none",
+            f"a {_peft_type(config)} adapter (prompt learning: virtual tokens or keys put before each row, where "
+            "a packed row holds many sequences; call uninstall())",
+        )
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if isinstance(getattr(head, "base_layer", None), torch.nn.Module):
+        raise _refuse(
+            "model",
+            "an output layer without an adapter (TRL's head reads its weight, and refuses one too)",
+            f"{type(head).__module__}.{type(head).__name__} around the output layer",
+        )
+
+
+def _peft_type(config: Any) -> str:
+    kind = getattr(config, "peft_type", None)
+    return str(getattr(kind, "value", kind) or type(config).__name__)
 
 
 def _check_head_precision(trainer: Any, model: torch.nn.Module) -> None:
@@ -435,13 +478,9 @@ def _routed(trainer: Any, model: torch.nn.Module) -> Iterator[None]:
 
     Entered outside autograd: :func:`nopad.modeling.packed_attention` refuses a checkpointed model
     whose backward would come after its block; here the block holds the backward too."""
-    inner = trainer.accelerator.unwrap_model(model)
-    if inner is not model:
-        raise _refuse_sft(
-            "model",
-            "the model as accelerate hands it over in a single process (unwrapped)",
-            f"{type(model).__name__} around {type(inner).__name__} (not served yet: call uninstall())",
-        )
+    wrapped = _wrapping(trainer.accelerator, model)
+    if wrapped is not None:
+        raise _refuse_sft("model", "the model as accelerate hands it over in a single process (unwrapped)", wrapped)
     context = packed_attention(model, "auto")
     with torch.no_grad():
         context.__enter__()
