@@ -61,9 +61,40 @@ def fake_trainer(temperature: float = 0.7, cast_lm_head_to_fp32: bool = False, a
     )
 
 
+def causal_lm(arch: str, vocab: int) -> torch.nn.Module:
+    """A tiny random-weight causal LM: nopad.synthetic's families, and two Mixture-of-Experts ones built
+    here (Qwen3-MoE, Qwen2-MoE with its shared expert; every layer sparse, 4 experts, top 2), whose
+    configs carry output_router_logits and a router_aux_loss_coef (raised to 0.05), so TRL computes
+    the load-balancing loss."""
+    if arch not in ("qwen3_moe", "qwen2_moe"):
+        return tiny_causal_lm(arch, vocab=vocab, hidden=32, layers=2, seed=0)
+    import transformers
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        router_aux_loss_coef=0.05,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**config)).eval()
+    config["shared_expert_intermediate_size"] = 32
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**config)).eval()
+
+
 def model_of(arch: str, temperature: float = 0.7) -> torch.nn.Module:
     """A tiny random-weight model with TRL's fused head added, as GRPOTrainer's __init__ does."""
-    model = tiny_causal_lm(arch, vocab=VOCAB, hidden=32, layers=2, seed=0)
+    model = causal_lm(arch, VOCAB)
     model.train()
     add_fused_lm_head(model, temperature=temperature, outputs=("log_probs", "entropy"))
     return model
@@ -116,6 +147,44 @@ def test_packed_method_equals_trl_s_own_log_probs_entropies_and_gradients(cls, a
     assert ours[3].keys() == ref[3].keys() and ref[3]
     for name in ref[3]:
         torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "qwen3_next"])
+def test_moe_router_aux_loss_equals_trl_s_own(arch):
+    """compute_aux_loss=True: TRL's fused head takes transformers' load-balancing loss over the router
+    logits of each row chunk with its attention mask, then the chunks' mean; nopad takes the same
+    function over the packed chunk's router logits without a mask (the row holds exactly the real
+    tokens). The loss, and the gradients of a sum that weighs it in, agree with TRL's to 1e-5, on
+    Qwen3-MoE, Qwen2-MoE (a shared expert) and Qwen3-Next (MoE on gated delta nets and attention)."""
+    model, trainer = model_of(arch), fake_trainer()
+    input_ids, mask, C = grpo_batch(seed=4)
+    method = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def scored(method, batch_size):
+        model.zero_grad(set_to_none=True)
+        logps, entropies, aux = method(
+            trainer, model, input_ids, mask, C, batch_size=batch_size, compute_entropy=True, compute_aux_loss=True
+        )
+        (logps * torch.linspace(-1.0, 1.0, logps.numel()).view_as(logps)).sum().add(aux).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return logps.detach(), entropies.detach(), aux.detach(), grads
+
+    results = {}
+    for batch_size in (None, 5):
+        ref = scored(trl_method(GRPOTrainer), batch_size)
+        with nopad_trl.install():
+            ours = scored(method, batch_size)
+        assert ours[2].shape == ref[2].shape == () and ours[2].dtype == ref[2].dtype
+        torch.testing.assert_close(ours[2], ref[2], atol=TOL, rtol=0)
+        torch.testing.assert_close(ours[0], ref[0], atol=TOL, rtol=0)
+        torch.testing.assert_close(ours[1], ref[1], atol=TOL, rtol=0)
+        assert ours[3].keys() == ref[3].keys()
+        assert any("gate" in name for name in ref[3])  # the routers take the aux loss's gradient
+        for name in ref[3]:
+            torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
+        results[batch_size] = float(ours[2])
+    print(arch, "aux loss, one chunk and chunks of 5 rows:", results)
+    assert abs(results[None] - results[5]) > 1e-4  # TRL's row chunks kept: the loss is the chunks' mean
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
@@ -239,8 +308,10 @@ def test_aux_loss_head_precision_wrapped_models_and_bad_arguments_are_refused_by
     input_ids, mask, C = grpo_batch()
     nopad_trl.install()
     method = GRPOTrainer._get_per_token_logps_and_entropies
-    with pytest.raises(ValueError, match="compute_aux_loss"):
+    with pytest.raises(ValueError, match="compute_aux_loss"):  # not a Mixture-of-Experts model
         method(trainer, model, input_ids, mask, C, compute_aux_loss=True)
+    with pytest.raises(ValueError, match="compute_aux_loss"):
+        method(trainer, model, input_ids, mask, C, compute_aux_loss="yes")
     for bad in (0, input_ids.shape[1], 2.0, True):
         with pytest.raises(ValueError, match="logits_to_keep"):
             method(trainer, model, input_ids, mask, bad)
@@ -430,7 +501,7 @@ def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
     module = _install
 
     saved = tmp_path / f"{arch}-model"
-    model = tiny_causal_lm(arch, vocab=len(WORDS), hidden=32, layers=2, seed=0)
+    model = causal_lm(arch, len(WORDS))
     for config in (model.config, model.generation_config):
         config.pad_token_id, config.eos_token_id = 0, 1
     if not saved.exists():
@@ -546,6 +617,24 @@ IN_FORCE = {
 def test_trl_trainer_two_steps_alone_and_installed_log_the_same_and_train_the_same_weights(
     kind, arch, tmp_path, monkeypatch
 ):
+    two_steps_alike(kind, arch, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_trl_trainer_on_a_moe_model_adds_the_same_router_aux_loss_alone_and_installed(
+    kind, arch, tmp_path, monkeypatch
+):
+    """A Mixture-of-Experts policy: TRL adds router_aux_loss_coef x the load-balancing loss to each
+    step's loss (compute_aux_loss=True) and logs it as aux_loss; installed, nopad computes it on the
+    packed rows: the logged aux_loss, the loss, the gradients and the weights agree to 1e-5."""
+    logs = two_steps_alike(kind, arch, tmp_path, monkeypatch)
+    aux = [entry["aux_loss"] for entry in logs if "loss" in entry]
+    assert len(aux) == 2 and all(1.0 < value < 4.0 for value in aux), aux  # 2 steps, about top_k
+
+
+def two_steps_alike(kind, arch, tmp_path, monkeypatch):
+    """Two steps of ``kind`` alone and installed: returns TRL's log history once all agrees."""
     logs, grads, weights, calls, used = drive(kind, arch, tmp_path, False, monkeypatch)
     assert calls == 0
     logs_nopad, grads_nopad, weights_nopad, calls_nopad, used_nopad = drive(kind, arch, tmp_path, True, monkeypatch)
@@ -571,6 +660,7 @@ def test_trl_trainer_two_steps_alone_and_installed_log_the_same_and_train_the_sa
         assert ours.keys() == theirs.keys() and theirs
         for name in theirs:
             torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=0, msg=name)
+    return logs
 
 
 # --- padding-free SFT (and DPO) on a hybrid: TRL's packed row, routed by install() -------------------

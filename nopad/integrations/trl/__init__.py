@@ -20,7 +20,10 @@ results, same ``accelerator.autocast()``.
 Every argument TRL passes is honoured or refused by name with a ``ValueError``, never ignored:
 the vision inputs (``pixel_values``, ``image_grid_thw``, ``num_images``, ``pixel_attention_mask``,
 ``spatial_shapes``, ``num_tiles``, ``image_sizes``, ``image_position_ids``), ``token_type_ids``,
-``mm_token_type_ids`` and ``compute_aux_loss=True`` (the MoE router loss) are refused;
+``mm_token_type_ids`` are refused; ``compute_aux_loss=True`` (the MoE load-balancing loss) is
+computed as TRL's fused head computes it (transformers' ``load_balancing_loss_func`` over the
+backbone's router logits, per row chunk, their mean), over the packed row's tokens without a mask,
+and refused on a model that is not a Mixture-of-Experts one;
 ``cast_lm_head_to_fp32`` is served where the head computes in float32 anyway (float32 head weights,
 no mixed precision) and refused elsewhere; with activation checkpointing (``gradient_checkpointing``,
 on by default in ``GRPOConfig``) the packed attention stays switched on from the forward until

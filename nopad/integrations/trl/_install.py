@@ -8,7 +8,7 @@ import importlib
 import importlib.metadata
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -73,9 +73,10 @@ def _packed_per_token_logps_and_entropies(
     token_type_ids: Any = None,
     mm_token_type_ids: Any = None,
     image_position_ids: Any = None,
-) -> tuple[Tensor, Tensor | None, None]:
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """TRL's ``_get_per_token_logps_and_entropies`` on packed rows: (B, C) log-probs, (B, C) entropies
-    or None, and None (no aux loss). See the module's docstring for what is served and refused."""
+    or None, and the MoE load-balancing loss or None. See the module's docstring for what is served
+    and refused."""
     given = dict(
         pixel_values=pixel_values,
         image_grid_thw=image_grid_thw,
@@ -91,12 +92,8 @@ def _packed_per_token_logps_and_entropies(
     for name, value in given.items():
         if value is not None:
             raise _refuse(name, "None (text-only batches are served packed; call uninstall() for this one)", "a value")
-    if compute_aux_loss:
-        raise _refuse(
-            "compute_aux_loss",
-            "False (the MoE load-balancing loss is not computed on packed rows; call uninstall())",
-            repr(compute_aux_loss),
-        )
+    if not isinstance(compute_aux_loss, bool):
+        raise _refuse("compute_aux_loss", "True or False (a bool)", repr(compute_aux_loss))
     if not isinstance(compute_entropy, bool):
         raise _refuse("compute_entropy", "True or False (a bool)", repr(compute_entropy))
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
@@ -117,6 +114,7 @@ def _packed_per_token_logps_and_entropies(
         raise _refuse("model", "the model as accelerate hands it over in a single process (unwrapped)", wrapped)
     _check_adapters(model)
     _check_head_precision(self, model)
+    router = _RouterLoss(model) if compute_aux_loss else None
     global _HELD
     if _HELD is not None:  # a checkpointed forward whose backward never came: put the model back now
         _HELD.release()
@@ -125,6 +123,7 @@ def _packed_per_token_logps_and_entropies(
     chunk = batch_size or rows
     log_probs: list[Tensor] = []
     entropies: list[Tensor] = []
+    aux_losses: list[Tensor] = []
     try:
         for start in range(0, rows, chunk):
             ids, mask = input_ids[start : start + chunk], attention_mask[start : start + chunk]
@@ -139,7 +138,7 @@ def _packed_per_token_logps_and_entropies(
                 batch_size=[ids.shape[0]],
             )
             micro = left_right_2_no_padding(data)
-            with accelerator.autocast():
+            with accelerator.autocast(), router.recording(mask) if router is not None else nullcontext():
                 if compute_entropy:
                     out = packed_logprobs(model, micro, temperature, calculate_entropy=True, tokens="response")
                     log_prob, entropy = out["log_probs"], out["entropy"]
@@ -147,6 +146,8 @@ def _packed_per_token_logps_and_entropies(
                 else:
                     log_prob = packed_logprobs(model, micro, temperature, tokens="response")
             log_probs.append(no_padding_2_padding(log_prob, micro, logits_to_keep))
+            if router is not None:
+                aux_losses.append(router.loss())
     except BaseException:
         if held is not None:  # nothing to hold for: the model as it was
             held.release()
@@ -155,7 +156,76 @@ def _packed_per_token_logps_and_entropies(
         held.armed()
         _HELD = held if held.holding else None
     logps = torch.cat(log_probs)
-    return logps, torch.cat(entropies) if compute_entropy else None, None
+    aux_loss = torch.stack(aux_losses).mean() if router is not None else None  # TRL's: the chunks' mean
+    return logps, torch.cat(entropies) if compute_entropy else None, aux_loss
+
+
+class _RouterLoss:
+    """``compute_aux_loss``: the MoE load-balancing loss TRL's fused head computes, on the packed row.
+
+    TRL asks the model's backbone for its router logits (``output_router_logits=True``) and takes
+    transformers' ``load_balancing_loss_func`` (Mixtral's, the one every MoE family shares) over them
+    with the chunk's attention mask, one loss per row chunk, then their mean. The loss reads each real
+    token's router logits, counted once per layer: a packed row holds exactly the chunk's real tokens
+    (no padding), so the same function over it without a mask sums the same terms. The backbone is
+    asked the same way here (a hook puts ``output_router_logits=True`` into its call and reads its
+    output's ``router_logits``); refused by name where the model has no backbone that returns them."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        get_base = getattr(model, "get_base_model", None)  # a PEFT model: the transformers model inside
+        hf = get_base() if callable(get_base) else model
+        backbone = getattr(hf, "base_model", None)
+        config = getattr(getattr(hf, "config", None), "get_text_config", lambda: None)()
+        experts = {name: getattr(config, name, None) for name in ("num_experts", "num_experts_per_tok")}
+        if (
+            not isinstance(backbone, torch.nn.Module)
+            or backbone is hf
+            or not hasattr(config, "output_router_logits")
+            or not all(isinstance(v, int) and v > 0 for v in experts.values())
+        ):
+            raise _refuse(
+                "compute_aux_loss",
+                "a Mixture-of-Experts model whose backbone returns its router logits (a text config with "
+                "output_router_logits, num_experts and num_experts_per_tok), or False",
+                f"{type(hf).__name__} ({experts})",
+            )
+        self.backbone, self.experts, self.top_k = backbone, experts["num_experts"], experts["num_experts_per_tok"]
+        self.router_logits: Any = None
+        self.tokens = 0
+
+    @contextmanager
+    def recording(self, mask: Tensor) -> Iterator[None]:
+        """The backbone's router logits of the forwards within the block, of the chunk ``mask`` holds."""
+        self.router_logits, self.tokens = None, int(mask.sum())
+
+        def ask(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            return args, {**kwargs, "output_router_logits": True}
+
+        def read(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self.router_logits = getattr(output, "router_logits", None)
+
+        handles = (
+            self.backbone.register_forward_pre_hook(ask, with_kwargs=True),
+            self.backbone.register_forward_hook(read),
+        )
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def loss(self) -> Tensor:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        logits = self.router_logits
+        if not isinstance(logits, tuple) or not logits or any(x.shape[0] != self.tokens for x in logits):
+            shapes = [tuple(x.shape) for x in logits] if isinstance(logits, tuple) else type(logits).__name__
+            raise _refuse(
+                "compute_aux_loss",
+                f"router logits of the packed row's {self.tokens} tokens from the backbone, one per MoE layer",
+                f"{shapes}",
+            )
+        return load_balancing_loss_func(logits, self.experts, self.top_k, None)  # type: ignore[return-value]
 
 
 class _HeldUntilBackward:
