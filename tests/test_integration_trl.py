@@ -149,6 +149,58 @@ def test_packed_method_equals_trl_s_own_log_probs_entropies_and_gradients(cls, a
         torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_batch_size_becomes_a_token_budget_fewer_tokens_per_forward_same_results(arch, monkeypatch):
+    """TRL's batch_size=5 cuts the 12 rows into chunks of 49, 32 and 8 real tokens (the completion of
+    the full width and the long prompts in the first); installed, the rows are cut, in order, into
+    at most as many packed forwards with as few tokens in the largest as such a cut allows: 30, 28
+    and 31. Log-probs, entropies and gradients equal TRL's to 1e-5."""
+    model, trainer = model_of(arch), fake_trainer()
+    torch.manual_seed(0)  # grpo_batch draws the completion lengths from torch's global generator
+    input_ids, mask, C = grpo_batch(seed=0)
+    lengths = mask.sum(-1)
+    trl_chunks = [int(lengths[start : start + 5].sum()) for start in range(0, 12, 5)]
+    assert trl_chunks == [49, 32, 8]
+    forwards = []
+    convert = _install.left_right_2_no_padding
+    monkeypatch.setattr(
+        _install,
+        "left_right_2_no_padding",
+        lambda data: forwards.append(int(data["attention_mask"].sum())) or convert(data),
+    )
+    ref = run(trl_method(GRPOTrainer), trainer, model, input_ids, mask, C, batch_size=5)
+    with nopad_trl.install():
+        ours = run(GRPOTrainer._get_per_token_logps_and_entropies, trainer, model, input_ids, mask, C, batch_size=5)
+    print(arch, "tokens per forward: TRL's row chunks", trl_chunks, "installed", forwards)
+    assert forwards == [30, 28, 31] and sum(forwards) == int(lengths.sum())
+    torch.testing.assert_close(ours[0], ref[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(ours[1], ref[1], atol=TOL, rtol=0)
+    assert ours[3].keys() == ref[3].keys() and ref[3]
+    for name in ref[3]:
+        torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
+    forwards.clear()  # one chunk asked (batch_size None): one forward, as before
+    with nopad_trl.install(), torch.no_grad():
+        GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)
+    assert forwards == [int(lengths.sum())]
+
+
+def test_token_budget_cut_never_needs_more_forwards_nor_more_tokens_than_trl_s_chunks():
+    def cut(lengths, batch_size, keep_rows=False):
+        mask = torch.zeros(len(lengths), max(lengths) + 1, dtype=torch.long)
+        for row, length in enumerate(lengths):
+            mask[row, mask.shape[1] - length :] = 1
+        chunks = _install._token_budget_chunks(mask, batch_size, keep_rows=keep_rows)
+        assert [b for _, b in chunks[:-1]] == [a for a, _ in chunks[1:]] and chunks[0][0] == 0
+        assert chunks[-1][1] == len(lengths)  # the rows in order, each once
+        return [sum(lengths[a:b]) for a, b in chunks]
+
+    assert cut([25, 1, 1, 1, 1, 1], 2) == [25, 5]  # TRL's: 26, 2, 2
+    assert cut([4] * 6, 2) == [8, 8, 8]  # balanced already: TRL's chunks
+    assert cut([1, 1, 1, 1, 30, 30], 2) == [4, 30, 30]  # TRL's: 2, 2, 60
+    assert cut([3, 9, 2], 5) == [14]  # one chunk asked
+    assert cut([25, 1, 1, 1, 1, 1], 2, keep_rows=True) == [26, 2, 2]  # the MoE aux loss: TRL's chunks
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "qwen3_next"])
 def test_moe_router_aux_loss_equals_trl_s_own(arch):
     """compute_aux_loss=True: TRL's fused head takes transformers' load-balancing loss over the router

@@ -34,8 +34,10 @@ over unwrapped. A PEFT model (``peft_config=`` to the trainer) is served where i
 the layers in place (LoRA, DoRA, IA3, ...; TRL's reference, the adapter disabled, likewise);
 prompt learning (prompt or prefix tuning: virtual tokens before each row) and an adapter on the
 output layer are refused.
-``batch_size`` keeps TRL's row chunks (one packed forward per chunk: the same results, without
-padding).
+``batch_size`` becomes a token budget: the rows, in order, cut into at most as many packed forwards
+as TRL's row chunks, the largest holding as few real tokens as such a cut allows (never more than
+TRL's largest chunk; the same per-token results), or TRL's own row chunks where the MoE aux loss
+(a mean over chunks) is asked.
 
 The same ``install()`` serves TRL's padding-free SFT on hybrids: ``SFTTrainer`` with ``padding_free``
 (``SFTConfig(padding_free=True)``, or ``packing=True`` with a ``bfd`` strategy) hands the model one

@@ -118,15 +118,15 @@ def _packed_per_token_logps_and_entropies(
     global _HELD
     if _HELD is not None:  # a checkpointed forward whose backward never came: put the model back now
         _HELD.release()
+    chunks = _token_budget_chunks(attention_mask, batch_size or rows, keep_rows=router is not None)
     held = _HeldUntilBackward(model) if torch.is_grad_enabled() and _checkpointed(model) else None
     temperature = float(self.temperature)
-    chunk = batch_size or rows
     log_probs: list[Tensor] = []
     entropies: list[Tensor] = []
     aux_losses: list[Tensor] = []
     try:
-        for start in range(0, rows, chunk):
-            ids, mask = input_ids[start : start + chunk], attention_mask[start : start + chunk]
+        for start, end in chunks:
+            ids, mask = input_ids[start:end], attention_mask[start:end]
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
             data = TensorDict(
                 {
@@ -158,6 +158,39 @@ def _packed_per_token_logps_and_entropies(
     logps = torch.cat(log_probs)
     aux_loss = torch.stack(aux_losses).mean() if router is not None else None  # TRL's: the chunks' mean
     return logps, torch.cat(entropies) if compute_entropy else None, aux_loss
+
+
+def _token_budget_chunks(mask: Tensor, batch_size: int, *, keep_rows: bool) -> list[tuple[int, int]]:
+    """TRL's ``batch_size`` row chunks as a token budget: the rows, in order, cut into at most as many
+    packed forwards as TRL's chunks, the largest holding as few real tokens as such a cut allows
+    (never more than TRL's largest chunk holds). A forward's activations grow with its tokens, not
+    its rows: a long-tailed batch whose long completions fall into one of TRL's chunks no longer
+    peaks there. Log-probs and entropies are per token, so the cut changes none of them. One host
+    read of the rows' token counts where TRL asks for more than one chunk. ``keep_rows`` keeps
+    TRL's own chunks (the MoE aux loss is the mean of one loss per chunk)."""
+    rows = mask.shape[0]
+    bounds = [(start, min(start + batch_size, rows)) for start in range(0, rows, batch_size)]
+    if len(bounds) <= 1 or keep_rows:
+        return bounds
+    lengths = (mask != 0).sum(-1).tolist()
+
+    def cut(budget: int) -> list[tuple[int, int]]:  # the fewest forwards of at most budget tokens each
+        out, start, held = [], 0, 0
+        for row, length in enumerate(lengths):
+            if row > start and held + length > budget:
+                out.append((start, row))
+                start, held = row, 0
+            held += length
+        return [*out, (start, rows)]
+
+    low, high = max(lengths), max(sum(lengths[a:b]) for a, b in bounds)  # TRL's chunks fit in high
+    while low < high:  # the least budget that needs no more forwards than TRL's chunks
+        middle = (low + high) // 2
+        if len(cut(middle)) <= len(bounds):
+            high = middle
+        else:
+            low = middle + 1
+    return cut(low)
 
 
 class _RouterLoss:
