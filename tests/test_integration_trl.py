@@ -61,9 +61,40 @@ def fake_trainer(temperature: float = 0.7, cast_lm_head_to_fp32: bool = False, a
     )
 
 
+def causal_lm(arch: str, vocab: int) -> torch.nn.Module:
+    """A tiny random-weight causal LM: nopad.synthetic's families, and two Mixture-of-Experts ones built
+    here (Qwen3-MoE, Qwen2-MoE with its shared expert; every layer sparse, 4 experts, top 2), whose
+    configs carry output_router_logits and a router_aux_loss_coef (raised to 0.05), so TRL computes
+    the load-balancing loss."""
+    if arch not in ("qwen3_moe", "qwen2_moe"):
+        return tiny_causal_lm(arch, vocab=vocab, hidden=32, layers=2, seed=0)
+    import transformers
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        router_aux_loss_coef=0.05,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**config)).eval()
+    config["shared_expert_intermediate_size"] = 32
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**config)).eval()
+
+
 def model_of(arch: str, temperature: float = 0.7) -> torch.nn.Module:
     """A tiny random-weight model with TRL's fused head added, as GRPOTrainer's __init__ does."""
-    model = tiny_causal_lm(arch, vocab=VOCAB, hidden=32, layers=2, seed=0)
+    model = causal_lm(arch, VOCAB)
     model.train()
     add_fused_lm_head(model, temperature=temperature, outputs=("log_probs", "entropy"))
     return model
@@ -116,6 +147,96 @@ def test_packed_method_equals_trl_s_own_log_probs_entropies_and_gradients(cls, a
     assert ours[3].keys() == ref[3].keys() and ref[3]
     for name in ref[3]:
         torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_batch_size_becomes_a_token_budget_fewer_tokens_per_forward_same_results(arch, monkeypatch):
+    """TRL's batch_size=5 cuts the 12 rows into chunks of 49, 32 and 8 real tokens (the completion of
+    the full width and the long prompts in the first); installed, the rows are cut, in order, into
+    at most as many packed forwards with as few tokens in the largest as such a cut allows: 30, 28
+    and 31. Log-probs, entropies and gradients equal TRL's to 1e-5."""
+    model, trainer = model_of(arch), fake_trainer()
+    torch.manual_seed(0)  # grpo_batch draws the completion lengths from torch's global generator
+    input_ids, mask, C = grpo_batch(seed=0)
+    lengths = mask.sum(-1)
+    trl_chunks = [int(lengths[start : start + 5].sum()) for start in range(0, 12, 5)]
+    assert trl_chunks == [49, 32, 8]
+    forwards = []
+    convert = _install.left_right_2_no_padding
+    monkeypatch.setattr(
+        _install,
+        "left_right_2_no_padding",
+        lambda data: forwards.append(int(data["attention_mask"].sum())) or convert(data),
+    )
+    ref = run(trl_method(GRPOTrainer), trainer, model, input_ids, mask, C, batch_size=5)
+    with nopad_trl.install():
+        ours = run(GRPOTrainer._get_per_token_logps_and_entropies, trainer, model, input_ids, mask, C, batch_size=5)
+    print(arch, "tokens per forward: TRL's row chunks", trl_chunks, "installed", forwards)
+    assert forwards == [30, 28, 31] and sum(forwards) == int(lengths.sum())
+    torch.testing.assert_close(ours[0], ref[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(ours[1], ref[1], atol=TOL, rtol=0)
+    assert ours[3].keys() == ref[3].keys() and ref[3]
+    for name in ref[3]:
+        torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
+    forwards.clear()  # one chunk asked (batch_size None): one forward, as before
+    with nopad_trl.install(), torch.no_grad():
+        GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)
+    assert forwards == [int(lengths.sum())]
+
+
+def test_token_budget_cut_never_needs_more_forwards_nor_more_tokens_than_trl_s_chunks():
+    def cut(lengths, batch_size, keep_rows=False):
+        mask = torch.zeros(len(lengths), max(lengths) + 1, dtype=torch.long)
+        for row, length in enumerate(lengths):
+            mask[row, mask.shape[1] - length :] = 1
+        chunks = _install._token_budget_chunks(mask, batch_size, keep_rows=keep_rows)
+        assert [b for _, b in chunks[:-1]] == [a for a, _ in chunks[1:]] and chunks[0][0] == 0
+        assert chunks[-1][1] == len(lengths)  # the rows in order, each once
+        return [sum(lengths[a:b]) for a, b in chunks]
+
+    assert cut([25, 1, 1, 1, 1, 1], 2) == [25, 5]  # TRL's: 26, 2, 2
+    assert cut([4] * 6, 2) == [8, 8, 8]  # balanced already: TRL's chunks
+    assert cut([1, 1, 1, 1, 30, 30], 2) == [4, 30, 30]  # TRL's: 2, 2, 60
+    assert cut([3, 9, 2], 5) == [14]  # one chunk asked
+    assert cut([25, 1, 1, 1, 1, 1], 2, keep_rows=True) == [26, 2, 2]  # the MoE aux loss: TRL's chunks
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "qwen3_next"])
+def test_moe_router_aux_loss_equals_trl_s_own(arch):
+    """compute_aux_loss=True: TRL's fused head takes transformers' load-balancing loss over the router
+    logits of each row chunk with its attention mask, then the chunks' mean; nopad takes the same
+    function over the packed chunk's router logits without a mask (the row holds exactly the real
+    tokens). The loss, and the gradients of a sum that weighs it in, agree with TRL's to 1e-5, on
+    Qwen3-MoE, Qwen2-MoE (a shared expert) and Qwen3-Next (MoE on gated delta nets and attention)."""
+    model, trainer = model_of(arch), fake_trainer()
+    input_ids, mask, C = grpo_batch(seed=4)
+    method = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def scored(method, batch_size):
+        model.zero_grad(set_to_none=True)
+        logps, entropies, aux = method(
+            trainer, model, input_ids, mask, C, batch_size=batch_size, compute_entropy=True, compute_aux_loss=True
+        )
+        (logps * torch.linspace(-1.0, 1.0, logps.numel()).view_as(logps)).sum().add(aux).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return logps.detach(), entropies.detach(), aux.detach(), grads
+
+    results = {}
+    for batch_size in (None, 5):
+        ref = scored(trl_method(GRPOTrainer), batch_size)
+        with nopad_trl.install():
+            ours = scored(method, batch_size)
+        assert ours[2].shape == ref[2].shape == () and ours[2].dtype == ref[2].dtype
+        torch.testing.assert_close(ours[2], ref[2], atol=TOL, rtol=0)
+        torch.testing.assert_close(ours[0], ref[0], atol=TOL, rtol=0)
+        torch.testing.assert_close(ours[1], ref[1], atol=TOL, rtol=0)
+        assert ours[3].keys() == ref[3].keys()
+        assert any("gate" in name for name in ref[3])  # the routers take the aux loss's gradient
+        for name in ref[3]:
+            torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
+        results[batch_size] = float(ours[2])
+    print(arch, "aux loss, one chunk and chunks of 5 rows:", results)
+    assert abs(results[None] - results[5]) > 1e-4  # TRL's row chunks kept: the loss is the chunks' mean
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
@@ -239,8 +360,10 @@ def test_aux_loss_head_precision_wrapped_models_and_bad_arguments_are_refused_by
     input_ids, mask, C = grpo_batch()
     nopad_trl.install()
     method = GRPOTrainer._get_per_token_logps_and_entropies
-    with pytest.raises(ValueError, match="compute_aux_loss"):
+    with pytest.raises(ValueError, match="compute_aux_loss"):  # not a Mixture-of-Experts model
         method(trainer, model, input_ids, mask, C, compute_aux_loss=True)
+    with pytest.raises(ValueError, match="compute_aux_loss"):
+        method(trainer, model, input_ids, mask, C, compute_aux_loss="yes")
     for bad in (0, input_ids.shape[1], 2.0, True):
         with pytest.raises(ValueError, match="logits_to_keep"):
             method(trainer, model, input_ids, mask, bad)
@@ -280,6 +403,124 @@ def test_aux_loss_head_precision_wrapped_models_and_bad_arguments_are_refused_by
         method(trainer, model, input_ids, holed, C)
 
 
+# --- PEFT adapters: the model TRL passes is a PeftModel -----------------------------------------------
+
+
+def need_peft() -> None:
+    """PEFT's tests skip without peft, unless NOPAD_REQUIRE_TRL=1 (CI's trl leg installs it)."""
+    if os.environ.get("NOPAD_REQUIRE_TRL") == "1":
+        import peft  # noqa: F401
+    else:
+        pytest.importorskip("peft")
+
+
+def peft_model_of(arch: str, adapter: str):
+    """model_of's model with a PEFT adapter (weights not at their no-op init: the adapter changes the
+    log-probs), as GRPOTrainer wraps it (its fused head added first)."""
+    import peft
+
+    torch.manual_seed(1)
+    configs = {
+        "lora": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),
+        "dora": lambda: peft.LoraConfig(
+            r=4, target_modules="all-linear", use_dora=True, init_lora_weights=False, task_type="CAUSAL_LM"
+        ),
+        "ia3": lambda: peft.IA3Config(
+            target_modules=["down_proj", "k_proj", "v_proj"], feedforward_modules=["down_proj"], init_ia3_weights=False
+        ),
+        "prompt": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+        "prefix": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+        "lm_head": lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False),
+    }
+    return peft.get_peft_model(model_of(arch), configs[adapter]())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("adapter", ["lora", "dora", "ia3"])
+def test_peft_adapters_equal_trl_s_own_with_the_adapter_and_with_it_disabled(arch, adapter):
+    """PEFT's adapters that wrap the layers in place run within the packed forward: log-probs,
+    entropies and the adapter's gradients equal TRL's own method on the PeftModel, and so do the
+    log-probs with the adapter disabled (TRL's reference model under PEFT)."""
+    need_peft()
+    model, trainer = peft_model_of(arch, adapter), fake_trainer()
+    input_ids, mask, C = grpo_batch(seed=3)
+    ref = run(trl_method(GRPOTrainer), trainer, model, input_ids, mask, C, batch_size=5)
+    with torch.no_grad(), model.disable_adapter():
+        ref_base = trl_method(GRPOTrainer)(trainer, model, input_ids, mask, C)[0]
+    assert (ref[0] - ref_base).abs().max() > 1e-3  # the adapter is in the log-probs
+    with nopad_trl.install():
+        ours = run(GRPOTrainer._get_per_token_logps_and_entropies, trainer, model, input_ids, mask, C, batch_size=5)
+        with torch.no_grad(), model.disable_adapter():
+            ours_base = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)[0]
+    torch.testing.assert_close(ours[0], ref[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(ours[1], ref[1], atol=TOL, rtol=0)
+    torch.testing.assert_close(ours_base, ref_base, atol=TOL, rtol=0)
+    assert ours[3].keys() == ref[3].keys() and ref[3]
+    assert all(".lora_" in name or ".ia3_" in name for name in ref[3]), sorted(ref[3])  # the base is frozen
+    for name in ref[3]:
+        torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("adapter", ["prompt", "prefix", "lm_head"])
+def test_peft_adapters_nopad_cannot_run_packed_are_refused_by_name(adapter):
+    """Prompt and prefix tuning put virtual tokens (or keys) before each row: a packed row holds many
+    sequences. An adapter on the output layer is left out by TRL's head (TRL refuses it at init)."""
+    need_peft()
+    model, trainer = peft_model_of("llama", adapter), fake_trainer()
+    input_ids, mask, C = grpo_batch()
+    nopad_trl.install()
+    expected = "around the output layer" if adapter == "lm_head" else f"{adapter.upper()}_TUNING adapter"
+    with pytest.raises(ValueError, match=rf"^nopad\.integrations\.trl: model: .*{expected}"):
+        GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)
+
+
+def test_peft_adapter_on_a_conv_the_layer_reads_by_weight_is_left_out_alone_and_installed_alike():
+    """A gated delta net hands ``conv1d.weight`` to its conv function: a LoRA on ``conv1d`` is in no
+    forward, TRL's alone or nopad's; the results agree, and only the other adapter takes gradients."""
+    need_peft()
+    import peft
+
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=64, target_modules=["conv1d", "q_proj"], init_lora_weights=False)  # r % groups == 0
+    model, trainer = peft.get_peft_model(model_of("qwen3_5"), config), fake_trainer()
+    assert any(name.endswith("conv1d.lora_A.default.weight") for name, _ in model.named_parameters())
+    input_ids, mask, C = grpo_batch(seed=3)
+    ref = run(trl_method(GRPOTrainer), trainer, model, input_ids, mask, C)
+    with nopad_trl.install():
+        ours = run(GRPOTrainer._get_per_token_logps_and_entropies, trainer, model, input_ids, mask, C)
+    torch.testing.assert_close(ours[0], ref[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(ours[1], ref[1], atol=TOL, rtol=0)
+    assert ours[3].keys() == ref[3].keys() and ref[3] and not any("conv1d" in name for name in ref[3])
+    for name in ref[3]:
+        torch.testing.assert_close(ours[3][name], ref[3][name], atol=TOL, rtol=1e-4, msg=name)
+
+
+def test_a_model_fsdp2_sharded_is_refused_by_name(tmp_path):
+    """FSDP2's fully_shard swaps the classes of the modules it shards in place, so accelerate hands
+    the model over as it is: refused by name (not run under TRL here), in GRPO's method and SFT's step."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model, trainer = model_of("llama"), fake_trainer()
+        for layer in model.model.layers:
+            fully_shard(layer)
+        input_ids, mask, C = grpo_batch()
+        nopad_trl.install()
+        with pytest.raises(
+            ValueError, match=r"^nopad\.integrations\.trl: model: .*FSDP2 sharded \(FSDPLlamaDecoderLayer"
+        ):
+            GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, mask, C)
+        sft = types.SimpleNamespace(padding_free=True, accelerator=trainer.accelerator)
+        with pytest.raises(ValueError, match=r"^nopad\.integrations\.trl: SFTTrainer model: .*FSDP2 sharded"):
+            SFTTrainer.training_step(sft, model, {})
+    finally:
+        dist.destroy_process_group()
+
+
 # --- TRL's trainers driven end to end: alone, then with install(), the same seed --------------------
 
 WORDS = ["<pad>", "<eos>", "<unk>"] + [chr(ord("a") + i) for i in range(17)]
@@ -312,7 +553,7 @@ def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
     module = _install
 
     saved = tmp_path / f"{arch}-model"
-    model = tiny_causal_lm(arch, vocab=len(WORDS), hidden=32, layers=2, seed=0)
+    model = causal_lm(arch, len(WORDS))
     for config in (model.config, model.generation_config):
         config.pad_token_id, config.eos_token_id = 0, 1
     if not saved.exists():
@@ -352,6 +593,14 @@ def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
     )
     record = Record()
     record.grads, record.weights = [], []
+    peft_config = None
+    if kind.endswith("-lora"):  # TRL wraps the model in PEFT's LoRA; the reference is the adapter disabled
+        need_peft()
+        from peft import LoraConfig
+
+        # init_lora_weights=False: B random, not 0, so the policy differs from the reference from step 1
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        kind = kind.removesuffix("-lora")
     if kind == "grpo":
         args = GRPOConfig(**common, beta=0.04, num_iterations=2)  # a reference model and old log-probs
         trainer_cls = GRPOTrainer
@@ -371,6 +620,7 @@ def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
         processing_class=word_tokenizer(),
         callbacks=[record],
+        peft_config=peft_config,
     )
     used = collections.Counter()  # the options in force, seen where the trainer uses them
     generate = trainer._generate_and_score_completions
@@ -382,6 +632,10 @@ def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
         return output
 
     trainer._generate_and_score_completions = recording_generate
+    if peft_config is not None:  # the reference log-probs: TRL's policy with its adapter disabled
+        assert trainer.ref_model is None and type(trainer.model).__name__.startswith("Peft")
+        disable_adapter = trainer.model.disable_adapter
+        trainer.model.disable_adapter = lambda: used.update(["adapter_disabled"]) or disable_adapter()
     if trainer_cls is GRPOTrainer:
         entropy_mask = trainer.get_high_entropy_mask
         trainer.get_high_entropy_mask = lambda *a, **k: used.update(["entropy_mask"]) or entropy_mask(*a, **k)
@@ -404,14 +658,35 @@ IN_FORCE = {
     "grpo-masks": {"generations": 2, "entropy_mask": 2},  # top_entropy_quantile=0.2
     "rloo": {"generations": 2},
     "rloo-iterations": {"generations": 1},  # num_iterations=2: the second step reuses the batch
+    # as "grpo" and "rloo", the policy a PEFT LoRA model: the reference is it with the adapter disabled
+    "grpo-lora": {"generations": 1, "old_per_token_logps": 1, "ref_per_token_logps": 1, "adapter_disabled": 1},
+    "rloo-lora": {"generations": 2, "adapter_disabled": 2},
 }
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
-@pytest.mark.parametrize("kind", ["grpo", "grpo-masks", "rloo", "rloo-iterations"])
+@pytest.mark.parametrize("kind", ["grpo", "grpo-masks", "rloo", "rloo-iterations", "grpo-lora", "rloo-lora"])
 def test_trl_trainer_two_steps_alone_and_installed_log_the_same_and_train_the_same_weights(
     kind, arch, tmp_path, monkeypatch
 ):
+    two_steps_alike(kind, arch, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_trl_trainer_on_a_moe_model_adds_the_same_router_aux_loss_alone_and_installed(
+    kind, arch, tmp_path, monkeypatch
+):
+    """A Mixture-of-Experts policy: TRL adds router_aux_loss_coef x the load-balancing loss to each
+    step's loss (compute_aux_loss=True) and logs it as aux_loss; installed, nopad computes it on the
+    packed rows: the logged aux_loss, the loss, the gradients and the weights agree to 1e-5."""
+    logs = two_steps_alike(kind, arch, tmp_path, monkeypatch)
+    aux = [entry["aux_loss"] for entry in logs if "loss" in entry]
+    assert len(aux) == 2 and all(1.0 < value < 4.0 for value in aux), aux  # 2 steps, about top_k
+
+
+def two_steps_alike(kind, arch, tmp_path, monkeypatch):
+    """Two steps of ``kind`` alone and installed: returns TRL's log history once all agrees."""
     logs, grads, weights, calls, used = drive(kind, arch, tmp_path, False, monkeypatch)
     assert calls == 0
     logs_nopad, grads_nopad, weights_nopad, calls_nopad, used_nopad = drive(kind, arch, tmp_path, True, monkeypatch)
@@ -423,15 +698,21 @@ def test_trl_trainer_two_steps_alone_and_installed_log_the_same_and_train_the_sa
     assert clipped and all(0 < ratio < 1 for ratio in clipped), clipped  # max_completion_length truncates some
     assert len(logs) == len(logs_nopad) == 3 and len(grads) == len(grads_nopad) == 2 == len(weights_nopad)
     assert any("loss" in entry for entry in logs)
+    if kind.endswith("-lora"):  # only the adapter trains, and the reference (adapter off) is another model
+        assert all(".lora_" in name for step in grads for name in step), sorted(grads[0])
+        assert steps[0]["kl"] > 1e-4, steps[0]
     for ours, theirs in zip(logs_nopad, logs):
         assert ours.keys() == theirs.keys()
         for key in theirs:
             if key not in TIMINGS:
-                assert ours[key] == pytest.approx(theirs[key], abs=1e-5, rel=0), (key, ours[key], theirs[key])
+                # the norm before clipping (6 to 11 under LoRA's random init) to 1e-5 of its size
+                rel = 1e-5 if key == "grad_norm" else 0
+                assert ours[key] == pytest.approx(theirs[key], abs=1e-5, rel=rel), (key, ours[key], theirs[key])
     for ours, theirs in (*zip(grads_nopad, grads), *zip(weights_nopad, weights)):
         assert ours.keys() == theirs.keys() and theirs
         for name in theirs:
             torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=0, msg=name)
+    return logs
 
 
 # --- padding-free SFT (and DPO) on a hybrid: TRL's packed row, routed by install() -------------------

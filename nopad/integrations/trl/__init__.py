@@ -20,15 +20,24 @@ results, same ``accelerator.autocast()``.
 Every argument TRL passes is honoured or refused by name with a ``ValueError``, never ignored:
 the vision inputs (``pixel_values``, ``image_grid_thw``, ``num_images``, ``pixel_attention_mask``,
 ``spatial_shapes``, ``num_tiles``, ``image_sizes``, ``image_position_ids``), ``token_type_ids``,
-``mm_token_type_ids`` and ``compute_aux_loss=True`` (the MoE router loss) are refused;
+``mm_token_type_ids`` are refused; ``compute_aux_loss=True`` (the MoE load-balancing loss) is
+computed as TRL's fused head computes it (transformers' ``load_balancing_loss_func`` over the
+backbone's router logits, per row chunk, their mean), over the packed row's tokens without a mask,
+and refused on a model that is not a Mixture-of-Experts one;
 ``cast_lm_head_to_fp32`` is served where the head computes in float32 anyway (float32 head weights,
 no mixed precision) and refused elsewhere; with activation checkpointing (``gradient_checkpointing``,
 on by default in ``GRPOConfig``) the packed attention stays switched on from the forward until
 backward has recomputed every layer (refused where the input embeddings take no gradient, which
-marks that point); a model wrapped by accelerate (DDP, FSDP, DeepSpeed) is
-refused: served is the single-process path, where accelerate hands the model over unwrapped.
-``batch_size`` keeps TRL's row chunks (one packed forward per chunk: the same results, without
-padding).
+marks that point); a model wrapped by accelerate (DDP, FSDP, DeepSpeed) or sharded by FSDP2's
+``fully_shard`` is refused: served is the single-process path, where accelerate hands the model
+over unwrapped. A PEFT model (``peft_config=`` to the trainer) is served where its adapter wraps
+the layers in place (LoRA, DoRA, IA3, ...; TRL's reference, the adapter disabled, likewise);
+prompt learning (prompt or prefix tuning: virtual tokens before each row) and an adapter on the
+output layer are refused.
+``batch_size`` becomes a token budget: the rows, in order, cut into at most as many packed forwards
+as TRL's row chunks, the largest holding as few real tokens as such a cut allows (never more than
+TRL's largest chunk; the same per-token results), or TRL's own row chunks where the MoE aux loss
+(a mean over chunks) is asked.
 
 The same ``install()`` serves TRL's padding-free SFT on hybrids: ``SFTTrainer`` with ``padding_free``
 (``SFTConfig(padding_free=True)``, or ``packing=True`` with a ``bfd`` strategy) hands the model one

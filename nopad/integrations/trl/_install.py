@@ -8,7 +8,7 @@ import importlib
 import importlib.metadata
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -73,9 +73,10 @@ def _packed_per_token_logps_and_entropies(
     token_type_ids: Any = None,
     mm_token_type_ids: Any = None,
     image_position_ids: Any = None,
-) -> tuple[Tensor, Tensor | None, None]:
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """TRL's ``_get_per_token_logps_and_entropies`` on packed rows: (B, C) log-probs, (B, C) entropies
-    or None, and None (no aux loss). See the module's docstring for what is served and refused."""
+    or None, and the MoE load-balancing loss or None. See the module's docstring for what is served
+    and refused."""
     given = dict(
         pixel_values=pixel_values,
         image_grid_thw=image_grid_thw,
@@ -91,12 +92,8 @@ def _packed_per_token_logps_and_entropies(
     for name, value in given.items():
         if value is not None:
             raise _refuse(name, "None (text-only batches are served packed; call uninstall() for this one)", "a value")
-    if compute_aux_loss:
-        raise _refuse(
-            "compute_aux_loss",
-            "False (the MoE load-balancing loss is not computed on packed rows; call uninstall())",
-            repr(compute_aux_loss),
-        )
+    if not isinstance(compute_aux_loss, bool):
+        raise _refuse("compute_aux_loss", "True or False (a bool)", repr(compute_aux_loss))
     if not isinstance(compute_entropy, bool):
         raise _refuse("compute_entropy", "True or False (a bool)", repr(compute_entropy))
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
@@ -112,25 +109,24 @@ def _packed_per_token_logps_and_entropies(
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0):
         raise _refuse("batch_size", "None or an int >= 0 (0 or None: one chunk)", repr(batch_size))
     accelerator = self.accelerator
-    inner = accelerator.unwrap_model(model)
-    if inner is not model:
-        raise _refuse(
-            "model",
-            "the model as accelerate hands it over in a single process (unwrapped)",
-            f"{type(model).__name__} around {type(inner).__name__} (not served yet: call uninstall())",
-        )
+    wrapped = _wrapping(accelerator, model)
+    if wrapped is not None:
+        raise _refuse("model", "the model as accelerate hands it over in a single process (unwrapped)", wrapped)
+    _check_adapters(model)
     _check_head_precision(self, model)
+    router = _RouterLoss(model) if compute_aux_loss else None
     global _HELD
     if _HELD is not None:  # a checkpointed forward whose backward never came: put the model back now
         _HELD.release()
+    chunks = _token_budget_chunks(attention_mask, batch_size or rows, keep_rows=router is not None)
     held = _HeldUntilBackward(model) if torch.is_grad_enabled() and _checkpointed(model) else None
     temperature = float(self.temperature)
-    chunk = batch_size or rows
     log_probs: list[Tensor] = []
     entropies: list[Tensor] = []
+    aux_losses: list[Tensor] = []
     try:
-        for start in range(0, rows, chunk):
-            ids, mask = input_ids[start : start + chunk], attention_mask[start : start + chunk]
+        for start, end in chunks:
+            ids, mask = input_ids[start:end], attention_mask[start:end]
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
             data = TensorDict(
                 {
@@ -142,7 +138,7 @@ def _packed_per_token_logps_and_entropies(
                 batch_size=[ids.shape[0]],
             )
             micro = left_right_2_no_padding(data)
-            with accelerator.autocast():
+            with accelerator.autocast(), router.recording(mask) if router is not None else nullcontext():
                 if compute_entropy:
                     out = packed_logprobs(model, micro, temperature, calculate_entropy=True, tokens="response")
                     log_prob, entropy = out["log_probs"], out["entropy"]
@@ -150,6 +146,8 @@ def _packed_per_token_logps_and_entropies(
                 else:
                     log_prob = packed_logprobs(model, micro, temperature, tokens="response")
             log_probs.append(no_padding_2_padding(log_prob, micro, logits_to_keep))
+            if router is not None:
+                aux_losses.append(router.loss())
     except BaseException:
         if held is not None:  # nothing to hold for: the model as it was
             held.release()
@@ -158,7 +156,109 @@ def _packed_per_token_logps_and_entropies(
         held.armed()
         _HELD = held if held.holding else None
     logps = torch.cat(log_probs)
-    return logps, torch.cat(entropies) if compute_entropy else None, None
+    aux_loss = torch.stack(aux_losses).mean() if router is not None else None  # TRL's: the chunks' mean
+    return logps, torch.cat(entropies) if compute_entropy else None, aux_loss
+
+
+def _token_budget_chunks(mask: Tensor, batch_size: int, *, keep_rows: bool) -> list[tuple[int, int]]:
+    """TRL's ``batch_size`` row chunks as a token budget: the rows, in order, cut into at most as many
+    packed forwards as TRL's chunks, the largest holding as few real tokens as such a cut allows
+    (never more than TRL's largest chunk holds). A forward's activations grow with its tokens, not
+    its rows: a long-tailed batch whose long completions fall into one of TRL's chunks no longer
+    peaks there. Log-probs and entropies are per token, so the cut changes none of them. One host
+    read of the rows' token counts where TRL asks for more than one chunk. ``keep_rows`` keeps
+    TRL's own chunks (the MoE aux loss is the mean of one loss per chunk)."""
+    rows = mask.shape[0]
+    bounds = [(start, min(start + batch_size, rows)) for start in range(0, rows, batch_size)]
+    if len(bounds) <= 1 or keep_rows:
+        return bounds
+    lengths = (mask != 0).sum(-1).tolist()
+
+    def cut(budget: int) -> list[tuple[int, int]]:  # the fewest forwards of at most budget tokens each
+        out, start, held = [], 0, 0
+        for row, length in enumerate(lengths):
+            if row > start and held + length > budget:
+                out.append((start, row))
+                start, held = row, 0
+            held += length
+        return [*out, (start, rows)]
+
+    low, high = max(lengths), max(sum(lengths[a:b]) for a, b in bounds)  # TRL's chunks fit in high
+    while low < high:  # the least budget that needs no more forwards than TRL's chunks
+        middle = (low + high) // 2
+        if len(cut(middle)) <= len(bounds):
+            high = middle
+        else:
+            low = middle + 1
+    return cut(low)
+
+
+class _RouterLoss:
+    """``compute_aux_loss``: the MoE load-balancing loss TRL's fused head computes, on the packed row.
+
+    TRL asks the model's backbone for its router logits (``output_router_logits=True``) and takes
+    transformers' ``load_balancing_loss_func`` (Mixtral's, the one every MoE family shares) over them
+    with the chunk's attention mask, one loss per row chunk, then their mean. The loss reads each real
+    token's router logits, counted once per layer: a packed row holds exactly the chunk's real tokens
+    (no padding), so the same function over it without a mask sums the same terms. The backbone is
+    asked the same way here (a hook puts ``output_router_logits=True`` into its call and reads its
+    output's ``router_logits``); refused by name where the model has no backbone that returns them."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        get_base = getattr(model, "get_base_model", None)  # a PEFT model: the transformers model inside
+        hf = get_base() if callable(get_base) else model
+        backbone = getattr(hf, "base_model", None)
+        config = getattr(getattr(hf, "config", None), "get_text_config", lambda: None)()
+        experts = {name: getattr(config, name, None) for name in ("num_experts", "num_experts_per_tok")}
+        if (
+            not isinstance(backbone, torch.nn.Module)
+            or backbone is hf
+            or not hasattr(config, "output_router_logits")
+            or not all(isinstance(v, int) and v > 0 for v in experts.values())
+        ):
+            raise _refuse(
+                "compute_aux_loss",
+                "a Mixture-of-Experts model whose backbone returns its router logits (a text config with "
+                "output_router_logits, num_experts and num_experts_per_tok), or False",
+                f"{type(hf).__name__} ({experts})",
+            )
+        self.backbone, self.experts, self.top_k = backbone, experts["num_experts"], experts["num_experts_per_tok"]
+        self.router_logits: Any = None
+        self.tokens = 0
+
+    @contextmanager
+    def recording(self, mask: Tensor) -> Iterator[None]:
+        """The backbone's router logits of the forwards within the block, of the chunk ``mask`` holds."""
+        self.router_logits, self.tokens = None, int(mask.sum())
+
+        def ask(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            return args, {**kwargs, "output_router_logits": True}
+
+        def read(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self.router_logits = getattr(output, "router_logits", None)
+
+        handles = (
+            self.backbone.register_forward_pre_hook(ask, with_kwargs=True),
+            self.backbone.register_forward_hook(read),
+        )
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def loss(self) -> Tensor:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        logits = self.router_logits
+        if not isinstance(logits, tuple) or not logits or any(x.shape[0] != self.tokens for x in logits):
+            shapes = [tuple(x.shape) for x in logits] if isinstance(logits, tuple) else type(logits).__name__
+            raise _refuse(
+                "compute_aux_loss",
+                f"router logits of the packed row's {self.tokens} tokens from the backbone, one per MoE layer",
+                f"{shapes}",
+            )
+        return load_balancing_loss_func(logits, self.experts, self.top_k, None)  # type: ignore[return-value]
 
 
 class _HeldUntilBackward:
@@ -214,6 +314,52 @@ class _HeldUntilBackward:
 
 
 _HELD: _HeldUntilBackward | None = None
+
+
+def _wrapping(accelerator: Any, model: torch.nn.Module) -> str | None:
+    """What wraps ``model`` where nopad has not run it, or None: a wrapper accelerate unwraps (DDP, FSDP,
+    DeepSpeed's engine, ZeRO-3's among them), or FSDP2's ``fully_shard``, which swaps the classes of
+    the modules it shards in place (accelerate hands that model over as it is)."""
+    inner = accelerator.unwrap_model(model)
+    if inner is not model:
+        return f"{type(model).__name__} around {type(inner).__name__} (not served yet: call uninstall())"
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed: no FSDP2 either
+        return None
+    sharded = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
+    if sharded is None:
+        return None
+    return f"a model FSDP2 sharded ({type(sharded).__name__}; not served yet: call uninstall())"
+
+
+def _check_adapters(model: torch.nn.Module) -> None:
+    """PEFT adapters: those that wrap the model's layers in place (LoRA, DoRA, IA3, ...) run within the
+    packed forward as they run padded, and TRL's reference (the adapter disabled) likewise. Refused by
+    name: a prompt-learning adapter (prompt or prefix tuning: virtual tokens or keys put before each
+    row, where a packed row is many sequences) and an adapter on the output layer (TRL's head reads
+    its weight and would leave the adapter out; TRL refuses it too)."""
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        raise _refuse(
+            "model",
+            "a PEFT adapter that wraps the model's layers (LoRA, DoRA, IA3, ...), or none",
+            f"a {_peft_type(config)} adapter (prompt learning: virtual tokens or keys put before each row, where "
+            "a packed row holds many sequences; call uninstall())",
+        )
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if isinstance(getattr(head, "base_layer", None), torch.nn.Module):
+        raise _refuse(
+            "model",
+            "an output layer without an adapter (TRL's head reads its weight, and refuses one too)",
+            f"{type(head).__module__}.{type(head).__name__} around the output layer",
+        )
+
+
+def _peft_type(config: Any) -> str:
+    kind = getattr(config, "peft_type", None)
+    return str(getattr(kind, "value", kind) or type(config).__name__)
 
 
 def _check_head_precision(trainer: Any, model: torch.nn.Module) -> None:
@@ -435,13 +581,9 @@ def _routed(trainer: Any, model: torch.nn.Module) -> Iterator[None]:
 
     Entered outside autograd: :func:`nopad.modeling.packed_attention` refuses a checkpointed model
     whose backward would come after its block; here the block holds the backward too."""
-    inner = trainer.accelerator.unwrap_model(model)
-    if inner is not model:
-        raise _refuse_sft(
-            "model",
-            "the model as accelerate hands it over in a single process (unwrapped)",
-            f"{type(model).__name__} around {type(inner).__name__} (not served yet: call uninstall())",
-        )
+    wrapped = _wrapping(trainer.accelerator, model)
+    if wrapped is not None:
+        raise _refuse_sft("model", "the model as accelerate hands it over in a single process (unwrapped)", wrapped)
     context = packed_attention(model, "auto")
     with torch.no_grad():
         context.__enter__()
