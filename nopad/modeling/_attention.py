@@ -230,6 +230,15 @@ def select_kernel(requested: str, device_type: str, dtype: torch.dtype, needs: N
     return next((k for k in flash if not _copies_kv(k, needs)), flash[0] if flash else "sdpa")
 
 
+@torch._dynamo.assume_constant_result
+def _kernel_for(requested: str, device_type: str, dtype: torch.dtype, needs: Needs) -> str:
+    """:func:`select_kernel`, made before tracing: dynamo runs it at trace time and keeps the name it
+    returns as a constant of the graph (its arguments are the layer's config and the inputs' device
+    and dtype, which the graph's guards already hold), so no probe of an installed kernel is traced.
+    Eager, it is select_kernel."""
+    return select_kernel(requested, device_type, dtype, needs)
+
+
 def _window(needs: Needs) -> tuple[int, int]:
     """flash-attn's inclusive (left, right) window; -1 means unbounded."""
     left = -1 if needs.window is None else needs.window - 1
@@ -359,6 +368,19 @@ def _given_boundaries(
     return cu.to(device=device, dtype=torch.int32), int(max_length)
 
 
+def _traced_boundaries(
+    cu: Tensor, cu_k: Tensor | None, max_length: Any, total: int, device: torch.device
+) -> tuple[Tensor, int]:
+    """:func:`_given_boundaries` inside a forward dynamo traces: the same shape and dtype checks and
+    the host ``max_length_q`` checked as an int, but the boundaries' values are not read (a read is
+    data-dependent: a graph break, or a recompile per row) and nothing is kept on them (the memo
+    reads tensor versions, which dynamo does not trace). The caller vouches for the values, as for
+    device boundaries handed with their max length in an eager forward."""
+    _check_boundaries_given(cu, cu_k)
+    longest = check_int(max_length, "max_length_q", low=0)
+    return cu.to(device=device, dtype=torch.int32), longest
+
+
 def _check_boundaries_given(cu: Any, cu_k: Tensor | None) -> None:
     """``cu_seq_lens_q`` a (sequences + 1,) integer tensor, and ``cu_seq_lens_k`` None or the same
     boundaries (nopad_varlen is self-attention). Shapes and dtypes only, unless ``_k`` is another
@@ -404,6 +426,8 @@ def _boundaries(batch: int, length: int, device: torch.device, kwargs: dict) -> 
         cu_k, max_length = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_q")
         given: Tensor = cu
         total = batch * length
+        if torch.compiler.is_compiling() and max_length is not None and not isinstance(max_length, Tensor):
+            return _traced_boundaries(given, cu_k, max_length, total, device)
         # one check per forward (every layer passes these same tensors): kept on the boundaries, with
         # the other tensors it was made with (weakly: never taken for another tensor at a freed address)
         others = tuple(x if isinstance(x, Tensor) and x is not cu else None for x in (cu_k, max_length))
@@ -489,7 +513,7 @@ def nopad_varlen_attention(
         softcap=softcap is not None,
         sinks=sinks is not None,
     )
-    kernel = select_kernel(_requested_kernel(module), query.device.type, query.dtype, needs)
+    kernel = _kernel_for(_requested_kernel(module), query.device.type, query.dtype, needs)
     scale = D**-0.5 if scaling is None else scaling
     # (B, H, T, D) -> (B * T, H, D): a view of HF's (B, T, H, D) projection after its transpose
     q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (query, key, value))

@@ -1306,7 +1306,7 @@ class Route:
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, always_call=True),
         ]
-        self._tokens: list[contextvars.Token] = []
+        self._tokens: list[contextvars.Token | None] = []
 
     def _patch(self, module: torch.nn.Module, name: str, value: Any) -> None:
         self._patched.append((module, name, module.__dict__.get(name, _MISSING)))
@@ -1329,11 +1329,23 @@ class Route:
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         boundaries = _row_boundaries(args, kwargs)
         owner = type(module).__name__
-        forward = None
-        if boundaries is not None:
-            cu, longest = boundaries
-            forward = _Forward(owner, cu, kwargs.get(SP_GROUP_KWARG), checkpointed(module), longest or None)
-        self._tokens.append(_PACKED_FORWARD.set(forward))
+        if torch.compiler.is_compiling() and kwargs.get("cu_seq_lens_q") is not None:
+            # Under torch.compile the row is not kept in the context variable, whose set and reset
+            # dynamo cannot trace (a graph break each): the caller handed the boundaries as kwargs,
+            # and every layer that takes the model's kwargs reads them there. Skipped here rather
+            # than the hook kept out of the graph with torch._dynamo.disable: torch.compile(model)
+            # compiles the hooks as frames of their own, but model.compile() and a compiled
+            # function that calls the model inline them, where a disabled hook is a graph break
+            # (fullgraph=True refuses it). A layer not handed the kwargs (a decoder that drops
+            # them) finds no row in a compiled forward: its read of the variable is a graph break.
+            # A None token tells the post-hook there is nothing to reset.
+            self._tokens.append(None)
+        else:
+            forward = None
+            if boundaries is not None:
+                cu, longest = boundaries
+                forward = _Forward(owner, cu, kwargs.get(SP_GROUP_KWARG), checkpointed(module), longest or None)
+            self._tokens.append(_PACKED_FORWARD.set(forward))
         if boundaries is None:
             return None
         kwargs = _without_cache(kwargs, owner, _takes(module, "use_cache"))
@@ -1346,7 +1358,9 @@ class Route:
 
     def _after(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._tokens:
-            _PACKED_FORWARD.reset(self._tokens.pop())
+            token = self._tokens.pop()
+            if token is not None:
+                _PACKED_FORWARD.reset(token)
 
 
 def checkpointed(model: torch.nn.Module) -> bool:
