@@ -2,7 +2,7 @@
 
 A caller that hands the packed row's boundaries as kwargs (``cu_seq_lens_q/k`` tensors,
 ``max_length_q/k`` host ints, transformers' packed convention, as nopad's packed log-probs pass
-them) gets one graph per model with ``fullgraph=True``: no graph break in nopad's code (the routing
+them) compiles with ``fullgraph=True``: no graph break in nopad's code (the routing
 keeps no context variable under compile, no boundary value is read, the kernel is chosen before
 tracing), the compiled forward and backward equal to the eager packed ones, and a bounded number
 of graphs over batches of random lengths with ``dynamic=True``. CPU inductor.
@@ -20,8 +20,9 @@ from nopad.modeling import use_packed_attention  # noqa: E402
 from nopad.synthetic import tiny_causal_lm  # noqa: E402
 
 BATCHES = 10
-# measured on torch 2.13 CPU: 2 graphs over these 10 batches (the first batch's shapes static, then
-# one dynamic graph); a bound with room, not the count
+# measured on torch 2.13 CPU: 2 graphs over these 10 batches, no recompile (torch.compile(model)
+# compiles the root pre-hook as a frame of its own, an empty graph, and the forward once, its token
+# count and number of sequences symbolic); a bound with room, not the count
 MOST_GRAPHS = 4
 
 
@@ -62,29 +63,19 @@ def test_fullgraph_compile_of_a_routed_llama_is_exact_and_bounded() -> None:
     model = use_packed_attention(tiny_causal_lm("llama", layers=2))
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
     counters.clear()
-    for batch in _packed_batches(BATCHES, seed=0):
+    for index, batch in enumerate(_packed_batches(BATCHES, seed=0)):
         eager_logits, eager_grads = _step(model, batch)
         logits, grads = _step(compiled, batch)
+        if index == 0:  # each sequence gets what it gets alone: no leak across the boundaries the kwargs name
+            cu = batch["cu_seq_lens_q"].tolist()
+            with torch.no_grad():
+                for start, end in zip(cu[:-1], cu[1:], strict=True):
+                    alone = model(input_ids=batch["input_ids"][:, start:end]).logits[0]
+                    torch.testing.assert_close(logits[0, start:end], alone, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(logits, eager_logits, atol=1e-5, rtol=1e-5)
         for grad, eager_grad in zip(grads, eager_grads, strict=True):
             torch.testing.assert_close(grad, eager_grad, atol=1e-5, rtol=1e-5)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     graphs = counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= MOST_GRAPHS, graphs
-    torch._dynamo.reset()
-
-
-def test_compiled_packed_rows_stay_apart() -> None:
-    """The compiled forward of a packed row gives each sequence what it gets alone (no leak across
-    the boundaries the kwargs name), default compile settings."""
-    torch._dynamo.reset()
-    model = use_packed_attention(tiny_causal_lm("llama", layers=2))
-    compiled = torch.compile(model, fullgraph=True)
-    batch = _packed_batches(1, seed=1)[0]
-    with torch.no_grad():
-        packed = compiled(**batch).logits[0]
-        cu = batch["cu_seq_lens_q"].tolist()
-        for start, end in zip(cu[:-1], cu[1:], strict=True):
-            alone = model(input_ids=batch["input_ids"][:, start:end]).logits[0]
-            torch.testing.assert_close(packed[start:end], alone, atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()

@@ -230,7 +230,7 @@ def select_kernel(requested: str, device_type: str, dtype: torch.dtype, needs: N
     return next((k for k in flash if not _copies_kv(k, needs)), flash[0] if flash else "sdpa")
 
 
-@torch._dynamo.assume_constant_result
+@torch.compiler.assume_constant_result
 def _kernel_for(requested: str, device_type: str, dtype: torch.dtype, needs: Needs) -> str:
     """:func:`select_kernel`, made before tracing: dynamo runs it at trace time and keeps the name it
     returns as a constant of the graph (its arguments are the layer's config and the inputs' device
