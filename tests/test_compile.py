@@ -1,11 +1,16 @@
-"""Packed forwards under torch.compile (issue 39, first slice): a routed model compiles whole.
+"""Packed forwards under torch.compile (issue 39): a routed model compiles whole, and exact.
 
 A caller that hands the packed row's boundaries as kwargs (``cu_seq_lens_q/k`` tensors,
 ``max_length_q/k`` host ints, transformers' packed convention, as nopad's packed log-probs pass
-them) compiles with ``fullgraph=True``: no graph break in nopad's code (the routing
-keeps no context variable under compile, no boundary value is read, the kernel is chosen before
-tracing), the compiled forward and backward equal to the eager packed ones, and a bounded number
-of graphs over batches of random lengths with ``dynamic=True``. CPU inductor.
+them) compiles with ``fullgraph=True``: no graph break in nopad's code (under compile the routing
+keeps its forward on a module-level list, not a context variable; no boundary value is read; the
+kernel is chosen before tracing), the compiled forward and backward equal to the eager packed ones,
+and a bounded number of graphs over batches of random lengths with ``dynamic=True``. A decoder that
+calls its layers without the model's kwargs (Moshi on transformers 5.20) finds the row on that list:
+compiled, it is exact too, never the whole row attended as one sequence.
+
+Graphs and breaks are counted with the ``aot_eager`` backend (dynamo's graphs are the backend's
+choice-free part; inductor's cold compile costs ~1 minute here); one inductor run checks equality.
 """
 
 from __future__ import annotations
@@ -16,14 +21,15 @@ import torch
 pytest.importorskip("transformers")
 from torch._dynamo.utils import counters  # noqa: E402
 
-from nopad.modeling import use_packed_attention  # noqa: E402
+from nopad.modeling import _routing, use_packed_attention  # noqa: E402
 from nopad.synthetic import tiny_causal_lm  # noqa: E402
 
-BATCHES = 10
-# measured on torch 2.13 CPU: 2 graphs over these 10 batches, no recompile (torch.compile(model)
-# compiles the root pre-hook as a frame of its own, an empty graph, and the forward once, its token
-# count and number of sequences symbolic); a bound with room, not the count
+BATCHES = 50
+# measured on torch 2.13 CPU: 1 graph over these 50 batches (aot_eager; 2 where torch.compile(model)
+# compiles the root pre-hook as a frame of its own), no recompile: the token count and the number of
+# sequences are symbolic; a bound with room, not the count (the issue asks at most 4)
 MOST_GRAPHS = 4
+TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def _packed_batches(count: int, seed: int) -> list[dict]:
@@ -58,24 +64,82 @@ def _step(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, list[torch
     return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_fullgraph_compile_of_a_routed_llama_is_exact_and_bounded() -> None:
-    torch._dynamo.reset()
-    model = use_packed_attention(tiny_causal_lm("llama", layers=2))
-    compiled = torch.compile(model, fullgraph=True, dynamic=True)
-    counters.clear()
-    for index, batch in enumerate(_packed_batches(BATCHES, seed=0)):
+def _assert_alone(model: torch.nn.Module, batch: dict, logits: torch.Tensor) -> None:
+    """Each sequence of the row gets what it gets alone: no leak across the boundaries."""
+    cu = batch["cu_seq_lens_q"].tolist()
+    with torch.no_grad():
+        for start, end in zip(cu[:-1], cu[1:], strict=True):
+            alone = model(input_ids=batch["input_ids"][:, start:end]).logits[0]
+            torch.testing.assert_close(logits[0, start:end], alone, **TOL)
+
+
+def _compiled_equals_eager(model: torch.nn.Module, compiled: torch.nn.Module, batches: list[dict]) -> None:
+    for index, batch in enumerate(batches):
         eager_logits, eager_grads = _step(model, batch)
         logits, grads = _step(compiled, batch)
-        if index == 0:  # each sequence gets what it gets alone: no leak across the boundaries the kwargs name
-            cu = batch["cu_seq_lens_q"].tolist()
-            with torch.no_grad():
-                for start, end in zip(cu[:-1], cu[1:], strict=True):
-                    alone = model(input_ids=batch["input_ids"][:, start:end]).logits[0]
-                    torch.testing.assert_close(logits[0, start:end], alone, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(logits, eager_logits, atol=1e-5, rtol=1e-5)
+        if index == 0:
+            _assert_alone(model, batch, logits)
+        torch.testing.assert_close(logits, eager_logits, **TOL)
         for grad, eager_grad in zip(grads, eager_grads, strict=True):
-            torch.testing.assert_close(grad, eager_grad, atol=1e-5, rtol=1e-5)
-    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    graphs = counters["stats"]["unique_graphs"]
-    assert 1 <= graphs <= MOST_GRAPHS, graphs
+            torch.testing.assert_close(grad, eager_grad, **TOL)
+
+
+@pytest.fixture
+def dynamo():
     torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+    assert not _routing._COMPILED_FORWARDS  # the per-forward list is empty between forwards
+
+
+def test_50_batches_of_random_lengths_compile_to_a_few_graphs_without_a_break(dynamo) -> None:
+    model = use_packed_attention(tiny_causal_lm("llama", layers=2))
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)  # no fullgraph: a break is counted
+    _compiled_equals_eager(model, compiled, _packed_batches(BATCHES, seed=0))
+    assert sum(dynamo["graph_break"].values()) == 0, dict(dynamo["graph_break"])
+    graphs = dynamo["stats"]["unique_graphs"]
+    assert 1 <= graphs <= MOST_GRAPHS, graphs
+
+
+def test_fullgraph_inductor_compile_of_a_routed_llama_is_exact(dynamo) -> None:
+    model = use_packed_attention(tiny_causal_lm("llama", layers=2))
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    _compiled_equals_eager(model, compiled, _packed_batches(4, seed=1))
+    assert sum(dynamo["graph_break"].values()) == 0, dict(dynamo["graph_break"])
+
+
+class _DropsKwargs(torch.nn.Module):
+    """A decoder layer called without the model's kwargs (Moshi on transformers 5.20): its attention
+    is handed neither the boundaries nor the position ids, only what the layer needs unpacked."""
+
+    KEPT = ("attention_mask", "position_embeddings", "past_key_values", "use_cache")
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.layer(hidden_states, **{k: v for k, v in kwargs.items() if k in self.KEPT})
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_decoder_that_drops_the_kwargs_compiles_exact_never_as_one_sequence(dynamo, fullgraph) -> None:
+    # before the routing kept its compiled forward on the module's list, this model compiled without
+    # fullgraph attended over the whole row as one sequence (0.6 from eager in the logits), silently
+    model = tiny_causal_lm("llama", layers=2)
+    model.model.layers = torch.nn.ModuleList(_DropsKwargs(layer) for layer in model.model.layers)
+    model = use_packed_attention(model)
+    if fullgraph:  # a compiled function that calls the model: dynamo inlines the routing's hooks
+        compiled = torch.compile(lambda **batch: model(**batch), backend="aot_eager", fullgraph=True, dynamic=True)
+    else:  # the model compiled: its hooks are frames of their own
+        compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    with torch.no_grad():
+        for index, batch in enumerate(_packed_batches(2, seed=2)):
+            logits = compiled(**batch).logits
+            if index == 0:
+                _assert_alone(model, batch, logits)
+            torch.testing.assert_close(logits, model(**batch).logits, **TOL)
+    assert sum(dynamo["graph_break"].values()) == 0, dict(dynamo["graph_break"])
+    if fullgraph:
+        assert dynamo["stats"]["unique_graphs"] == 1

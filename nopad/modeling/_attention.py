@@ -442,6 +442,8 @@ def _boundaries(batch: int, length: int, device: torch.device, kwargs: dict) -> 
         # inside a routed packed forward whose decoder hands its layers neither the boundaries nor the
         # position ids (Moshi on transformers 5.20): the forward's row, checked as if it were given
         row, longest = forward
+        if torch.compiler.is_compiling() and longest is not None:  # the caller's host max_length_q
+            return _traced_boundaries(row, None, longest, length, device)
         return memo(
             row,
             ("boundaries", length, str(device), None, longest),

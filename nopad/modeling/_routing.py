@@ -68,6 +68,29 @@ class _Forward:
 
 _PACKED_FORWARD: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("nopad_packed_forward", default=None)
 
+# The routed forwards running under torch.compile, innermost last (None for one that is not packed):
+# the root pre-hook pushes the forward and its post-hook pops it, so the list is empty between
+# forwards (no model, tensor or id kept beyond one). A list on the module rather than the context
+# variable because dynamo traces a global list's append, pop and reads, where a ContextVar's set,
+# reset and get are graph breaks; and the layers a decoder calls without the model's kwargs (Moshi
+# on transformers 5.20) find the row here, in the graph or in the eager code between two graphs.
+# Eager forwards keep the context variable (per thread). One process-wide list: two threads running
+# compiled packed forwards at once would share it.
+_COMPILED_FORWARDS: list[_Forward | None] = []
+_UNSET = object()
+
+
+def _current_forward() -> _Forward | None:
+    """The routed forward running now: the innermost compiled one, unless an eager forward was started
+    in this context since (an eager forward's context variable is set in the eager code between two
+    graphs, which a traced read never is); else the eager one, else None."""
+    if _COMPILED_FORWARDS:
+        if torch.compiler.is_compiling():
+            return _COMPILED_FORWARDS[-1]
+        eager = _PACKED_FORWARD.get(_UNSET)  # type: ignore[arg-type]
+        return _COMPILED_FORWARDS[-1] if eager is _UNSET else eager  # type: ignore[return-value]
+    return _PACKED_FORWARD.get()
+
 
 # the boundaries (and SP group) handed to the state layer of transformers 5.10's shape running now, or
 # to a module on the way down to it, for the primitives it calls without them (set by their routed
@@ -79,7 +102,7 @@ _LAYER_ROW: contextvars.ContextVar[tuple[Tensor, Any] | None] = contextvars.Cont
 def packed_forward_boundaries() -> tuple[Tensor, int | None] | None:
     """(cu_seqlens, longest or None) of the routed packed forward running now, or None outside one: what
     a layer that is not handed the boundaries (a decoder that drops its kwargs) must still keep apart."""
-    forward = _PACKED_FORWARD.get()
+    forward = _current_forward()
     return None if forward is None else (forward.cu_seqlens, forward.longest)
 
 
@@ -124,7 +147,7 @@ def _row_source(kwargs: dict, owner: str, boundaries: Any = None) -> tuple[Tenso
         return cu, group
     if layer is not None:
         return layer
-    forward = _PACKED_FORWARD.get()
+    forward = _current_forward()
     if forward is None:
         return None
     if forward.checkpointed:
@@ -1307,6 +1330,10 @@ class Route:
             model.register_forward_hook(self._after, always_call=True),
         ]
         self._tokens: list[contextvars.Token | None] = []
+        # read now, not at the first forward: a compiled forward that kept them on the model would
+        # change what its graph was guarded on (one recompile)
+        for name in ("use_cache", "cu_seq_lens_q"):
+            _takes(model, name)
 
     def _patch(self, module: torch.nn.Module, name: str, value: Any) -> None:
         self._patched.append((module, name, module.__dict__.get(name, _MISSING)))
@@ -1329,22 +1356,20 @@ class Route:
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         boundaries = _row_boundaries(args, kwargs)
         owner = type(module).__name__
-        if torch.compiler.is_compiling() and kwargs.get("cu_seq_lens_q") is not None:
-            # Under torch.compile the row is not kept in the context variable, whose set and reset
-            # dynamo cannot trace (a graph break each): the caller handed the boundaries as kwargs,
-            # and every layer that takes the model's kwargs reads them there. Skipped here rather
-            # than the hook kept out of the graph with torch._dynamo.disable: torch.compile(model)
-            # compiles the hooks as frames of their own, but model.compile() and a compiled
-            # function that calls the model inline them, where a disabled hook is a graph break
-            # (fullgraph=True refuses it). A layer not handed the kwargs (a decoder that drops
-            # them) finds no row in a compiled forward: its read of the variable is a graph break.
-            # A None token tells the post-hook there is nothing to reset.
+        forward = None
+        if boundaries is not None:
+            cu, longest = boundaries
+            forward = _Forward(owner, cu, kwargs.get(SP_GROUP_KWARG), checkpointed(module), longest or None)
+        if torch.compiler.is_compiling():
+            # the context variable's set and reset are graph breaks: under torch.compile the forward
+            # goes on the module's list (see _COMPILED_FORWARDS), which a None token tells the
+            # post-hook to pop. The hook is traced, not kept out of the graph with
+            # torch._dynamo.disable: torch.compile(model) compiles the hooks as frames of their own,
+            # but model.compile() and a compiled function that calls the model inline them, where a
+            # disabled hook is a graph break (fullgraph=True refuses it).
+            _COMPILED_FORWARDS.append(forward)
             self._tokens.append(None)
         else:
-            forward = None
-            if boundaries is not None:
-                cu, longest = boundaries
-                forward = _Forward(owner, cu, kwargs.get(SP_GROUP_KWARG), checkpointed(module), longest or None)
             self._tokens.append(_PACKED_FORWARD.set(forward))
         if boundaries is None:
             return None
@@ -1361,6 +1386,8 @@ class Route:
             token = self._tokens.pop()
             if token is not None:
                 _PACKED_FORWARD.reset(token)
+            elif _COMPILED_FORWARDS:
+                _COMPILED_FORWARDS.pop()
 
 
 def checkpointed(model: torch.nn.Module) -> bool:
