@@ -3,10 +3,10 @@
 A caller that hands the packed row's boundaries as kwargs (``cu_seq_lens_q/k`` tensors,
 ``max_length_q/k`` host ints, transformers' packed convention, as nopad's packed log-probs pass
 them) compiles with ``fullgraph=True``: no graph break in nopad's code (under compile the routing
-keeps its forward on a module-level list, not a context variable; no boundary value is read; the
-kernel is chosen before tracing), the compiled forward and backward equal to the eager packed ones,
+keeps its per-forward state on lists dynamo traces, not in context variables; no boundary value is
+read; the kernel is chosen before tracing), the compiled forward and backward equal to the eager packed ones,
 and a bounded number of graphs over batches of random lengths with ``dynamic=True``. A decoder that
-calls its layers without the model's kwargs (Moshi on transformers 5.20) finds the row on that list:
+calls its layers without the model's kwargs (Moshi on transformers 5.20) finds the row there:
 compiled, it is exact too, never the whole row attended as one sequence.
 
 Graphs and breaks are counted with the ``aot_eager`` backend (dynamo's graphs are the backend's
@@ -90,7 +90,8 @@ def dynamo():
     counters.clear()
     yield counters
     torch._dynamo.reset()
-    assert not _routing._COMPILED_FORWARDS  # the per-forward list is empty between forwards
+    # the per-forward lists are empty between forwards
+    assert not _routing._PACKED_FORWARD._compiled and not _routing._LAYER_ROW._compiled
 
 
 def test_50_batches_of_random_lengths_compile_to_a_few_graphs_without_a_break(dynamo) -> None:
@@ -125,7 +126,7 @@ class _DropsKwargs(torch.nn.Module):
 
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_a_decoder_that_drops_the_kwargs_compiles_exact_never_as_one_sequence(dynamo, fullgraph) -> None:
-    # before the routing kept its compiled forward on the module's list, this model compiled without
+    # before the routing kept its forward where a compiled forward finds it, this model compiled without
     # fullgraph attended over the whole row as one sequence (0.6 from eager in the logits), silently
     model = tiny_causal_lm("llama", layers=2)
     model.model.layers = torch.nn.ModuleList(_DropsKwargs(layer) for layer in model.model.layers)

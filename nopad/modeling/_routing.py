@@ -25,6 +25,7 @@ import dis
 import inspect
 import math
 import re
+import threading
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -66,43 +67,69 @@ class _Forward:
     longest: int | None = None  # the longest sequence, where the caller or the position ids told it
 
 
-_PACKED_FORWARD: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("nopad_packed_forward", default=None)
+class _RowState:
+    """A per-forward state that torch.compile traces: a context variable's get, set and reset (dynamo
+    traces none of them: a graph break each), kept in a context variable in eager code (per thread,
+    as before) and on a list of the object's own under compile, innermost last. A set under compile
+    pushes and its reset pops, so the list is empty between forwards: nothing (no model, tensor or
+    id) is held beyond one. The list is process-wide: two threads running compiled packed forwards
+    at once would share it.
 
-# The routed forwards running under torch.compile, innermost last (None for one that is not packed):
-# the root pre-hook pushes the forward and its post-hook pops it, so the list is empty between
-# forwards (no model, tensor or id kept beyond one). A list on the module rather than the context
-# variable because dynamo traces a global list's append, pop and reads, where a ContextVar's set,
-# reset and get are graph breaks; and the layers a decoder calls without the model's kwargs (Moshi
-# on transformers 5.20) find the row here, in the graph or in the eager code between two graphs.
-# Eager forwards keep the context variable (per thread). One process-wide list: two threads running
-# compiled packed forwards at once would share it.
-_COMPILED_FORWARDS: list[_Forward | None] = []
-_UNSET = object()
+    A read finds the innermost compiled value, unless this context set an eager one (an eager
+    forward started between two graphs of a compiled one); traced with no compiled value, the eager
+    variable is read (a graph break, the value right) only while some eager set is in force, in any
+    thread: a block compiled alone under an eager root hook still finds the row."""
 
+    def __init__(self, name: str) -> None:
+        self._var: contextvars.ContextVar[Any] = contextvars.ContextVar(name, default=None)
+        self._compiled: list[Any] = []
+        self._eager = 0  # eager sets not reset yet, in every thread
+        self._lock = threading.Lock()
 
-def _current_forward() -> _Forward | None:
-    """The routed forward running now: the innermost compiled one, unless an eager forward was started
-    in this context since (an eager forward's context variable is set in the eager code between two
-    graphs, which a traced read never is); else the eager one, else None."""
-    if _COMPILED_FORWARDS:
+    def get(self) -> Any:
+        if self._compiled:
+            if torch.compiler.is_compiling():
+                return self._compiled[-1]
+            eager = self._var.get(_UNSET)
+            return self._compiled[-1] if eager is _UNSET else eager
+        if not self._eager and torch.compiler.is_compiling():
+            return None
+        return self._var.get()
+
+    def set(self, value: Any) -> Any:
         if torch.compiler.is_compiling():
-            return _COMPILED_FORWARDS[-1]
-        eager = _PACKED_FORWARD.get(_UNSET)  # type: ignore[arg-type]
-        return _COMPILED_FORWARDS[-1] if eager is _UNSET else eager  # type: ignore[return-value]
-    return _PACKED_FORWARD.get()
+            self._compiled.append(value)
+            return _PUSHED
+        with self._lock:
+            self._eager += 1
+        return self._var.set(value)
 
+    def reset(self, token: Any) -> None:
+        if token is _PUSHED:
+            if self._compiled:
+                self._compiled.pop()
+            return
+        self._var.reset(token)
+        with self._lock:
+            self._eager -= 1
+
+
+_UNSET, _PUSHED = object(), object()
+
+# the routed packed forward running now (None in a forward that is not packed); set by the root's hooks
+_PACKED_FORWARD = _RowState("nopad_packed_forward")
 
 # the boundaries (and SP group) handed to the state layer of transformers 5.10's shape running now, or
 # to a module on the way down to it, for the primitives it calls without them (set by their routed
 # forwards from their kwargs, so a checkpointed layer's recomputation, given the same kwargs again,
 # sets them again; see the section on transformers 5.10 below)
-_LAYER_ROW: contextvars.ContextVar[tuple[Tensor, Any] | None] = contextvars.ContextVar("nopad_layer_row", default=None)
+_LAYER_ROW = _RowState("nopad_layer_row")
 
 
 def packed_forward_boundaries() -> tuple[Tensor, int | None] | None:
     """(cu_seqlens, longest or None) of the routed packed forward running now, or None outside one: what
     a layer that is not handed the boundaries (a decoder that drops its kwargs) must still keep apart."""
-    forward = _current_forward()
+    forward = _PACKED_FORWARD.get()
     return None if forward is None else (forward.cu_seqlens, forward.longest)
 
 
@@ -147,7 +174,7 @@ def _row_source(kwargs: dict, owner: str, boundaries: Any = None) -> tuple[Tenso
         return cu, group
     if layer is not None:
         return layer
-    forward = _current_forward()
+    forward = _PACKED_FORWARD.get()
     if forward is None:
         return None
     if forward.checkpointed:
@@ -1329,7 +1356,7 @@ class Route:
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, always_call=True),
         ]
-        self._tokens: list[contextvars.Token | None] = []
+        self._tokens: list[Any] = []
         # read now, not at the first forward: a compiled forward that kept them on the model would
         # change what its graph was guarded on (one recompile)
         for name in ("use_cache", "cu_seq_lens_q"):
@@ -1360,17 +1387,8 @@ class Route:
         if boundaries is not None:
             cu, longest = boundaries
             forward = _Forward(owner, cu, kwargs.get(SP_GROUP_KWARG), checkpointed(module), longest or None)
-        if torch.compiler.is_compiling():
-            # the context variable's set and reset are graph breaks: under torch.compile the forward
-            # goes on the module's list (see _COMPILED_FORWARDS), which a None token tells the
-            # post-hook to pop. The hook is traced, not kept out of the graph with
-            # torch._dynamo.disable: torch.compile(model) compiles the hooks as frames of their own,
-            # but model.compile() and a compiled function that calls the model inline them, where a
-            # disabled hook is a graph break (fullgraph=True refuses it).
-            _COMPILED_FORWARDS.append(forward)
-            self._tokens.append(None)
-        else:
-            self._tokens.append(_PACKED_FORWARD.set(forward))
+        # under torch.compile on a list dynamo traces, not the context variable (see _RowState)
+        self._tokens.append(_PACKED_FORWARD.set(forward))
         if boundaries is None:
             return None
         kwargs = _without_cache(kwargs, owner, _takes(module, "use_cache"))
@@ -1383,11 +1401,7 @@ class Route:
 
     def _after(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._tokens:
-            token = self._tokens.pop()
-            if token is not None:
-                _PACKED_FORWARD.reset(token)
-            elif _COMPILED_FORWARDS:
-                _COMPILED_FORWARDS.pop()
+            _PACKED_FORWARD.reset(self._tokens.pop())
 
 
 def checkpointed(model: torch.nn.Module) -> bool:
