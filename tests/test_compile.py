@@ -144,3 +144,34 @@ def test_a_decoder_that_drops_the_kwargs_compiles_exact_never_as_one_sequence(dy
     assert sum(dynamo["graph_break"].values()) == 0, dict(dynamo["graph_break"])
     if fullgraph:
         assert dynamo["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.slow  # ~25 s each of CPU on 2 cores: dynamo traces 20-odd graphs per forward
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba"])
+def test_a_compiled_hybrid_is_exact_where_nopad_still_breaks_its_graph(dynamo, arch) -> None:
+    # the packed forms of the gated delta nets and Mamba2 scans break the graph (PackedRow's host
+    # arithmetic on the lengths, the memo's tensor versions: nopad's, not the model's, whose padded
+    # forward compiles whole); between the graphs the state layers still find their row
+    model = use_packed_attention(tiny_causal_lm(arch, layers=2))
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    with torch.no_grad():
+        batch = _packed_batches(1, seed=3)[0]
+        logits = compiled(**batch).logits
+        _assert_alone(model, batch, logits)
+        torch.testing.assert_close(logits, model(**batch).logits, **TOL)
+
+
+def test_a_function_compiled_alone_reads_the_row_an_eager_forward_set(dynamo) -> None:
+    # a block compiled alone under an eager root (torchtitan compiles each block): traced with no
+    # row set, its read returns None in the graph, guarded on no eager set being in force; set, the
+    # read is the context variable's (a graph break, the value right)
+    state = _routing._PACKED_FORWARD
+    compiled = torch.compile(lambda x: x + (0 if state.get() is None else 1), backend="eager")
+    x = torch.zeros(2)
+    assert compiled(x).tolist() == [0, 0]
+    token = state.set("a row")
+    try:
+        assert compiled(x).tolist() == [1, 1]
+    finally:
+        state.reset(token)
+    assert compiled(x).tolist() == [0, 0]
