@@ -146,7 +146,7 @@ def test_a_decoder_that_drops_the_kwargs_compiles_exact_never_as_one_sequence(dy
         assert dynamo["stats"]["unique_graphs"] == 1
 
 
-@pytest.mark.slow  # ~25 s each of CPU on 2 cores: dynamo traces 20-odd graphs per forward
+@pytest.mark.slow  # ~35 s of CPU each here: dynamo traces 20-odd graphs per forward
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba"])
 def test_a_compiled_hybrid_is_exact_where_nopad_still_breaks_its_graph(dynamo, arch) -> None:
     # the packed forms of the gated delta nets and Mamba2 scans break the graph (PackedRow's host
