@@ -231,12 +231,13 @@ def select_kernel(requested: str, device_type: str, dtype: torch.dtype, needs: N
 
 
 @torch.compiler.assume_constant_result
-def _kernel_for(requested: str, device_type: str, dtype: torch.dtype, needs: Needs) -> str:
+def _kernel_for(requested: str, device_type: str, dtype: torch.dtype, *needs: Any) -> str:
     """:func:`select_kernel`, made before tracing: dynamo runs it at trace time and keeps the name it
     returns as a constant of the graph (its arguments are the layer's config and the inputs' device
     and dtype, which the graph's guards already hold), so no probe of an installed kernel is traced.
-    Eager, it is select_kernel."""
-    return select_kernel(requested, device_type, dtype, needs)
+    Eager, it is select_kernel. ``needs``: :class:`Needs`' fields in order, plain values (torch 2.9's
+    dynamo cannot hand a frozen dataclass to such a function)."""
+    return select_kernel(requested, device_type, dtype, Needs(*needs))
 
 
 def _window(needs: Needs) -> tuple[int, int]:
@@ -515,7 +516,8 @@ def nopad_varlen_attention(
         softcap=softcap is not None,
         sinks=sinks is not None,
     )
-    kernel = _kernel_for(_requested_kernel(module), query.device.type, query.dtype, needs)
+    fields = (needs.gqa, needs.causal, needs.window, needs.dropout, needs.softcap, needs.sinks)
+    kernel = _kernel_for(_requested_kernel(module), query.device.type, query.dtype, *fields)
     scale = D**-0.5 if scaling is None else scaling
     # (B, H, T, D) -> (B * T, H, D): a view of HF's (B, T, H, D) projection after its transpose
     q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (query, key, value))
