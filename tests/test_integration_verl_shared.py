@@ -143,6 +143,11 @@ def test_what_the_shared_layout_does_not_serve_runs_verls_own_forward():
         "no prompts and responses (not a rollout batch)": (engine, _micro().exclude("prompts"), None),
         "a temperature tensor not one per row": (engine, _micro(temperature=torch.ones(3)), None),
         "a temperature that is not a finite number > 0": (engine, _micro(temperature=0.0), None),
+        "no temperature": (engine, _micro().exclude("temperature"), None),
     }  # fmt: skip
     for reason, (e, micro, loss) in cases.items():
         assert shared.fallback_reason(e, micro, loss) == reason
+    # a per-row temperature verl would clamp (to 1e-8) keeps verl's forward too
+    assert shared.fallback_reason(engine, _micro(temperature=torch.tensor([0.7] * 7 + [0.0])), None) == (
+        "a temperature that is not a finite number > 0"
+    )

@@ -115,7 +115,7 @@ def fallback_reason(engine: Any, micro_batch: Any, loss_function: Any) -> str | 
         return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
 
     keys = set(micro_batch.keys())
-    model = engine.module
+    model = getattr(engine, "module", None)
     if (
         type(engine).prepare_model_inputs is not cls.prepare_model_inputs
         or type(engine).prepare_model_outputs is not cls.prepare_model_outputs
@@ -149,11 +149,17 @@ def fallback_reason(engine: Any, micro_batch: Any, loss_function: Any) -> str | 
     input_ids, position_ids = micro_batch["input_ids"], micro_batch.get("position_ids")
     if not is_nested(position_ids) or position_ids.dim() != 2:
         return "multi-row (mrope) position ids"
+    if "temperature" not in keys:  # verl's own forward raises its KeyError
+        return "no temperature"
     temperature = micro_batch["temperature"]
     if isinstance(temperature, Tensor):
         if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != input_ids.shape[0]):
             return "a temperature tensor not one per row"
-    elif not (isinstance(temperature, (int, float)) and 0 < float(temperature) < float("inf")):
+        if not bool((torch.isfinite(temperature) & (temperature > 0)).all()):  # one read of a per-row tensor
+            return "a temperature that is not a finite number > 0"
+    elif isinstance(temperature, bool) or not (
+        isinstance(temperature, (int, float)) and 0 < float(temperature) < float("inf")
+    ):
         return "a temperature that is not a finite number > 0"
     if loss_function is not None and not _is_ppo_loss(loss_function):
         return "a loss other than verl's ppo_loss"
