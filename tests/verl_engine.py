@@ -26,19 +26,20 @@ VOCAB = 128
 MEASURED = ("mfu", "perf/cpu_memory_used_gb")
 
 
-def save_tiny_model(path: str) -> None:
-    """A 2-layer Qwen2 with random weights (seed 0), saved where verl's HFModelConfig loads it."""
+def save_tiny_model(path: str, hidden: int = 32, layers: int = 2, positions: int = 128) -> None:
+    """A 2-layer Qwen2 with random weights (seed 0), saved where verl's HFModelConfig loads it
+    (``hidden`` / ``layers`` / ``positions``: a larger one, for a timing)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=positions,
         tie_word_embeddings=False,
     )
     Qwen2ForCausalLM(config).save_pretrained(path)
@@ -292,26 +293,27 @@ def alone_then_installed(rank: int, world: int, model_dir: str, rows_per_rank: i
 GROUP = 4  # rows per prompt (verl's rollout.n)
 
 
-def grpo_batch(groups: int, seed: int = 0):
-    """A rollout batch shaped as GRPO's: ``groups`` prompts, each sampled ``GROUP`` times (its rows'
-    prompt tokens and left padding equal, their responses and lengths their own), with verl's ``uid``
-    per row as its trainer gives it (a string per group, in the non-tensor data)."""
+def grpo_batch(groups: int, seed: int = 0, n: int = GROUP, prompt: int = 8, response: int = 4):
+    """A rollout batch shaped as GRPO's: ``groups`` prompts (1 to ``prompt`` tokens), each sampled ``n``
+    times (its rows' prompt tokens and left padding equal, their responses of 1 to ``response`` tokens
+    their own), with verl's ``uid`` per row as its trainer gives it (a string per group, in the
+    non-tensor data)."""
     from tensordict import NonTensorData, NonTensorStack
 
     from tests.batches import make_batch
 
     g = torch.Generator().manual_seed(seed)
-    P, R = 8, 4
-    rows = groups * GROUP
-    prompt_lens = torch.randint(1, P + 1, (groups,), generator=g).repeat_interleave(GROUP).tolist()
+    P, R = prompt, response
+    rows = groups * n
+    prompt_lens = torch.randint(1, P + 1, (groups,), generator=g).repeat_interleave(n).tolist()
     resp_lens = torch.randint(1, R + 1, (rows,), generator=g).tolist()
     td = make_batch(prompt_lens, resp_lens, P, R, extras=False, seed=seed)
-    leaders = torch.arange(rows) // GROUP * GROUP
+    leaders = torch.arange(rows) // n * n
     td["input_ids"][:, :P] = td["input_ids"][leaders, :P]  # each group's rows hold its first row's prompt
     td["input_ids"] = td["input_ids"] % VOCAB
     td["prompts"], td["responses"] = td["input_ids"][:, :P], td["input_ids"][:, P:]
     td["advantages"] = torch.randn(rows, R, generator=g)
-    td["uid"] = NonTensorStack.from_list([NonTensorData(f"prompt-{int(r) // GROUP}") for r in leaders])
+    td["uid"] = NonTensorStack.from_list([NonTensorData(f"prompt-{int(r) // n}") for r in leaders])
     return td
 
 
@@ -417,3 +419,60 @@ def flag_off_then_on(rank: int, world: int, model_dir: str, groups_per_rank: int
         prefixes.plan_shared_prefixes, shared.fallback_reason = plan, reason
     results["saw_uid"] = saw_uid
     return results
+
+
+def timed_grpo_steps(rank: int, world: int, model_dir: str, n: int, prompt: int, response: int, rounds: int) -> dict:
+    """Seconds of verl's old-log-probs pass and of one actor update (each the best of ``rounds``) on
+    one micro-batch of 2 groups of ``n`` rows, under ``install()`` with share_prefixes off and on."""
+    import time
+
+    import verl.utils.tensordict_utils as tu
+    import verl.workers.utils.padding as vpad
+
+    from nopad.integrations import verl as nopad_verl
+
+    use_cpu()
+    rows = 2 * n
+    times: dict[str, Any] = {}
+    for flag in (False, True):
+        with nopad_verl.install(share_prefixes=flag):
+            worker = _worker(model_dir, world, False, rows, micro=rows)
+            infer, update = [], []
+            for _ in range(rounds):
+                batch = vpad.left_right_2_no_padding(grpo_batch(2, n=n, prompt=prompt, response=response))
+                tokens = batch["attention_mask"].sum(-1).tolist()
+                tu.assign_non_tensor(batch, calculate_entropy=True, compute_loss=False, global_token_num=tokens)
+                tu.assign_non_tensor(batch, temperature=1.0)
+                start = time.perf_counter()
+                worker.infer_batch(batch)
+                infer.append(time.perf_counter() - start)
+                padded = grpo_batch(2, n=n, prompt=prompt, response=response)
+                padded["old_log_probs"] = padded["ref_log_prob"] = torch.zeros(rows, response)
+                step = vpad.left_right_2_no_padding(padded)
+                tu.assign_non_tensor(step, calculate_entropy=True, global_batch_size=rows, mini_batch_size=rows)
+                tu.assign_non_tensor(step, epochs=1, seed=1, dataloader_kwargs={"shuffle": False}, compute_loss=True)
+                tu.assign_non_tensor(step, temperature=1.0, global_token_num=tokens)
+                start = time.perf_counter()
+                worker.train_mini_batch(step)
+                update.append(time.perf_counter() - start)
+            times["on" if flag else "off"] = (min(infer), min(update))
+    prompts = batch["attention_mask"][:, :prompt].sum(-1)
+    times["tokens"] = int(batch["attention_mask"].sum())
+    times["computed"] = times["tokens"] - (n - 1) * int(prompts[::n].sum())  # each group's prompt once
+    return times
+
+
+if __name__ == "__main__":  # python -m tests.verl_engine: the timing of docs/results.md (verl's venv)
+    import tempfile
+
+    from tests.dist_utils import run_distributed
+
+    N, PROMPT, RESPONSE = 8, 512, 128
+    with tempfile.TemporaryDirectory() as tmp:
+        save_tiny_model(tmp, hidden=256, layers=4, positions=1024)
+        (result,) = run_distributed(timed_grpo_steps, 1, tmp, N, PROMPT, RESPONSE, 3)
+    print(f"2 groups of {N} rows, prompts of 1-{PROMPT} tokens, responses of 1-{RESPONSE}: {result['tokens']} tokens,")
+    print(f"{result['computed']} with each group's prompt once")
+    for flag in ("off", "on"):
+        infer, update = result[flag]
+        print(f"share_prefixes {flag}: old log-probs {1e3 * infer:.0f} ms, actor update {1e3 * update:.0f} ms")
