@@ -20,10 +20,14 @@ Everything the shared layout does not serve exactly runs verl's own ``forward_st
 (:func:`fallback_reason` names each case): FSDP1 / LoRA / a subclass's own outputs (the value head),
 ``use_remove_padding=False``, ``use_fused_kernels``, Ulysses SP, ``pad_to_length``, packed
 ``cu_seqlens`` passed to the model, multimodal inputs or mrope position ids, distillation,
-``calculate_sum_pi_squared``, a micro-batch without prompts and responses (SFT), a per-row
-temperature verl would clamp, and a loss other than verl's ``ppo_loss`` (which reads the responses
-only). A model whose layers the shared layout does not serve is a ValueError naming the layer,
-before any forward.
+``calculate_sum_pi_squared``, a micro-batch without prompts and responses (SFT), a missing
+temperature or one verl would clamp, and a loss other than verl's ``ppo_loss`` (which reads the
+responses only). A model whose layers the shared layout does not serve is a ValueError naming the
+layer, before any forward.
+
+After a shared forward the model's attention stays ``nopad_shared`` (see ``_ATTENTION``) until verl's
+own forward runs on it or the flag goes off: a model called outside the engine in between raises
+(no plan in its kwargs) rather than computing something else.
 """
 
 from __future__ import annotations
