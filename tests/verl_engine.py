@@ -26,19 +26,20 @@ VOCAB = 128
 MEASURED = ("mfu", "perf/cpu_memory_used_gb")
 
 
-def save_tiny_model(path: str) -> None:
-    """A 2-layer Qwen2 with random weights (seed 0), saved where verl's HFModelConfig loads it."""
+def save_tiny_model(path: str, hidden: int = 32, layers: int = 2, positions: int = 128) -> None:
+    """A 2-layer Qwen2 with random weights (seed 0), saved where verl's HFModelConfig loads it
+    (``hidden`` / ``layers`` / ``positions``: a larger one, for a timing)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=positions,
         tie_word_embeddings=False,
     )
     Qwen2ForCausalLM(config).save_pretrained(path)
@@ -121,7 +122,7 @@ def padded_batch(rows: int, seed: int = 0):
     return td
 
 
-def _worker(model_dir: str, world: int, dynamic: bool, rows_per_rank: int):
+def _worker(model_dir: str, world: int, dynamic: bool, rows_per_rank: int, micro: int = 2):
     """verl's TrainingWorker on its FSDP engine (FSDP2, fp32), with verl's ppo_loss as the actor's."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
@@ -134,7 +135,8 @@ def _worker(model_dir: str, world: int, dynamic: bool, rows_per_rank: int):
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
-    budget = 24  # tokens per micro-batch: 2 to 4 micro-batches of a rank's rows (rows of 2 to 11 tokens)
+    # tokens per micro-batch (24 at micro=2: 2 to 4 micro-batches of a rank's rows of 2 to 11 tokens)
+    budget = 12 * micro
     model = HFModelConfig(
         path=model_dir, load_tokenizer=False, use_remove_padding=True, override_config={"attn_implementation": "sdpa"}
     )
@@ -145,8 +147,8 @@ def _worker(model_dir: str, world: int, dynamic: bool, rows_per_rank: int):
         use_dynamic_bsz=dynamic,
         max_token_len_per_gpu=budget,
         infer_max_token_len_per_gpu=budget,
-        micro_batch_size_per_gpu=2,
-        infer_micro_batch_size_per_gpu=2,
+        micro_batch_size_per_gpu=micro,
+        infer_micro_batch_size_per_gpu=micro,
         model_dtype="fp32",
         mixed_precision=fp32,
         use_torch_compile=False,
@@ -165,7 +167,7 @@ def _worker(model_dir: str, world: int, dynamic: bool, rows_per_rank: int):
         strategy="fsdp2",
         rollout_n=1,
         ppo_mini_batch_size=rows_per_rank * world,
-        ppo_micro_batch_size_per_gpu=2,
+        ppo_micro_batch_size_per_gpu=micro,
         use_dynamic_bsz=dynamic,
         ppo_max_token_len_per_gpu=budget,
         clip_ratio=0.2,
@@ -285,3 +287,192 @@ def alone_then_installed(rank: int, world: int, model_dir: str, rows_per_rank: i
                 sys.setprofile(None)
             results["routes_called", dynamic] = dict(counts)
     return results
+
+
+# ---- install(share_prefixes=True): a GRPO step with each group's prompt computed once ----------------
+GROUP = 4  # rows per prompt (verl's rollout.n)
+
+
+def grpo_batch(groups: int, seed: int = 0, n: int = GROUP, prompt: int = 8, response: int = 4):
+    """A rollout batch shaped as GRPO's: ``groups`` prompts (1 to ``prompt`` tokens), each sampled ``n``
+    times (its rows' prompt tokens and left padding equal, their responses of 1 to ``response`` tokens
+    their own), with verl's ``uid`` per row as its trainer gives it (a string per group, in the
+    non-tensor data)."""
+    from tensordict import NonTensorData, NonTensorStack
+
+    from tests.batches import make_batch
+
+    g = torch.Generator().manual_seed(seed)
+    P, R = prompt, response
+    rows = groups * n
+    prompt_lens = torch.randint(1, P + 1, (groups,), generator=g).repeat_interleave(n).tolist()
+    resp_lens = torch.randint(1, R + 1, (rows,), generator=g).tolist()
+    td = make_batch(prompt_lens, resp_lens, P, R, extras=False, seed=seed)
+    leaders = torch.arange(rows) // n * n
+    td["input_ids"][:, :P] = td["input_ids"][leaders, :P]  # each group's rows hold its first row's prompt
+    td["input_ids"] = td["input_ids"] % VOCAB
+    td["prompts"], td["responses"] = td["input_ids"][:, :P], td["input_ids"][:, P:]
+    td["advantages"] = torch.randn(rows, R, generator=g)
+    td["uid"] = NonTensorStack.from_list([NonTensorData(f"prompt-{int(r) // n}") for r in leaders])
+    return td
+
+
+def shared_step(rank: int, world: int, model_dir: str, dynamic: bool, groups_per_rank: int) -> dict:
+    """verl's old-log-probs pass (``infer_batch``) and one actor update (``train_mini_batch`` with
+    verl's ppo_loss, one optimizer step) on a GRPO batch, as :func:`trainer_step` runs them; returns
+    the log-probs and entropy read back padded, the update's metrics (its loss among them), every
+    parameter's gradient of the step and the weights after it (whole, on every rank)."""
+    import verl.utils.tensordict_utils as tu
+    import verl.workers.utils.padding as vpad
+    from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
+
+    worker = _worker(model_dir, world, dynamic, groups_per_rank * GROUP, micro=GROUP)
+    rows = groups_per_rank * GROUP * world
+    batch = vpad.left_right_2_no_padding(grpo_batch(rows // GROUP))
+    tokens = batch["attention_mask"].sum(-1).tolist()
+    tu.assign_non_tensor(batch, calculate_entropy=True, compute_loss=False, global_token_num=tokens, temperature=0.7)
+    (parts,), _ = _split_args_kwargs_data_proto(world, batch)
+    collected = _driver_collect(worker.infer_batch(_over_the_wire(parts[rank])), world)
+    old_log_probs = vpad.no_padding_2_padding(tu.get(collected, "log_probs"), batch).float()
+    entropys = vpad.no_padding_2_padding(tu.get(collected, "entropy"), batch).float()
+
+    update = grpo_batch(rows // GROUP)
+    update["old_log_probs"] = old_log_probs
+    update["ref_log_prob"] = old_log_probs - 0.05 * torch.randn(
+        old_log_probs.shape, generator=torch.Generator().manual_seed(1)
+    )
+    update = vpad.left_right_2_no_padding(update)
+    tu.assign_non_tensor(
+        update,
+        calculate_entropy=True,
+        global_batch_size=rows,
+        mini_batch_size=rows,
+        epochs=1,
+        seed=1,
+        dataloader_kwargs={"shuffle": dynamic},  # whole groups per micro-batch; shuffled rows split them
+        compute_loss=True,
+        temperature=0.7,
+        global_token_num=update["attention_mask"].sum(-1).tolist(),
+    )
+    (parts,), _ = _split_args_kwargs_data_proto(world, update)
+
+    def whole(t):
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+    grads: dict = {}
+    step = worker.engine.optimizer_step
+
+    def step_reading_grads():  # the step's gradients as its backward left them, before clipping
+        grads.update({key: whole(p.grad) for key, p in worker.engine.module.named_parameters()})
+        return step()
+
+    worker.engine.optimizer_step = step_reading_grads
+    train_output = worker.train_mini_batch(_over_the_wire(parts[rank]))
+    params = dict(worker.engine.module.named_parameters())
+    return {
+        "old_log_probs": old_log_probs,
+        "entropys": entropys,
+        "response_mask": batch["response_mask"],
+        "train_metrics": tu.get(train_output, "metrics"),
+        "grads": grads,
+        "weights": {key: whole(p) for key, p in params.items()},
+    }
+
+
+def flag_off_then_on(rank: int, world: int, model_dir: str, groups_per_rank: int) -> dict:
+    """On one rank: the GRPO step under ``install()`` with the flag off, then with
+    ``share_prefixes=True`` (fresh workers from the same weights), with and without use_dynamic_bsz;
+    with the flag on, what each micro-batch's forward took (shared or why not), the tokens each
+    shared forward computed against the rows' own, and whether verl's uid reached the engine."""
+    import nopad.engines._prefixes as prefixes
+    import nopad.integrations.verl._shared as shared
+    from nopad.integrations import verl as nopad_verl
+
+    use_cpu()
+    torch.manual_seed(0)
+    results: dict[str, Any] = {}
+    planned: list[tuple[int, int]] = []
+    saw_uid: list[bool] = []
+    plan, reason = prefixes.plan_shared_prefixes, shared.fallback_reason
+
+    def counting_plan(*args, **kwargs):
+        out = plan(*args, **kwargs)
+        planned.append((out.total, out.rows_total))
+        return out
+
+    def seeing_uid(engine, micro_batch, loss_function):
+        saw_uid.append("uid" in micro_batch.keys())
+        return reason(engine, micro_batch, loss_function)
+
+    prefixes.plan_shared_prefixes, shared.fallback_reason = counting_plan, seeing_uid
+    try:
+        for dynamic in (False, True):
+            with nopad_verl.install():
+                results["off", dynamic] = shared_step(rank, world, model_dir, dynamic, groups_per_rank)
+            shared.COUNTS.clear()
+            planned.clear()
+            with nopad_verl.install(share_prefixes=True):
+                results["on", dynamic] = shared_step(rank, world, model_dir, dynamic, groups_per_rank)
+            results["counts", dynamic] = dict(shared.COUNTS)
+            results["planned", dynamic] = list(planned)
+    finally:
+        prefixes.plan_shared_prefixes, shared.fallback_reason = plan, reason
+    results["saw_uid"] = saw_uid
+    return results
+
+
+def timed_grpo_steps(rank: int, world: int, model_dir: str, n: int, prompt: int, response: int, rounds: int) -> dict:
+    """Seconds of verl's old-log-probs pass and of one actor update (each the best of ``rounds``) on
+    one micro-batch of 2 groups of ``n`` rows, under ``install()`` with share_prefixes off and on."""
+    import time
+
+    import verl.utils.tensordict_utils as tu
+    import verl.workers.utils.padding as vpad
+
+    from nopad.integrations import verl as nopad_verl
+
+    use_cpu()
+    rows = 2 * n
+    times: dict[str, Any] = {}
+    for flag in (False, True):
+        with nopad_verl.install(share_prefixes=flag):
+            worker = _worker(model_dir, world, False, rows, micro=rows)
+            infer, update = [], []
+            for _ in range(rounds):
+                batch = vpad.left_right_2_no_padding(grpo_batch(2, n=n, prompt=prompt, response=response))
+                tokens = batch["attention_mask"].sum(-1).tolist()
+                tu.assign_non_tensor(batch, calculate_entropy=True, compute_loss=False, global_token_num=tokens)
+                tu.assign_non_tensor(batch, temperature=1.0)
+                start = time.perf_counter()
+                worker.infer_batch(batch)
+                infer.append(time.perf_counter() - start)
+                padded = grpo_batch(2, n=n, prompt=prompt, response=response)
+                padded["old_log_probs"] = padded["ref_log_prob"] = torch.zeros(rows, response)
+                step = vpad.left_right_2_no_padding(padded)
+                tu.assign_non_tensor(step, calculate_entropy=True, global_batch_size=rows, mini_batch_size=rows)
+                tu.assign_non_tensor(step, epochs=1, seed=1, dataloader_kwargs={"shuffle": False}, compute_loss=True)
+                tu.assign_non_tensor(step, temperature=1.0, global_token_num=tokens)
+                start = time.perf_counter()
+                worker.train_mini_batch(step)
+                update.append(time.perf_counter() - start)
+            times["on" if flag else "off"] = (min(infer), min(update))
+    prompts = batch["attention_mask"][:, :prompt].sum(-1)
+    times["tokens"] = int(batch["attention_mask"].sum())
+    times["computed"] = times["tokens"] - (n - 1) * int(prompts[::n].sum())  # each group's prompt once
+    return times
+
+
+if __name__ == "__main__":  # python -m tests.verl_engine: the timing of docs/results.md (verl's venv)
+    import tempfile
+
+    from tests.dist_utils import run_distributed
+
+    N, PROMPT, RESPONSE = 8, 512, 128
+    with tempfile.TemporaryDirectory() as tmp:
+        save_tiny_model(tmp, hidden=256, layers=4, positions=1024)
+        (result,) = run_distributed(timed_grpo_steps, 1, tmp, N, PROMPT, RESPONSE, 3)
+    print(f"2 groups of {N} rows, prompts of 1-{PROMPT} tokens, responses of 1-{RESPONSE}: {result['tokens']} tokens,")
+    print(f"{result['computed']} with each group's prompt once")
+    for flag in ("off", "on"):
+        infer, update = result[flag]
+        print(f"share_prefixes {flag}: old log-probs {1e3 * infer:.0f} ms, actor update {1e3 * update:.0f} ms")

@@ -34,6 +34,10 @@ is idempotent and the handle is a context manager::
     nopad_verl.install()                       # the one line
     with nopad_verl.install(): ...             # or for a block
 
+``install(share_prefixes=True)`` also routes ``FSDPEngineWithLMHead.forward_step`` (verl's FSDP engine's
+forward for the actor's and the reference's log-probs and the PPO loss) through the shared-prefix
+layout, each group's prompt computed once, where it serves the call exactly (:mod:`._shared`).
+
 Options nopad does not implement fall through to verl's original function: dynamic context
 parallel (``local_cp_size``), ``min_local_rows``, Ascend NPUs, and a ``pad_to_length_bucket``
 whose total padding would break the per-sequence CP alignment.
@@ -57,6 +61,7 @@ import nopad.batches._padding as _padding
 import nopad.integrations.verl._head as _head
 import nopad.integrations.verl._models as _models
 import nopad.integrations.verl._rows as _rows
+import nopad.integrations.verl._shared as _shared
 from nopad.core._batch import get_field, takes_keyword
 from nopad.core._errors import check_flag, check_int, check_optional_int, input_error
 from nopad.core._layout import is_nested, known_host_lengths, nested_offsets, remember_host_lengths
@@ -513,6 +518,8 @@ class VerlPatch:
             self._by_replacement[id(replacement)] = original
 
     def _patch(self, module_name: str, module: Any) -> None:
+        if module_name == _shared.ENGINE_MODULE and _shared.enabled():  # install(share_prefixes=True)
+            _shared.patch_engine(module)
         try:
             namespace = vars(module)
         except TypeError:
@@ -548,6 +555,7 @@ class VerlPatch:
             if id(namespace.get(name)) in replacements:
                 namespace[name] = original
         self._bindings.clear()
+        _shared.set_enabled(False)
         self.active = False
         if _ACTIVE is self:
             _ACTIVE = None
@@ -622,7 +630,7 @@ VERL_VENV_STEPS = (
 )
 
 
-def install(*, check_version: bool = True, head_kernel: str = "auto") -> VerlPatch:
+def install(*, check_version: bool = True, head_kernel: str = "auto", share_prefixes: bool = False) -> VerlPatch:
     """Route verl's padding and THD conversions to nopad; returns the handle (also a context manager).
 
     Idempotent: a second call returns the active handle. Refuses a verl other than
@@ -635,11 +643,19 @@ def install(*, check_version: bool = True, head_kernel: str = "auto") -> VerlPat
     forward and backward must run and equal nopad's tiles) and the call is one it takes, and runs
     nopad's tiles everywhere else (a CPU, a GPU its Triton does not support); "nopad" always runs
     the tiles; "verl" always verl's kernel. A second ``install()`` applies its ``head_kernel``.
+
+    ``share_prefixes``: True runs verl's FSDP engine's forward (the actor's and the reference's
+    log-probs, the actor's PPO loss) with each group's shared prompt computed once, where the
+    shared-prefix layout serves the call exactly, and verl's own forward everywhere else
+    (:mod:`nopad.integrations.verl._shared` names each case). Off by default; a second ``install()``
+    applies its ``share_prefixes`` too.
     """
     global _ACTIVE
     check_version = check_flag(check_version, "check_version")
+    share_prefixes = check_flag(share_prefixes, "share_prefixes")
     _head.use_kernel(head_kernel)
     if _ACTIVE is not None and _ACTIVE.active:
+        _shared.set_enabled(share_prefixes)
         return _ACTIVE
     version = verl_version()
     if version is None:
@@ -661,6 +677,7 @@ def install(*, check_version: bool = True, head_kernel: str = "auto") -> VerlPat
     patch._patch_loaded()
     patch._finder = _VerlFinder(patch)
     sys.meta_path.insert(0, patch._finder)
+    _shared.set_enabled(share_prefixes)  # the engine's class now if verl loaded it, else from the hook
     _ACTIVE = patch
     return patch
 
