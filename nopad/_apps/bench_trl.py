@@ -27,11 +27,14 @@ with TRL's from the warm-up round; the bench stops with an ``AssertionError`` wh
 On a CPU TRL's fused head scores every position of the padded batch (it keeps only the positions
 with a label where Triton runs, on CUDA), nopad's only the completion tokens.
 
-``--trl-share-prefixes`` adds a third contender: the method ``install(share_prefixes=True)`` puts in
-place, each group's prompt computed once (the ``num_generations`` rows of a prompt share it). Its
-rows, its ratios against ``install()`` (time, memory, and the tokens each computes: the rows' real
-tokens against the shared layout's, chunk by chunk as the method cuts them) and its own
-``max |shared - TRL|`` table come with the others, from the same rounds.
+``--trl-share-prefixes`` adds two contenders: the method ``install(share_prefixes=True)`` puts in
+place, each group's prompt computed once (the ``num_generations`` rows of a prompt share it), and
+the same method with every row its own group (the shared-prefix attention and head over the plain
+packed layout, every prompt computed per row: what sharing alone saves, apart from the attention
+kernel, which differs from ``install()``'s on a CPU). Their rows, the ratios (time, memory, and the
+tokens each computes: the rows' real tokens against the shared layout's, chunk by chunk as the
+method cuts them) and the shared contender's own ``max |shared - TRL|`` table come with the others,
+from the same rounds.
 """
 
 from __future__ import annotations
@@ -57,7 +60,13 @@ from nopad._apps.progress import Progress
 GIB = 1024**3
 CONTENDERS = ("trl", "nopad")
 SHARED = "shared"  # --trl-share-prefixes: install(share_prefixes=True)'s method
-NAMES = {"trl": "TRL alone", "nopad": "nopad install()", SHARED: "nopad install(share_prefixes=True)"}
+UNSHARED = "unshared"  # --trl-share-prefixes: the same method, every row its own group
+NAMES = {
+    "trl": "TRL alone",
+    "nopad": "nopad install()",
+    SHARED: "nopad install(share_prefixes=True)",
+    UNSHARED: "the same, every row its own group",
+}
 METHOD = "_get_per_token_logps_and_entropies"
 # the largest |difference| between TRL's and nopad's results before the bench refuses its timings
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
@@ -197,7 +206,7 @@ def bench_trl(
     from nopad.integrations import trl as nopad_trl
     from nopad.integrations.trl import _install
 
-    contenders = (*CONTENDERS, SHARED) if shape.share_prefixes else CONTENDERS
+    contenders = (*CONTENDERS, SHARED, UNSHARED) if shape.share_prefixes else CONTENDERS
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -214,6 +223,7 @@ def bench_trl(
         # what install(share_prefixes=True) puts in place (the same function, the flag bound)
         bound = _install._named(_install._packed_per_token_logps_and_entropies, share_prefixes=True)
         methods[SHARED] = profiling_decorator(bound)
+        methods[UNSHARED] = _every_row_its_own_group(methods[SHARED])
 
         def no_grad(name: str) -> tuple[torch.Tensor, None, None]:
             with torch.no_grad():
@@ -282,8 +292,14 @@ def bench_trl(
         for key in measures:
             what = f"{key.rsplit('_', 1)[0]} {'time' if key.endswith('_ms') else 'memory'}"
             ratios[f"nopad/shared {what}"] = value["nopad", key] / value[SHARED, key] if value[SHARED, key] else None
+            ratios[f"unshared/shared {what}"] = (
+                value[UNSHARED, key] / value[SHARED, key] if value[SHARED, key] else None
+            )
         ratios["nopad/shared tokens computed"] = real / computed
-        shared = {"tokens_computed": {"nopad": real, SHARED: computed}, "max_abs_diff_shared": shared_diff}
+        shared = {
+            "tokens_computed": {"nopad": real, SHARED: computed, UNSHARED: real},
+            "max_abs_diff_shared": shared_diff,
+        }
     above_body = {
         f"{NAMES[name]} {kind}": value[name, key] - body[key]
         for name in contenders
@@ -305,6 +321,21 @@ def bench_trl(
         "max_abs_diff": diff,
         **shared,
     }
+
+
+def _every_row_its_own_group(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (the shared contender's) with the shared-prefix plan made with ``share=False``."""
+    from nopad.engines import _prefixes as engine
+
+    def unshared(*args: Any, **kwargs: Any) -> Any:
+        plan = engine.plan_shared_prefixes
+        engine.plan_shared_prefixes = lambda *a, **k: plan(*a, **{**k, "share": False})
+        try:
+            return method(*args, **kwargs)
+        finally:
+            engine.plan_shared_prefixes = plan
+
+    return unshared
 
 
 def _shared_tokens(input_ids: torch.Tensor, mask: torch.Tensor, C: int, batch_size: int | None) -> int:
