@@ -95,3 +95,30 @@ def test_bench_trl_full_completions_and_the_model_s_own_activations(capsys):
     assert result["above_body_gib"]["nopad install() fwd+bwd"] == pytest.approx(
         rows["nopad install()"]["fwd_bwd_gib"] - result["body"]["fwd_bwd_gib"]
     )
+
+
+def test_bench_trl_share_prefixes_adds_the_shared_contender_its_ratios_and_equal_results(capsys):
+    """``--trl-share-prefixes``: install(share_prefixes=True)'s method timed in the same rounds (and
+    the same with every row its own group), its tokens computed (each of the 3 prompts once, not 4
+    times) against the rows' real tokens, and its results equal to TRL's to 1e-5."""
+    assert main([*TINY, "--trl-prompts", "3", "--trl-share-prefixes", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    names = [row["contender"] for row in result["rows"]]
+    assert names == [
+        "TRL alone",
+        "nopad install()",
+        "nopad install(share_prefixes=True)",
+        "the same, every row its own group",
+    ]
+    assert all(row[key] > 0 for row in result["rows"] for key in ("no_grad_ms", "fwd_bwd_ms", "fwd_bwd_gib"))
+    for what in ("no_grad time", "fwd_bwd time", "no_grad memory", "fwd_bwd memory", "tokens computed"):
+        assert result["ratios"][f"nopad/shared {what}"] > 0, result["ratios"]
+    for what in ("no_grad time", "fwd_bwd time", "no_grad memory", "fwd_bwd memory"):
+        assert result["ratios"][f"unshared/shared {what}"] > 0, result["ratios"]
+    computed = result["tokens_computed"]
+    assert computed["shared"] < computed["nopad"] == computed["unshared"]
+    assert result["ratios"]["nopad/shared tokens computed"] == pytest.approx(computed["nopad"] / computed["shared"])
+    assert max(result["max_abs_diff_shared"].values()) <= 1e-5, result["max_abs_diff_shared"]
+    assert main([*TINY, "--trl-share-prefixes"]) == 0
+    out = capsys.readouterr().out
+    assert "max |shared - TRL|" in out and "install(share_prefixes=True)" in out and "nopad/shared" in out, out

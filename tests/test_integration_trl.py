@@ -541,11 +541,12 @@ def length_reward(completions, **kwargs):
     return [len(c.split()) / 10 for c in completions]
 
 
-def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
+def drive(kind: str, arch: str, tmp_path, packed: bool | str, monkeypatch):
     """Two steps of TRL's GRPO or RLOO trainer on CPU; returns (log history, grads before each
     optimizer step, weights after each step, packed forwards run, what the trainer used: generation
     batches, old and reference log-probs handed to the loss, entropy masks). The reference model
-    (beta > 0) is loaded by TRL from the tiny model saved under tmp_path (the policy's name_or_path)."""
+    (beta > 0) is loaded by TRL from the tiny model saved under tmp_path (the policy's name_or_path).
+    ``packed``: False alone, True installed, "shared" installed with ``share_prefixes=True``."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, RLOOConfig
@@ -640,7 +641,7 @@ def drive(kind: str, arch: str, tmp_path, packed: bool, monkeypatch):
         entropy_mask = trainer.get_high_entropy_mask
         trainer.get_high_entropy_mask = lambda *a, **k: used.update(["entropy_mask"]) or entropy_mask(*a, **k)
     if packed:
-        with nopad_trl.install():
+        with nopad_trl.install(share_prefixes=packed == "shared"):
             trainer.train()
     else:
         trainer.train()

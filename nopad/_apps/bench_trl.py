@@ -26,6 +26,15 @@ with TRL's from the warm-up round; the bench stops with an ``AssertionError`` wh
 
 On a CPU TRL's fused head scores every position of the padded batch (it keeps only the positions
 with a label where Triton runs, on CUDA), nopad's only the completion tokens.
+
+``--trl-share-prefixes`` adds two contenders: the method ``install(share_prefixes=True)`` puts in
+place, each group's prompt computed once (the ``num_generations`` rows of a prompt share it), and
+the same method with every row its own group (the shared-prefix attention and head over the plain
+packed layout, every prompt computed per row: what sharing alone saves, apart from the attention
+kernel, which differs from ``install()``'s on a CPU). Their rows, the ratios (time, memory, and the
+tokens each computes: the rows' real tokens against the shared layout's, chunk by chunk as the
+method cuts them) and the shared contender's own ``max |shared - TRL|`` table come with the others,
+from the same rounds.
 """
 
 from __future__ import annotations
@@ -50,6 +59,14 @@ from nopad._apps.progress import Progress
 
 GIB = 1024**3
 CONTENDERS = ("trl", "nopad")
+SHARED = "shared"  # --trl-share-prefixes: install(share_prefixes=True)'s method
+UNSHARED = "unshared"  # --trl-share-prefixes: the same method, every row its own group
+NAMES = {
+    "trl": "TRL alone",
+    "nopad": "nopad install()",
+    SHARED: "nopad install(share_prefixes=True)",
+    UNSHARED: "the same, every row its own group",
+}
 METHOD = "_get_per_token_logps_and_entropies"
 # the largest |difference| between TRL's and nopad's results before the bench refuses its timings
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
@@ -73,6 +90,7 @@ class TrlShape:
     batch_size: int | None = None  # TRL's row chunks; None: every row in one forward
     seed: int = 0
     full: bool = False  # every completion of the full width C (else long-tailed)
+    share_prefixes: bool = False  # a third contender: install(share_prefixes=True)
 
 
 def grpo_batch(shape: TrlShape, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -182,10 +200,13 @@ def bench_trl(
 
     Each row: median ms of the no_grad and of the fwd+bwd call, and their peak GiB above the inputs.
     Ratios are TRL's over nopad's (above 1: nopad is faster or smaller)."""
+    from trl.extras.profiling import profiling_decorator
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     from nopad.integrations import trl as nopad_trl
+    from nopad.integrations.trl import _install
 
+    contenders = (*CONTENDERS, SHARED, UNSHARED) if shape.share_prefixes else CONTENDERS
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -199,6 +220,10 @@ def bench_trl(
     installed_here = GRPOTrainer.__dict__[METHOD] is not already  # a patch the caller holds stays
     try:
         methods = {"trl": patch.originals[GRPOTrainer], "nopad": GRPOTrainer.__dict__[METHOD]}
+        # what install(share_prefixes=True) puts in place (the same function, the flag bound)
+        bound = _install._named(_install._packed_per_token_logps_and_entropies, share_prefixes=True)
+        methods[SHARED] = profiling_decorator(bound)
+        methods[UNSHARED] = _every_row_its_own_group(methods[SHARED])
 
         def no_grad(name: str) -> tuple[torch.Tensor, None, None]:
             with torch.no_grad():
@@ -214,14 +239,14 @@ def bench_trl(
             return logps.detach(), entropy.detach(), grads
 
         calls: dict[str, Callable[[str], tuple[Any, Any, Any]]] = {"no_grad": no_grad, "fwd+bwd": fwd_bwd}
-        times: dict[tuple[str, str], list[float]] = {(c, k): [] for c in CONTENDERS for k in calls}
-        peak: dict[tuple[str, str], float] = {(c, k): 0.0 for c in CONTENDERS for k in calls}
+        times: dict[tuple[str, str], list[float]] = {(c, k): [] for c in contenders for k in calls}
+        peak: dict[tuple[str, str], float] = {(c, k): 0.0 for c in contenders for k in calls}
         warm: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         if progress is not None:
-            progress.add(len(CONTENDERS) * len(calls) * (rounds + 1) + len(calls))  # + the model body's
+            progress.add(len(contenders) * len(calls) * (rounds + 1) + len(calls))  # + the model body's
         before = (input_ids, mask, *params, *model.buffers())
         for round_ in range(rounds + 1):
-            order = CONTENDERS if round_ % 2 == 0 else CONTENDERS[::-1]
+            order = contenders if round_ % 2 == 0 else contenders[::-1]
             for name in order:
                 for kind, call in calls.items():
                     with _step(progress, f"{name} {kind}, {'warm-up' if round_ == 0 else f'round {round_}'}"):
@@ -236,23 +261,23 @@ def bench_trl(
                         if cuda:
                             peak[name, kind] = max(peak[name, kind], gib)
         diff = _differences(warm, completion_mask)
+        shared_diff = _differences(warm, completion_mask, SHARED) if shape.share_prefixes else {}
         body = _body_peaks(model, input_ids, mask, dev, before, progress)
     finally:
         if installed_here:
             patch.uninstall()
     tolerance = TOLERANCE[dtype]
-    worst = max(diff.values())
+    worst = max([*diff.values(), *shared_diff.values()])
     if not worst <= tolerance:
         raise AssertionError(f"nopad bench --trl: nopad's results differ from TRL's by {worst:.3g} (> {tolerance:g})")
     measures = ("no_grad_ms", "fwd_bwd_ms", "no_grad_gib", "fwd_bwd_gib")
     value: dict[tuple[str, str], float] = {}
-    for name in CONTENDERS:
+    for name in contenders:
         for key in measures:
             kind = "no_grad" if key.startswith("no_grad") else "fwd+bwd"
             value[name, key] = statistics.median(times[name, kind]) if key.endswith("_ms") else peak[name, kind]
     rows: list[dict[str, Any]] = [
-        {"contender": "TRL alone" if name == "trl" else "nopad install()", **{k: value[name, k] for k in measures}}
-        for name in CONTENDERS
+        {"contender": NAMES[name], **{k: value[name, k] for k in measures}} for name in contenders
     ]
     ratios = {
         f"trl/nopad {key.rsplit('_', 1)[0]} {'time' if key.endswith('_ms') else 'memory'}": (
@@ -261,9 +286,23 @@ def bench_trl(
         for key in measures
     }
     real = int(mask.sum())
+    shared: dict[str, Any] = {}
+    if shape.share_prefixes:
+        computed = _shared_tokens(input_ids, mask, C, shape.batch_size)
+        for key in measures:
+            what = f"{key.rsplit('_', 1)[0]} {'time' if key.endswith('_ms') else 'memory'}"
+            ratios[f"nopad/shared {what}"] = value["nopad", key] / value[SHARED, key] if value[SHARED, key] else None
+            ratios[f"unshared/shared {what}"] = (
+                value[UNSHARED, key] / value[SHARED, key] if value[SHARED, key] else None
+            )
+        ratios["nopad/shared tokens computed"] = real / computed
+        shared = {
+            "tokens_computed": {"nopad": real, SHARED: computed, UNSHARED: real},
+            "max_abs_diff_shared": shared_diff,
+        }
     above_body = {
-        f"{'TRL alone' if name == 'trl' else 'nopad install()'} {kind}": value[name, key] - body[key]
-        for name in CONTENDERS
+        f"{NAMES[name]} {kind}": value[name, key] - body[key]
+        for name in contenders
         for kind, key in (("no_grad", "no_grad_gib"), ("fwd+bwd", "fwd_bwd_gib"))
     }
     return {
@@ -280,7 +319,38 @@ def bench_trl(
         "body": body,
         "above_body_gib": above_body,
         "max_abs_diff": diff,
+        **shared,
     }
+
+
+def _every_row_its_own_group(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (the shared contender's) with the shared-prefix plan made with ``share=False``."""
+    from nopad.engines import _prefixes as engine
+
+    def unshared(*args: Any, **kwargs: Any) -> Any:
+        plan = engine.plan_shared_prefixes
+        engine.plan_shared_prefixes = lambda *a, **k: plan(*a, **{**k, "share": False})
+        try:
+            return method(*args, **kwargs)
+        finally:
+            engine.plan_shared_prefixes = plan
+
+    return unshared
+
+
+def _shared_tokens(input_ids: torch.Tensor, mask: torch.Tensor, C: int, batch_size: int | None) -> int:
+    """The tokens the shared contender computes: each chunk's (as the method cuts the rows) shared
+    layout, every distinct prompt of the chunk once and every completion."""
+    from nopad.batches._prefixes import plan_shared_prefixes
+    from nopad.integrations.trl._install import _token_budget_chunks
+
+    total = 0
+    for start, end in _token_budget_chunks(mask, batch_size or mask.shape[0], keep_rows=False):
+        keep = mask[start:end].bool()
+        rows = [ids[row] for ids, row in zip(input_ids[start:end], keep)]
+        nested = torch.nested.nested_tensor(rows, layout=torch.jagged)
+        total += plan_shared_prefixes(nested, keep[:, :-C].sum(-1)).total
+    return total
 
 
 def _body_peaks(
@@ -330,18 +400,20 @@ def _step(progress: Progress | None, label: str) -> Any:
     return nullcontext() if progress is None else progress.step(label)
 
 
-def _differences(warm: dict[tuple[str, str], tuple[Any, Any, Any]], completion_mask: torch.Tensor) -> dict[str, float]:
-    """The largest |nopad - TRL| of the log-probs (both calls), entropies and gradients."""
+def _differences(
+    warm: dict[tuple[str, str], tuple[Any, Any, Any]], completion_mask: torch.Tensor, ours: str = "nopad"
+) -> dict[str, float]:
+    """The largest |ours - TRL| of the log-probs (both calls), entropies and gradients."""
     keep = completion_mask.bool()
 
     def most(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
-    logps = max(most(warm["nopad", k][0][keep], warm["trl", k][0][keep]) for k in ("no_grad", "fwd+bwd"))
-    entropy = most(warm["nopad", "fwd+bwd"][1][keep], warm["trl", "fwd+bwd"][1][keep])
+    logps = max(most(warm[ours, k][0][keep], warm["trl", k][0][keep]) for k in ("no_grad", "fwd+bwd"))
+    entropy = most(warm[ours, "fwd+bwd"][1][keep], warm["trl", "fwd+bwd"][1][keep])
     grads = [
         most(a, b)
-        for a, b in zip(warm["nopad", "fwd+bwd"][2], warm["trl", "fwd+bwd"][2])
+        for a, b in zip(warm[ours, "fwd+bwd"][2], warm["trl", "fwd+bwd"][2])
         if a is not None and b is not None
     ]
     return {"log_probs": logps, "entropy": entropy, "grads": max(grads, default=0.0)}
@@ -373,6 +445,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trl-batch-size", type=int, default=None, help="TRL's row chunks (batch_size; default: every row at once)"
     )
     parser.add_argument("--trl-rounds", type=int, default=3, help="timed rounds, the median kept (after a warm-up)")
+    parser.add_argument(
+        "--trl-share-prefixes",
+        action="store_true",
+        help="a third contender: install(share_prefixes=True), each group's prompt computed once",
+    )
 
 
 def shape_of(args: argparse.Namespace) -> TrlShape:
@@ -386,6 +463,7 @@ def shape_of(args: argparse.Namespace) -> TrlShape:
         layers=args.trl_layers,
         batch_size=args.trl_batch_size,
         full=args.trl_full_completions,
+        share_prefixes=args.trl_share_prefixes,
     )
 
 
@@ -411,6 +489,14 @@ def format_result(result: dict[str, Any], format_table: Callable[[list[dict[str,
         f"no_grad {body['no_grad_gib']:.4f} GiB, fwd+bwd {body['fwd_bwd_gib']:.4f} GiB"
     )
     tables = [head, format_table(result["rows"]), format_table(ratios), own, format_table(above), format_table(diff)]
+    if "max_abs_diff_shared" in result:
+        computed = result["tokens_computed"]
+        tables.append(
+            f"tokens computed: nopad install() {computed['nopad']}, install(share_prefixes=True) {computed[SHARED]}"
+        )
+        tables.append(
+            format_table([{"max |shared - TRL|": k, "value": v} for k, v in result["max_abs_diff_shared"].items()])
+        )
     return "\n\n".join(tables)
 
 

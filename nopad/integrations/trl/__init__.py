@@ -39,6 +39,15 @@ as TRL's row chunks, the largest holding as few real tokens as such a cut allows
 TRL's largest chunk; the same per-token results), or TRL's own row chunks where the MoE aux loss
 (a mean over chunks) is asked.
 
+``install(share_prefixes=True)`` (off by default) computes each group's shared prompt once in those
+log-prob calls: rows of a chunk whose prompt tokens are equal (TRL's ``num_generations`` samples of a
+prompt) are found from the tokens, whatever their order (TRL shuffles the rows of its loss's call,
+so ``num_generations`` consecutive rows are no grouping there), and each distinct prompt runs once,
+followed by its rows' completions (:func:`nopad.engines.packed_logprobs` with ``share_prefixes=True``;
+the results and gradients equal the flag off). Everything above holds as without it, but a call
+that asks the MoE aux loss runs unshared (TRL's loss counts every row's prompt tokens), and a model
+whose state layer has no shared-prefix form (Mamba's selective scan) is refused naming it.
+
 The same ``install()`` serves TRL's padding-free SFT on hybrids: ``SFTTrainer`` with ``padding_free``
 (``SFTConfig(padding_free=True)``, or ``packing=True`` with a ``bfd`` strategy) hands the model one
 row of end-to-end sequences (restarting ``position_ids``, their boundaries as ``cu_seq_lens_q`` and

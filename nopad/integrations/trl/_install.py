@@ -18,6 +18,7 @@ from torch import Tensor
 from nopad.batches import left_right_2_no_padding, no_padding_2_padding
 from nopad.core._errors import input_error
 from nopad.engines import packed_logprobs
+from nopad.engines._prefixes import _shared_attention
 from nopad.modeling import packed_attention
 
 _SUPPORTED_VERSIONS = ("1.16.0",)
@@ -73,10 +74,15 @@ def _packed_per_token_logps_and_entropies(
     token_type_ids: Any = None,
     mm_token_type_ids: Any = None,
     image_position_ids: Any = None,
+    *,
+    share_prefixes: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """TRL's ``_get_per_token_logps_and_entropies`` on packed rows: (B, C) log-probs, (B, C) entropies
     or None, and the MoE load-balancing loss or None. See the module's docstring for what is served
-    and refused."""
+    and refused. ``share_prefixes`` (bound by :func:`install`, never TRL's): each chunk's rows of equal
+    prompt tokens computed with their prompt once (groups found from the tokens, whatever the rows'
+    order: TRL shuffles the rows of its loss's call); the MoE aux loss (a loss over every row's
+    tokens) runs unshared."""
     given = dict(
         pixel_values=pixel_values,
         image_grid_thw=image_grid_thw,
@@ -118,8 +124,9 @@ def _packed_per_token_logps_and_entropies(
     global _HELD
     if _HELD is not None:  # a checkpointed forward whose backward never came: put the model back now
         _HELD.release()
+    share = share_prefixes and router is None  # the aux loss counts each row's prompt: unshared
     chunks = _token_budget_chunks(attention_mask, batch_size or rows, keep_rows=router is not None)
-    held = _HeldUntilBackward(model) if torch.is_grad_enabled() and _checkpointed(model) else None
+    held = _HeldUntilBackward(model, shared=share) if torch.is_grad_enabled() and _checkpointed(model) else None
     temperature = float(self.temperature)
     log_probs: list[Tensor] = []
     entropies: list[Tensor] = []
@@ -140,11 +147,13 @@ def _packed_per_token_logps_and_entropies(
             micro = left_right_2_no_padding(data)
             with accelerator.autocast(), router.recording(mask) if router is not None else nullcontext():
                 if compute_entropy:
-                    out = packed_logprobs(model, micro, temperature, calculate_entropy=True, tokens="response")
+                    out = packed_logprobs(
+                        model, micro, temperature, calculate_entropy=True, tokens="response", share_prefixes=share
+                    )
                     log_prob, entropy = out["log_probs"], out["entropy"]
                     entropies.append(no_padding_2_padding(entropy, micro, logits_to_keep))
                 else:
-                    log_prob = packed_logprobs(model, micro, temperature, tokens="response")
+                    log_prob = packed_logprobs(model, micro, temperature, tokens="response", share_prefixes=share)
             log_probs.append(no_padding_2_padding(log_prob, micro, logits_to_keep))
             if router is not None:
                 aux_losses.append(router.loss())
@@ -266,14 +275,15 @@ class _HeldUntilBackward:
     :func:`nopad.modeling.packed_attention` block would have switched it back: so the switch is held
     from before the first packed forward until backward has passed the input embeddings' output of
     every chunk (after every checkpointed layer has recomputed), then released. Where that output
-    takes no gradient (frozen embeddings) there is nothing to wait on: refused by name."""
+    takes no gradient (frozen embeddings) there is nothing to wait on: refused by name. ``shared``:
+    the switch held is to the shared-prefix attention (``share_prefixes``) instead."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, shared: bool = False) -> None:
         get_embeddings = getattr(model, "get_input_embeddings", None)
         embeddings = get_embeddings() if callable(get_embeddings) else None
         if not isinstance(embeddings, torch.nn.Module):
             raise _refuse("gradient_checkpointing", "a model with input embeddings (get_input_embeddings())", "none")
-        self._context = packed_attention(model, "auto")
+        self._context = _shared_attention(model) if shared else packed_attention(model, "auto")
         with torch.no_grad():  # switched here, so the packed forwards inside run on a switched model
             self._context.__enter__()
         self.holding, self._pending, self._untracked = True, 0, False
@@ -403,6 +413,7 @@ class TrlPatch:
         # (class, method name) -> (TRL's method, nopad's): SFTTrainer's steps, routed when padding-free
         self._steps: dict[tuple[type, str], tuple[Callable[..., Any], Callable[..., Any]]] = {}
         self.active = False
+        self.share_prefixes = False  # install(share_prefixes=True): each group's prompt computed once
 
     @property
     def trainers(self) -> list[str]:
@@ -434,19 +445,27 @@ class TrlPatch:
         self.uninstall()
 
     def __repr__(self) -> str:
-        return f"TrlPatch(active={self.active}, trainers={self.trainers})"
+        return f"TrlPatch(active={self.active}, trainers={self.trainers}, share_prefixes={self.share_prefixes})"
 
 
 _ACTIVE: TrlPatch | None = None
 _INHERITED: Any = object()  # a method the class did not define itself (uninstall() removes nopad's)
 
 
-def install(*, check_version: bool = True) -> TrlPatch:
+def install(*, check_version: bool = True, share_prefixes: bool = False) -> TrlPatch:
     """Route ``GRPOTrainer`` and ``RLOOTrainer``'s ``_get_per_token_logps_and_entropies`` to nopad's
     packed forward, and ``SFTTrainer``'s padding-free steps (``training_step``, ``prediction_step``)
     through :func:`nopad.modeling.packed_attention`; returns the handle (also a context manager).
 
-    Idempotent: a second call returns the active handle. Raises ImportError when TRL is not
+    ``share_prefixes=True`` (off by default) computes each group's shared prompt once in those
+    log-prob calls: the rows of a batch whose prompt tokens are equal (TRL's ``num_generations``
+    samples of a prompt) are found from the tokens, whatever their order, and each distinct prompt
+    runs once, followed by its rows' completions (:func:`nopad.engines.packed_logprobs` with
+    ``share_prefixes=True``); the results equal the unshared call's. A call that asks the MoE aux
+    loss (``compute_aux_loss``) runs unshared.
+
+    Idempotent: a second call returns the active handle (a ValueError naming ``share_prefixes`` when
+    it asks another setting of it: uninstall first). Raises ImportError when TRL is not
     installed, and RuntimeError for a TRL other than 1.16.0 (``check_version=False`` skips that
     check) or one whose method takes parameters this replacement does not know (never skipped:
     an argument would be ignored).
@@ -454,7 +473,15 @@ def install(*, check_version: bool = True) -> TrlPatch:
     global _ACTIVE
     if not isinstance(check_version, bool):
         raise _refuse("check_version", "True or False (a bool)", repr(check_version))
+    if not isinstance(share_prefixes, bool):
+        raise _refuse("share_prefixes", "True or False (a bool)", repr(share_prefixes))
     if _ACTIVE is not None and _ACTIVE.active:
+        if _ACTIVE.share_prefixes != share_prefixes:
+            raise _refuse(
+                "share_prefixes",
+                f"{_ACTIVE.share_prefixes}, the active install()'s (uninstall() first to change it)",
+                repr(share_prefixes),
+            )
         return _ACTIVE
     version = _trl_version()
     if version is None:
@@ -467,6 +494,7 @@ def install(*, check_version: bool = True) -> TrlPatch:
     from trl.extras.profiling import profiling_decorator
 
     patch = TrlPatch()
+    patch.share_prefixes = share_prefixes
     for module_name, class_name in _TRAINERS:
         cls = getattr(importlib.import_module(module_name), class_name)
         original = cls.__dict__.get(_METHOD)
@@ -481,7 +509,7 @@ def install(*, check_version: bool = True) -> TrlPatch:
                 f"unknown to nopad {unknown}, gone {missing}; nopad would ignore or misplace them, so it does not "
                 "install"
             )
-        replacement = profiling_decorator(_named(_packed_per_token_logps_and_entropies))
+        replacement = profiling_decorator(_named(_packed_per_token_logps_and_entropies, share_prefixes=share_prefixes))
         patch.originals[cls] = original
         patch._replacements[cls] = replacement
     sft = getattr(importlib.import_module(_SFT[0]), _SFT[1])
@@ -506,13 +534,16 @@ def install(*, check_version: bool = True) -> TrlPatch:
     return patch
 
 
-def _named(function: Callable[..., Any]) -> Callable[..., Any]:
-    """A copy of ``function`` under TRL's method name (TRL's profiling names its timings by it)."""
+def _named(function: Callable[..., Any], **bound: Any) -> Callable[..., Any]:
+    """A copy of ``function`` under TRL's method name (TRL's profiling names its timings by it), its
+    keyword arguments ``bound`` given (and out of its signature: TRL's own)."""
 
     def _get_per_token_logps_and_entropies(*args: Any, **kwargs: Any) -> Any:
-        return function(*args, **kwargs)
+        return function(*args, **kwargs, **bound)
 
-    _get_per_token_logps_and_entropies.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
+    signature = inspect.signature(function)
+    signature = signature.replace(parameters=[p for p in signature.parameters.values() if p.name not in bound])
+    _get_per_token_logps_and_entropies.__signature__ = signature  # type: ignore[attr-defined]
     _get_per_token_logps_and_entropies.__doc__ = function.__doc__
     return _get_per_token_logps_and_entropies
 
