@@ -189,7 +189,7 @@ def test_token_budget_cut_never_needs_more_forwards_nor_more_tokens_than_trl_s_c
         mask = torch.zeros(len(lengths), max(lengths) + 1, dtype=torch.long)
         for row, length in enumerate(lengths):
             mask[row, mask.shape[1] - length :] = 1
-        chunks = _install._token_budget_chunks(mask, batch_size, keep_rows=keep_rows)
+        chunks = _install.token_budget_chunks(mask, batch_size, keep_rows=keep_rows)
         assert [b for _, b in chunks[:-1]] == [a for a, _ in chunks[1:]] and chunks[0][0] == 0
         assert chunks[-1][1] == len(lengths)  # the rows in order, each once
         return [sum(lengths[a:b]) for a, b in chunks]

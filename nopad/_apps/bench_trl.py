@@ -342,10 +342,10 @@ def _shared_tokens(input_ids: torch.Tensor, mask: torch.Tensor, C: int, batch_si
     """The tokens the shared contender computes: each chunk's (as the method cuts the rows) shared
     layout, every distinct prompt of the chunk once and every completion."""
     from nopad.batches._prefixes import plan_shared_prefixes
-    from nopad.integrations.trl._install import _token_budget_chunks
+    from nopad.integrations.trl._install import token_budget_chunks
 
     total = 0
-    for start, end in _token_budget_chunks(mask, batch_size or mask.shape[0], keep_rows=False):
+    for start, end in token_budget_chunks(mask, batch_size or mask.shape[0], keep_rows=False):
         keep = mask[start:end].bool()
         rows = [ids[row] for ids, row in zip(input_ids[start:end], keep)]
         nested = torch.nested.nested_tensor(rows, layout=torch.jagged)

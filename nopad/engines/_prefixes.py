@@ -48,7 +48,7 @@ def prompt_lengths_of(micro_batch: Any, input_ids: Tensor) -> Tensor:
 
 
 @contextmanager
-def _shared_attention(model: torch.nn.Module) -> Iterator[None]:
+def switched_to_shared_attention(model: torch.nn.Module) -> Iterator[None]:
     """Within the block the model's attention is ``nopad_shared``; on leaving it, what it was."""
     before = current_implementation(model)
     use_shared_prefix_attention(model)  # a model without an attention implementation is refused here
@@ -96,7 +96,7 @@ def shared_prefix_logprobs(
     tile = None if chunk_size is None else (chunk_size, default_tile(values.device)[1])
     kwargs = {"input_ids": packed_ids, "position_ids": plan.position_ids.unsqueeze(0), "use_cache": False}
     with (
-        _shared_attention(model),
+        switched_to_shared_attention(model),
         head_forward(
             model,
             packed_ids[0],

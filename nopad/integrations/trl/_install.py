@@ -18,7 +18,7 @@ from torch import Tensor
 from nopad.batches import left_right_2_no_padding, no_padding_2_padding
 from nopad.core._errors import input_error
 from nopad.engines import packed_logprobs
-from nopad.engines._prefixes import _shared_attention
+from nopad.engines._prefixes import switched_to_shared_attention
 from nopad.modeling import packed_attention
 
 _SUPPORTED_VERSIONS = ("1.16.0",)
@@ -125,7 +125,7 @@ def _packed_per_token_logps_and_entropies(
     if _HELD is not None:  # a checkpointed forward whose backward never came: put the model back now
         _HELD.release()
     share = share_prefixes and router is None  # the aux loss counts each row's prompt: unshared
-    chunks = _token_budget_chunks(attention_mask, batch_size or rows, keep_rows=router is not None)
+    chunks = token_budget_chunks(attention_mask, batch_size or rows, keep_rows=router is not None)
     held = _HeldUntilBackward(model, shared=share) if torch.is_grad_enabled() and _checkpointed(model) else None
     temperature = float(self.temperature)
     log_probs: list[Tensor] = []
@@ -169,7 +169,7 @@ def _packed_per_token_logps_and_entropies(
     return logps, torch.cat(entropies) if compute_entropy else None, aux_loss
 
 
-def _token_budget_chunks(mask: Tensor, batch_size: int, *, keep_rows: bool) -> list[tuple[int, int]]:
+def token_budget_chunks(mask: Tensor, batch_size: int, *, keep_rows: bool) -> list[tuple[int, int]]:
     """TRL's ``batch_size`` row chunks as a token budget: the rows, in order, cut into at most as many
     packed forwards as TRL's chunks, the largest holding as few real tokens as such a cut allows
     (never more than TRL's largest chunk holds). A forward's activations grow with its tokens, not
@@ -283,7 +283,7 @@ class _HeldUntilBackward:
         embeddings = get_embeddings() if callable(get_embeddings) else None
         if not isinstance(embeddings, torch.nn.Module):
             raise _refuse("gradient_checkpointing", "a model with input embeddings (get_input_embeddings())", "none")
-        self._context = _shared_attention(model) if shared else packed_attention(model, "auto")
+        self._context = switched_to_shared_attention(model) if shared else packed_attention(model, "auto")
         with torch.no_grad():  # switched here, so the packed forwards inside run on a switched model
             self._context.__enter__()
         self.holding, self._pending, self._untracked = True, 0, False
