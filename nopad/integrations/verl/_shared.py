@@ -25,7 +25,7 @@ temperature or one verl would clamp, and a loss other than verl's ``ppo_loss`` (
 responses only). A model whose layers the shared layout does not serve is a ValueError naming the
 layer, before any forward.
 
-After a shared forward the model's attention stays ``nopad_shared`` (see ``_ATTENTION``) until verl's
+After a shared forward the model's attention stays ``nopad_shared`` (kept on the model, see ``_BEFORE``) until verl's
 own forward runs on it or the flag goes off: a model called outside the engine in between raises
 (no plan in its kwargs) rather than computing something else.
 """
@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from nopad.core._layout import is_nested
+from nopad.core._memo import recall, remember
 from nopad.engines._fsdp import packed_logprobs
 from nopad.modeling._attention import current_implementation
 from nopad.modeling._prefixes import IMPLEMENTATION, use_shared_prefix_attention
@@ -52,25 +53,37 @@ ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 ENGINE_CLASS = "FSDPEngineWithLMHead"
 LOSSES_MODULE = "verl.workers.utils.losses"
 
-_state: dict[str, Any] = {"enabled": False, "patched": None}  # patched: (cls, verl's forward_step)
+
+class _Flag:
+    """The flag's state: whether it is on, the engine class patched (with verl's ``forward_step``),
+    and the models a shared forward left on the shared attention (an undo record: uninstalling puts
+    each one's own attention back; weakly held, so a freed model leaves it)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.patched: tuple[Any, Any] | None = None
+        self.switched: weakref.WeakSet = weakref.WeakSet()
+
+
+_state = _Flag()
 # how many micro-batches each way took: "shared", or the reason verl's own forward ran
 COUNTS: Counter = Counter()
-# the attention implementation each model had before its first shared forward. The shared one stays
-# set after that forward, through its backward: verl runs the backward after forward_step returns,
-# and a checkpointed layer's recompute reads the implementation then (the plan travels in its
-# kwargs). verl's own forward gets the model's implementation back first (:func:`_own_attention`).
-_ATTENTION: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# the attention implementation each model had before its first shared forward, kept on the model (the
+# memo). The shared one stays set after that forward, through its backward: verl runs the backward after
+# forward_step returns, and a checkpointed layer's recompute reads the implementation then (the plan
+# travels in its kwargs). verl's own forward gets the model's implementation back first (:func:`_own_attention`).
+_BEFORE = "attention before shared prefixes"
 
 
 def enabled() -> bool:
     """Whether ``install(share_prefixes=True)`` is in force."""
-    return bool(_state["enabled"])
+    return bool(_state.enabled)
 
 
 def set_enabled(on: bool) -> None:
     """Turn the flag on (patching verl's engine class now if its module is loaded, else when it is
     imported: :func:`patch_engine` from the import hook) or off (verl's ``forward_step`` back)."""
-    _state["enabled"] = on
+    _state.enabled = on
     if not on:
         unpatch_engine()
         return
@@ -82,18 +95,18 @@ def set_enabled(on: bool) -> None:
 def patch_engine(module: Any) -> None:
     """``FSDPEngineWithLMHead.forward_step`` -> :func:`forward_step` (idempotent)."""
     cls = getattr(module, ENGINE_CLASS, None)
-    if cls is None or _state["patched"] is not None or not enabled():
+    if cls is None or _state.patched is not None or not enabled():
         return
     original = cls.__dict__["forward_step"]
-    _state["patched"] = (cls, original)
+    _state.patched = (cls, original)
     cls.forward_step = forward_step
 
 
 def unpatch_engine() -> None:
     """verl's own ``forward_step`` back on its class (where it still holds nopad's)."""
-    patched = _state["patched"]
-    _state["patched"] = None
-    for model in list(_ATTENTION.keys()):
+    patched = _state.patched
+    _state.patched = None
+    for model in list(_state.switched):
         _own_attention(model)
     if patched is not None:
         cls, original = patched
@@ -172,7 +185,9 @@ def fallback_reason(engine: Any, micro_batch: Any, loss_function: Any) -> str | 
 
 def _own_attention(model: Any) -> None:
     """``model``'s attention implementation back to what it was before its first shared forward."""
-    before = _ATTENTION.pop(model, None)
+    before = recall(model, _BEFORE)
+    _state.switched.discard(model)
+    remember(model, _BEFORE, None)
     if before is not None and current_implementation(model) == IMPLEMENTATION:
         set_attn_implementation(model, before)
 
@@ -185,7 +200,8 @@ def shared_model_output(engine: Any, micro_batch: Any) -> dict[str, Tensor]:
     before = current_implementation(model)
     use_shared_prefix_attention(model)
     if before != IMPLEMENTATION:
-        _ATTENTION[model] = before
+        remember(model, _BEFORE, before)
+        _state.switched.add(model)
     tu = sys.modules[ENGINE_MODULE].tu
     entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
     temperature = micro_batch["temperature"]
@@ -203,7 +219,7 @@ def forward_step(self: Any, micro_batch: Any, loss_function: Any, forward_only: 
     where :func:`fallback_reason` finds nothing against it; verl's own otherwise. Same signature,
     same returns (the loss, and the dict of the detached ``model_output``, the loss as a float and
     the loss's metrics), under verl's autocast."""
-    patched = _state["patched"]
+    patched = _state.patched
     original = patched[1] if patched is not None else getattr(sys.modules[ENGINE_MODULE], ENGINE_CLASS).forward_step
     module = sys.modules[ENGINE_MODULE]
     reason = fallback_reason(self, micro_batch, loss_function) if enabled() else "off"
