@@ -3,6 +3,7 @@ behind ``nopad.integrations.trl``."""
 
 from __future__ import annotations
 
+import bisect
 import functools
 import importlib
 import importlib.metadata
@@ -181,19 +182,25 @@ def token_budget_chunks(mask: Tensor, batch_size: int, *, keep_rows: bool) -> li
     bounds = [(start, min(start + batch_size, rows)) for start in range(0, rows, batch_size)]
     if len(bounds) <= 1 or keep_rows:
         return bounds
-    lengths = (mask != 0).sum(-1).tolist()
+    # one host read: the longest row's real tokens, then the cumulative counts (a forward from row a
+    # to row b holds held[b] - held[a])
+    counts = (mask != 0).sum(-1)
+    longest, *held = torch.cat([counts.max().view(1), counts.new_zeros(1), counts.cumsum(0)]).tolist()
 
-    def cut(budget: int) -> list[tuple[int, int]]:  # the fewest forwards of at most budget tokens each
-        out, start, held = [], 0, 0
-        for row, length in enumerate(lengths):
-            if row > start and held + length > budget:
-                out.append((start, row))
-                start, held = row, 0
-            held += length
-        return [*out, (start, rows)]
+    def cut(budget: int) -> list[tuple[int, int]]:
+        """The fewest forwards of at most ``budget`` tokens (at least one row each), greedy: each forward
+        ends at the last row that fits, found by bisection on the cumulative counts. Stops once it
+        needs more forwards than TRL's chunks: at most len(bounds) + 1 steps, whatever the rows."""
+        out: list[tuple[int, int]] = []
+        start = 0
+        while start < rows and len(out) <= len(bounds):
+            end = max(start + 1, bisect.bisect_right(held, held[start] + budget) - 1)
+            out.append((start, end))
+            start = end
+        return out
 
-    low, high = max(lengths), max(sum(lengths[a:b]) for a, b in bounds)  # TRL's chunks fit in high
-    while low < high:  # the least budget that needs no more forwards than TRL's chunks
+    low, high = longest, max(held[b] - held[a] for a, b in bounds)  # TRL's chunks fit in high
+    while low < high:  # bisection on the budget: the least that needs no more forwards than TRL's
         middle = (low + high) // 2
         if len(cut(middle)) <= len(bounds):
             high = middle
