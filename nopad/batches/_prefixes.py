@@ -38,10 +38,13 @@ from torch import Tensor
 from nopad.core._errors import check_int, check_integer_tensor, input_error
 from nopad.core._layout import (
     as_lengths,
+    ceil_div,
     check_nested,
     gather_index_dtype,
     nested_offsets,
     position_ids_of,
+    prepare_offsets,
+    ranges_of,
     row_ids_of,
     spread_over_tokens,
     to_host,
@@ -263,8 +266,7 @@ def _plan(
             f"the prompt of row {other}, whose group id {int(ids[unequal_row])} it carries",
             "a prompt that differs from it (group ids must group rows of equal prompt tokens)",
         )
-    cu_q = F.pad(q_len.cumsum(0), (1, 0))
-    cu_k = F.pad(k_len.cumsum(0), (1, 0))
+    cu_q, cu_k = prepare_offsets(q_len), prepare_offsets(k_len)
     skip = k_len - q_len  # the row's tokens before its block: its shared prompt, for a non-leader
     block_of_row = torch.empty_like(block_order).index_copy_(0, block_order, row_range)
     block_start = cu_q.index_select(0, block_of_row)  # (B,) row order
@@ -275,9 +277,9 @@ def _plan(
     position_ids = spread_over_tokens(skip - cu_q[:-1], cu_q, total, plus_position=True)
     # a row token reads the packed token at: its group's prompt, then its own completion
     firsts, spans = torch.stack([prompt_start, completion_start], 1), torch.stack([prompts, completions], 1)
-    unpack_index = _ranges(firsts.flatten(), spans.flatten(), n)  # (B, 2) ranges, rows in order
-    kv_index = _ranges(firsts.index_select(0, block_order).flatten(), spans.index_select(0, block_order).flatten(), n)
-    label_index = _ranges(offsets[:-1] + prompts, completions, m)
+    unpack_index = ranges_of(firsts.flatten(), spans.flatten(), n)  # (B, 2) ranges, rows in order
+    kv_index = ranges_of(firsts.index_select(0, block_order).flatten(), spans.index_select(0, block_order).flatten(), n)
+    label_index = ranges_of(offsets[:-1] + prompts, completions, m)
     logprob_index = unpack_index.index_select(0, label_index - 1)  # the token before, in its own row
     tile = max(1, min(tile, max_q))  # no tile longer than the longest block
     tiles = total // tile + batch  # enough for every block's last, partial tile
@@ -295,7 +297,7 @@ def _plan(
         cu_seqlens_q=cu_q.to(torch.int32),
         cu_seqlens_k=cu_k.to(torch.int32),
         kv_index=kv_index,
-        completion_offsets=F.pad(completions.cumsum(0), (1, 0)),
+        completion_offsets=prepare_offsets(completions),
         logprob_index=logprob_index,
         label_index=label_index,
         tile_q=tile_q,
@@ -314,13 +316,6 @@ def _plan(
     )
 
 
-def _ranges(firsts: Tensor, lengths: Tensor, n: int) -> Tensor:
-    """(R,) firsts and (R,) lengths -> (n,) their ranges ``first, first + 1, ...`` concatenated: one
-    spread whatever R (``torch.cat([torch.arange(f, f + l) ...])`` without the loop). No sync."""
-    starts = F.pad(lengths.cumsum(0), (1, 0))
-    return spread_over_tokens(firsts - starts[:-1], starts, n, plus_position=True)
-
-
 def _tiles(
     cu_q: Tensor,
     cu_k: Tensor,
@@ -336,8 +331,7 @@ def _tiles(
     with the keys of its row up to its last query (padded to ``max_k``). Tiles past the blocks' own
     are empty. Returns tile_q (tiles * C,), tile_k (tiles * max_k,), tile_end (tiles, C), tile_out (T,)."""
     device = cu_q.device
-    per_block = -(-q_len // tile)
-    tile_offsets = F.pad(per_block.cumsum(0), (1, 0))
+    tile_offsets = prepare_offsets(ceil_div(q_len, tile))
     block = row_ids_of(tile_offsets, tiles)  # tiles past the last block's are given it, and are empty
     first = position_ids_of(tile_offsets, tiles) * tile  # the tile's first query in its block
     count = (q_len.index_select(0, block) - first).clamp(0, tile)  # (tiles,) queries in the tile
@@ -368,5 +362,5 @@ def join_prompts(prompts: Tensor, completions: Tensor) -> tuple[Tensor, Tensor]:
     p_vals, c_vals = jagged_values(prompts), jagged_values(completions)
     p_len, c_len = p_off.diff(), c_off.diff()
     firsts = torch.stack([p_off[:-1], p_vals.shape[0] + c_off[:-1]], 1).flatten()
-    index = _ranges(firsts, torch.stack([p_len, c_len], 1).flatten(), p_vals.shape[0] + c_vals.shape[0])
+    index = ranges_of(firsts, torch.stack([p_len, c_len], 1).flatten(), p_vals.shape[0] + c_vals.shape[0])
     return wrap_jagged(torch.cat([p_vals, c_vals]).index_select(0, index), p_off + c_off), p_len

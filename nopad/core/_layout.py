@@ -257,6 +257,14 @@ def expand_ranges(positions: Tensor, steps: Tensor, n: int, dtype: torch.dtype =
     return ones.index_copy_(0, positions, steps.to(dtype)).cumsum_(0)
 
 
+def ranges_of(firsts: Tensor, lengths: Tensor, n: int) -> Tensor:
+    """(R,) firsts and (R,) lengths -> (n,) their ranges ``first, first + 1, ...`` concatenated: the
+    device twin of :func:`host_ranges` when the ranges are on the device (one spread whatever R,
+    ``torch.cat([torch.arange(f, f + l) ...])`` without the loop). No sync (``n`` is their total)."""
+    starts = prepare_offsets(lengths)
+    return spread_over_tokens(firsts - starts[:-1], starts, n, plus_position=True)
+
+
 def gather_index_dtype(n: int) -> torch.dtype:
     """The narrowest index dtype ``index_select`` takes for values below ``n``: int32 halves the memory
     an index of every token writes and reads (on a CPU, where fresh memory is page-faulted, that is
