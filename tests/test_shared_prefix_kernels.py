@@ -257,6 +257,9 @@ def test_real_kernels_on_the_shared_layout_match_the_tiled_path(kernel, window):
     tiled reference (a wrong alignment or window would be off by O(1)); the gradients likewise."""
     if kernel not in attention.available_kernels("cuda", torch.bfloat16):
         pytest.skip(f"{kernel} is not available on this machine")
+    why = attention._refusal(kernel, attention.Needs(gqa=True, window=window))
+    if why is not None:  # refused by name, as the CPU tests show; nothing to compare
+        pytest.skip(f"this torch's {kernel} cannot honour {why}")
     prompts, completions = grpo_rows(5, [1, 40, 17, 90], [16, 1, 4, 8], 120)
     completions[0] = []
     plan = plan_shared_prefixes(*join_prompts(nested(prompts).cuda(), nested(completions).cuda()))
@@ -271,6 +274,9 @@ def test_real_kernels_on_the_shared_layout_match_the_tiled_path(kernel, window):
         return [out.float(), *(g.float() for g in grads)]
 
     exact = run("sdpa", torch.float32)
-    for got, tiled, want in zip(run(kernel, torch.bfloat16), run("sdpa", torch.bfloat16), exact):
-        bound = (tiled - want).abs().max().item()
-        assert (got - want).abs().max().item() <= 2 * bound + 1e-2, (bound, (got - want).abs().max().item())
+    for what, got, tiled, want in zip(
+        ("out", "dq", "dk", "dv"), run(kernel, torch.bfloat16), run("sdpa", torch.bfloat16), exact
+    ):
+        error, rounding = (got - want).abs().max().item(), (tiled - want).abs().max().item()
+        # a key too many or too few for some query is off by the size of the values, not by rounding
+        assert error <= 2 * rounding + 1e-2 * want.abs().max().item(), (what, error, rounding)
