@@ -2,8 +2,9 @@
 
 Substituted for the real ones (see :func:`use_standins`), they exercise nopad's wiring on a CPU:
 the (tokens, heads, dim) layout, boundaries, GQA handling, scale, window and causal arguments.
-Each computes every segment on its own with sdpa and an explicit window mask: a deliberate loop,
-as a reference should be. Each call is recorded (kernel, K/V heads, keyword arguments).
+Each computes every segment on its own with sdpa and an explicit causal and window mask, aligned
+at the bottom right where a segment has fewer queries than keys, as the real kernels do: a
+deliberate loop, as a reference should be. Each call is recorded (kernel, K/V heads, keyword arguments).
 """
 
 from __future__ import annotations
@@ -21,28 +22,36 @@ CALLS: list[dict] = []
 
 
 def _reference(q, k, v, cu_q, cu_k, scale, left, right, *, gqa_native: bool, name: str, **recorded):
+    """Each segment alone, as the flash kernels define it: query i of a segment of ``n_q`` queries over
+    ``n_k`` keys sits at key position ``i + n_k - n_q`` (the bottom-right alignment of flash-attn >= 2.1
+    and torch's copy of it), and sees the keys within ``left`` before and ``right`` after that position
+    (-1: unbounded); a query that sees no key gets zeros."""
     assert q.dim() == 3 and k.dim() == 3 and v.shape == k.shape, (q.shape, k.shape)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "kernels need the last dim contiguous"
-    assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k), "self-attention boundaries, int32"
-    assert int(cu_q[-1]) == q.shape[0] == k.shape[0], (cu_q, q.shape)
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.shape == cu_k.shape, "int32 boundaries, one per sequence"
+    assert int(cu_q[-1]) == q.shape[0] and int(cu_k[-1]) == k.shape[0], (cu_q, cu_k, q.shape, k.shape)
     heads, kv_heads = q.shape[1], k.shape[1]
     if not gqa_native:
         assert heads == kv_heads, f"{name} takes as many K/V heads as query heads, got {heads} and {kv_heads}"
-    CALLS.append({"kernel": name, "kv_heads": kv_heads, "heads": heads, **recorded})
-    out = torch.empty_like(q)
-    bounds = cu_q.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        n = end - start
-        i = torch.arange(n).unsqueeze(1)
-        j = torch.arange(n).unsqueeze(0)
-        allowed = torch.ones(n, n, dtype=torch.bool)
+    CALLS.append(
+        {"kernel": name, "kv_heads": kv_heads, "heads": heads, "own_keys": not torch.equal(cu_q, cu_k), **recorded}
+    )
+    out = torch.zeros_like(q)
+    for q0, q1, k0, k1 in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        n_q, n_k = q1 - q0, k1 - k0
+        if n_q == 0:
+            continue
+        at = torch.arange(n_q).unsqueeze(1) + (n_k - n_q)  # each query's key position
+        j = torch.arange(n_k).unsqueeze(0)
+        allowed = torch.ones(n_q, n_k, dtype=torch.bool)
         if left >= 0:
-            allowed &= j >= i - left
+            allowed &= j >= at - left
         if right >= 0:
-            allowed &= j <= i + right
-        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            allowed &= j <= at + right
+        qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
         seg = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=heads != kv_heads)
-        out[start:end] = seg[0].transpose(0, 1)
+        seen = allowed.any(-1).view(1, 1, n_q, 1)
+        out[q0:q1] = torch.where(seen, seg, 0)[0].transpose(0, 1)
     return out
 
 

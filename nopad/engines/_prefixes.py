@@ -28,7 +28,7 @@ from nopad.core._torch_internals import wrap_jagged
 from nopad.engines._head import head_forward
 from nopad.modeling._attention import current_implementation
 from nopad.modeling._logprobs import ScoredTokens, checked_temperature, default_tile, scored_tokens
-from nopad.modeling._prefixes import PLAN_KWARG, use_shared_prefix_attention
+from nopad.modeling._prefixes import PLAN_KWARG, kernel_of_implementation, use_shared_prefix_attention
 from nopad.parallel._ulysses import set_attn_implementation
 
 
@@ -49,9 +49,11 @@ def prompt_lengths_of(micro_batch: Any, input_ids: Tensor) -> Tensor:
 
 @contextmanager
 def switched_to_shared_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block the model's attention is ``nopad_shared``; on leaving it, what it was."""
+    """Within the block the model's attention is ``nopad_shared``, with the kernel its attention
+    forced (``nopad_varlen_fa``: flash_attn), if any; on leaving it, what it was."""
     before = current_implementation(model)
-    use_shared_prefix_attention(model)  # a model without an attention implementation is refused here
+    # a model without an attention implementation is refused here
+    use_shared_prefix_attention(model, kernel_of_implementation(before))
     try:
         yield
     finally:

@@ -231,7 +231,7 @@ def select_kernel(requested: str, device_type: str, dtype: torch.dtype, needs: N
 
 
 @torch.compiler.assume_constant_result
-def _kernel_for(requested: str, device_type: str, dtype: torch.dtype, *needs: Any) -> str:
+def kernel_for(requested: str, device_type: str, dtype: torch.dtype, *needs: Any) -> str:
     """:func:`select_kernel`, made before tracing: dynamo runs it at trace time and keeps the name it
     returns as a constant of the graph (its arguments are the layer's config and the inputs' device
     and dtype, which the graph's guards already hold), so no probe of an installed kernel is traced.
@@ -259,19 +259,29 @@ def run_kernel(
     dropout: float = 0.0,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> Tensor:
-    """(T, H, D) queries, (T, H_kv, D) keys/values, (N+1,) int32 boundaries -> (T, H, D) output."""
+    """(T, H, D) queries, (T_k, H_kv, D) keys/values, (N+1,) int32 boundaries -> (T, H, D) output.
+
+    ``cu_seqlens_k`` / ``max_seqlen_k``: the keys' own boundaries where they differ from the queries'
+    (the shared-prefix attention's gathered keys; a flash kernel only). Each sequence's queries are
+    then its last keys' positions: the flash kernels align the causal mask and the window at the
+    bottom right when seqlen_q != seqlen_k (flash-attn >= 2.1, and torch's bundled copy of it)."""
     fn = SPECS[kernel].load()
     left, right = _window(needs)
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    max_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
+    assert kernel != "sdpa" or cu_k is cu_seqlens, "the dense fallback is self-attention over one set of boundaries"
     if kernel == "flash_attn":
         return fn(
             q,
             k,
             v,
             cu_seqlens,
-            cu_seqlens,
+            cu_k,
             max_seqlen,
-            max_seqlen,
+            max_k,
             dropout_p=dropout,
             softmax_scale=scale,
             causal=needs.causal,
@@ -289,12 +299,10 @@ def run_kernel(
         elif needs.gqa:  # torch 2.11: its varlen_attn wants as many K/V heads as query heads
             times = q.shape[1] // k.shape[1]
             k, v = repeat_heads(k, times), repeat_heads(v, times)
-        return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **extra)
+        return fn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, scale=scale, **extra)
     if kernel == "aten_flash":
         window = {} if needs.window is None else {"window_size_left": left, "window_size_right": right}
-        return fn(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout, needs.causal, False, scale=scale, **window
-        )[0]
+        return fn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, dropout, needs.causal, False, scale=scale, **window)[0]
     return _dense_attention(
         q, k, v, cu_seqlens, scale=scale, needs=needs, dropout=dropout, softcap=softcap, sinks=sinks
     )
@@ -458,9 +466,13 @@ def _boundaries(batch: int, length: int, device: torch.device, kwargs: dict) -> 
 # ---- the transformers attention function -----------------------------------------------------------
 
 
+def forced_kernel(implementation: str | None) -> str:
+    """The kernel a nopad_varlen implementation name forces (``"nopad_varlen_fa"``: flash_attn), or 'auto'."""
+    return _KERNEL_OF.get((implementation or IMPLEMENTATION).removeprefix(ULYSSES_PREFIX), "auto")
+
+
 def _requested_kernel(module: Any) -> str:
-    name = getattr(getattr(module, "config", None), "_attn_implementation", None) or IMPLEMENTATION
-    return _KERNEL_OF.get(name.removeprefix(ULYSSES_PREFIX), "auto")
+    return forced_kernel(getattr(getattr(module, "config", None), "_attn_implementation", None))
 
 
 def nopad_varlen_attention(
@@ -517,7 +529,7 @@ def nopad_varlen_attention(
         sinks=sinks is not None,
     )
     fields = (needs.gqa, needs.causal, needs.window, needs.dropout, needs.softcap, needs.sinks)
-    kernel = _kernel_for(_requested_kernel(module), query.device.type, query.dtype, *fields)
+    kernel = kernel_for(_requested_kernel(module), query.device.type, query.dtype, *fields)
     scale = D**-0.5 if scaling is None else scaling
     # (B, H, T, D) -> (B * T, H, D): a view of HF's (B, T, H, D) projection after its transpose
     q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (query, key, value))

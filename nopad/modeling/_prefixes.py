@@ -15,10 +15,22 @@ needs the gradient through the log-sum-exp, which the varlen flash kernels do no
 gather's backward is the index_add of the gradients into the one prompt, which is also exactly the
 sum n separate rows would give. The copy is keys and values only (heads_kv x head_dim per token).
 
-The exact path here runs on any device and dtype: the queries cut into tiles of ``plan.tile``, each
-tile with its row's keys up to its last query, one batched sdpa over all tiles with a (tiles, C,
-max_k) mask. A fixed number of ops whatever the number of rows; its cost grows with tiles x max_k,
-not with T x T as a dense mask's does.
+Which kernel runs where: nopad_varlen's choice (:func:`nopad.modeling._attention.select_kernel`,
+the same order, availability and refusals). On CUDA at fp16/bf16, "auto" takes the first of
+flash_attn, aten_flash, varlen_attn that runs and honours the layer's window
+(:func:`gathered_attention`: the keys and values gathered, then ONE varlen call with the queries'
+boundaries ``plan.cu_seqlens_q`` and the gathered keys' ``plan.cu_seqlens_k``; the flash kernels
+align the causal mask and the window at the bottom right when seqlen_q != seqlen_k, so HF's window
+is the same (window - 1, 0) as for a row alone). Everywhere else (the CPU, fp32, a window the
+installed kernels cannot slide) the exact tiled path runs (:func:`tiled_attention`): the queries
+cut into tiles of ``plan.tile``, each tile with its row's keys up to its last query, one batched
+sdpa over all tiles with a (tiles, C, max_k) mask; its cost grows with tiles x max_k, not with
+T x T as a dense mask's does. Both are a fixed number of ops whatever the number of rows. A kernel
+is forced as nopad_varlen's is, by the implementation name (``nopad_shared_fa``, ``_aten``,
+``_torch``; ``_tiled`` for the tiled path; ``use_shared_prefix_attention(model, kernel)``), and a
+forced kernel that cannot run or cannot honour a need is a ValueError naming it, never a silent
+fallback. A model forced to one of nopad_varlen's kernels keeps it for its shared-prefix forwards.
+Soft-capping, dropout and attention sinks are refused on every path (the tiled path has none).
 
 Layers that carry state along the sequence continue each completion from its prompt's final state:
 the causal conv (LFM2's short conv, the conv inside a gated delta net or a Mamba2 mixer) reads the
@@ -48,15 +60,25 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nopad.core._batch import takes_keyword
-from nopad.core._errors import input_error
+from nopad.core._errors import check_int, input_error
 from nopad.core._layout import device_to_host
 from nopad.core._memo import memo, recall, remember
-from nopad.modeling._attention import mask_window
+from nopad.modeling._attention import KERNELS, Needs, forced_kernel, kernel_for, mask_window, run_kernel
 from nopad.modeling._layers import SharedPrefixRow
 from nopad.modeling._routing import ADAPTERS, callee, packed_row_of, route, survey
 from nopad.parallel._ulysses import SP_GROUP_KWARG, set_attn_implementation
 
 IMPLEMENTATION = "nopad_shared"
+# a forced kernel's implementation name, as nopad_varlen's (no "flash" in it: transformers would take
+# it for flash-attn's); "sdpa", nopad_varlen's exact fallback, is the exact tiled path here
+_IMPLEMENTATION_OF = {
+    "auto": IMPLEMENTATION,
+    "flash_attn": IMPLEMENTATION + "_fa",
+    "varlen_attn": IMPLEMENTATION + "_torch",
+    "aten_flash": IMPLEMENTATION + "_aten",
+    "sdpa": IMPLEMENTATION + "_tiled",
+}
+_KERNEL_OF = {name: kernel for kernel, name in _IMPLEMENTATION_OF.items()}
 PLAN_KWARG = "shared_prefixes"
 _CHECKED = "shared prefixes checked"
 _HOOKED = "shared prefixes hooked"
@@ -94,6 +116,45 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, plan: Any, *, scale: float,
         q_t, k_t, v_t, attn_mask=allowed.unsqueeze(1), scale=scale, enable_gqa=k.shape[1] != heads
     )
     return out.transpose(1, 2).reshape(tiles * tile, heads, dim).index_select(0, plan.tile_out)
+
+
+def gathered_attention(
+    q: Tensor, k: Tensor, v: Tensor, plan: Any, *, kernel: str, scale: float, needs: Needs
+) -> Tensor:
+    """(T, H, D) packed queries, (T, H_kv, D) keys / values -> (T, H, D) attention over the plan,
+    through ONE call of a flash ``kernel`` (nopad_varlen's call, :func:`run_kernel`).
+
+    Each row's keys and values are gathered (``plan.kv_index``: its prompt's, then its own
+    completion's), segments ``plan.cu_seqlens_k``; its queries, segments ``plan.cu_seqlens_q``, are
+    the last of those positions (the whole row for a group's first row, the completion for the
+    others). Causal masks and windows align at the bottom right when seqlen_q != seqlen_k in
+    flash-attn >= 2.1 (flash_attn_varlen_func's docstring, Dao-AILab/flash-attention,
+    flash_attn/flash_attn_interface.py: "If causal=True, the causal mask is aligned to the bottom
+    right corner of the attention matrix", the window [i + seqlen_k - seqlen_q - window_size[0],
+    i + seqlen_k - seqlen_q + window_size[1]]) and in torch's bundled copy of that kernel (why torch's
+    sdpa refuses is_causal for seqlen_q != seqlen_k on it: pytorch/pytorch#111007), so each query
+    sees its row's keys up to itself, and with a window the same (window - 1, 0) as in a row alone.
+    A completion that is empty is a segment of no queries. The gather's backward adds each row's
+    key gradients into the one prompt."""
+    k_rows, v_rows = (t.index_select(0, plan.kv_index) for t in (k, v))
+    return run_kernel(
+        kernel,
+        q,
+        k_rows,
+        v_rows,
+        plan.cu_seqlens_q,
+        plan.max_seqlen_q,
+        scale=scale,
+        needs=needs,
+        cu_seqlens_k=plan.cu_seqlens_k,
+        max_seqlen_k=plan.max_seqlen_k,
+    )
+
+
+def _requested_kernel(module: torch.nn.Module) -> str:
+    """The kernel ``module``'s implementation name forces, or 'auto'."""
+    name = getattr(getattr(module, "config", None), "_attn_implementation", None) or IMPLEMENTATION
+    return _KERNEL_OF.get(name, "auto")
 
 
 def shared_prefix_attention(
@@ -139,9 +200,19 @@ def shared_prefix_attention(
         raise input_error(f"{owner} attention", None, "no soft-capping and no dropout", f"{feature}")
     if sliding_window is None:  # a layer whose window only transformers' mask carries (Qwen2-MoE)
         sliding_window = mask_window(module)
+    if sliding_window is not None:  # a flash kernel reads a window of 0 as none: refused for every path
+        sliding_window = check_int(sliding_window, "sliding_window", low=1)
+    # a window no row outgrows changes nothing: no need to ask a kernel for it
+    window = sliding_window if sliding_window is not None and sliding_window < plan.max_seqlen_k else None
+    needs = Needs(gqa=key.shape[1] != H, window=window)
+    fields = (needs.gqa, needs.causal, needs.window, needs.dropout, needs.softcap, needs.sinks)
+    kernel = kernel_for(_requested_kernel(module), query.device.type, query.dtype, *fields)
     scale = D**-0.5 if scaling is None else scaling
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D) views
-    out = tiled_attention(q, k, v, plan, scale=scale, window=sliding_window)
+    if kernel == "sdpa":  # no flash kernel here (the CPU, fp32, a need refused): the exact tiled path
+        out = tiled_attention(q, k, v, plan, scale=scale, window=window)
+    else:
+        out = gathered_attention(q, k, v, plan, kernel=kernel, scale=scale, needs=needs)
     return out.unsqueeze(0), None
 
 
@@ -258,20 +329,43 @@ def register() -> None:
     """Register ``nopad_shared`` with transformers' attention and mask interfaces. Once."""
     modeling_utils = importlib.import_module("transformers.modeling_utils")
     masking_utils = importlib.import_module("transformers.masking_utils")
-    modeling_utils.AttentionInterface.register(IMPLEMENTATION, shared_prefix_attention)
     builder = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]  # None without a padding mask
-    masking_utils.AttentionMaskInterface.register(IMPLEMENTATION, builder)
+    for name in _IMPLEMENTATION_OF.values():
+        modeling_utils.AttentionInterface.register(name, shared_prefix_attention)
+        masking_utils.AttentionMaskInterface.register(name, builder)
 
 
-def use_shared_prefix_attention(model: torch.nn.Module) -> torch.nn.Module:
+def shared_implementation(kernel: str = "auto") -> str:
+    """The attention implementation name of the shared-prefix attention with ``kernel`` ('auto' or
+    one of nopad_varlen's kernels, 'sdpa' meaning the exact tiled path); a ValueError otherwise."""
+    if kernel not in _IMPLEMENTATION_OF:
+        raise input_error("kernel", None, f"'auto' or one of {list(KERNELS)}", repr(kernel))
+    return _IMPLEMENTATION_OF[kernel]
+
+
+def kernel_of_implementation(name: str | None) -> str:
+    """The kernel an implementation name forces (the shared-prefix attention's or nopad_varlen's:
+    a model forced to a kernel keeps it for its shared-prefix forwards), or 'auto'."""
+    return _KERNEL_OF.get(name or "") or forced_kernel(name)
+
+
+def use_shared_prefix_attention(model: torch.nn.Module, kernel: str = "auto") -> torch.nn.Module:
     """Switch ``model``'s attention to ``nopad_shared`` after checking every position-mixing layer is
     softmax attention through transformers' interface. A layer that carries state along the sequence,
     a registered packed form or a module nopad cannot keep apart is a ValueError naming its class,
-    and nothing is changed. Returns the model."""
+    and nothing is changed. ``kernel``: as nopad_varlen's, 'auto' (the first flash kernel that runs
+    on the device and dtype and honours the layer's window, else the exact tiled path) or one
+    forced (a ValueError now if it cannot run on the model's device and dtype; at the first forward
+    if it cannot honour a layer's window). Returns the model."""
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or not hasattr(config, "_attn_implementation"):
         expected = "a transformers model (a module with a config naming its attention)"
         raise input_error("model", None, expected, type(model).__name__)
+    implementation = shared_implementation(kernel)
+    if kernel != "auto":
+        param = next(model.parameters(), None)
+        device_type, dtype = ("cpu", torch.float32) if param is None else (param.device.type, param.dtype)
+        kernel_for(kernel, device_type, dtype)  # a kernel that cannot run here: its ValueError, nothing changed
     found = survey(model)
     error = found.error(model)
     if error is not None:
@@ -306,5 +400,5 @@ def use_shared_prefix_attention(model: torch.nn.Module) -> torch.nn.Module:
     if recall(model, _HOOKED) is None:  # before the routing's own pre-hook: it reads the boundaries
         hook = functools.partial(_hand_row, stateful=stateful)
         remember(model, _HOOKED, model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
-    set_attn_implementation(model, IMPLEMENTATION)
+    set_attn_implementation(model, implementation)
     return model
