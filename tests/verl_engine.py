@@ -122,8 +122,9 @@ def padded_batch(rows: int, seed: int = 0):
     return td
 
 
-def _worker(model_dir: str, world: int, dynamic: bool, rows_per_rank: int, micro: int = 2):
-    """verl's TrainingWorker on its FSDP engine (FSDP2, fp32), with verl's ppo_loss as the actor's."""
+def _worker(model_dir: str, world: int, dynamic: bool, rows_per_rank: int, micro: int = 2, compile: bool = False):
+    """verl's TrainingWorker on its FSDP engine (FSDP2, fp32), with verl's ppo_loss as the actor's;
+    ``compile``: verl's ``use_torch_compile`` (its default, True, compiles the engine's entropy)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         FSDPActorConfig,
@@ -151,7 +152,7 @@ def _worker(model_dir: str, world: int, dynamic: bool, rows_per_rank: int, micro
         infer_micro_batch_size_per_gpu=micro,
         model_dtype="fp32",
         mixed_precision=fp32,
-        use_torch_compile=False,
+        use_torch_compile=compile,
     )
     worker = TrainingWorker(
         TrainingWorkerConfig(
@@ -317,16 +318,21 @@ def grpo_batch(groups: int, seed: int = 0, n: int = GROUP, prompt: int = 8, resp
     return td
 
 
-def shared_step(rank: int, world: int, model_dir: str, dynamic: bool, groups_per_rank: int) -> dict:
+def shared_step(
+    rank: int, world: int, model_dir: str, dynamic: bool, groups_per_rank: int, compile: bool = False, on_worker=None
+) -> dict:
     """verl's old-log-probs pass (``infer_batch``) and one actor update (``train_mini_batch`` with
     verl's ppo_loss, one optimizer step) on a GRPO batch, as :func:`trainer_step` runs them; returns
     the log-probs and entropy read back padded, the update's metrics (its loss among them), every
-    parameter's gradient of the step and the weights after it (whole, on every rank)."""
+    parameter's gradient of the step and the weights after it (whole, on every rank). ``compile``:
+    verl's ``use_torch_compile``; ``on_worker``: called with the worker once it is built."""
     import verl.utils.tensordict_utils as tu
     import verl.workers.utils.padding as vpad
     from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
 
-    worker = _worker(model_dir, world, dynamic, groups_per_rank * GROUP, micro=GROUP)
+    worker = _worker(model_dir, world, dynamic, groups_per_rank * GROUP, micro=GROUP, compile=compile)
+    if on_worker is not None:
+        on_worker(worker)
     rows = groups_per_rank * GROUP * world
     batch = vpad.left_right_2_no_padding(grpo_batch(rows // GROUP))
     tokens = batch["attention_mask"].sum(-1).tolist()
@@ -418,6 +424,72 @@ def flag_off_then_on(rank: int, world: int, model_dir: str, groups_per_rank: int
     finally:
         prefixes.plan_shared_prefixes, shared.fallback_reason = plan, reason
     results["saw_uid"] = saw_uid
+    return results
+
+
+# ---- verl's use_torch_compile (its default): the engine's entropy compiled by torch.compile ------------
+def _watch_compiled_entropy(seen: list):
+    """An ``on_worker`` hook: the engine's ``compute_entropy_from_logits`` (what ``use_torch_compile``
+    compiles, ``torch.compile(entropy_from_logits, dynamic=True)``) wrapped to record, per call,
+    whether it is verl's compiled function and the kind of tensor it was given."""
+
+    def hook(worker) -> None:
+        engine = worker.engine
+        compiled = engine.compute_entropy_from_logits
+
+        def counting(logits, *args, **kwargs):
+            seen.append((hasattr(compiled, "_torchdynamo_orig_callable"), type(logits).__name__, logits.is_nested))
+            return compiled(logits, *args, **kwargs)
+
+        engine.compute_entropy_from_logits = counting
+
+    return hook
+
+
+def compile_on_and_off(rank: int, world: int, model_dir: str, groups_per_rank: int) -> dict:
+    """On one rank: the GRPO step of :func:`shared_step` (fresh workers from the same weights), verl
+    alone with ``use_torch_compile=True``, then under ``install()`` with it off and on, then under
+    ``install(share_prefixes=True)`` with it off and on; for each run, the calls of the engine's
+    entropy function (:func:`_watch_compiled_entropy`), torch.compile's graph breaks and compiled
+    frames, the calls of nopad's routes and the shared layout's counts."""
+    import torch._dynamo
+
+    import nopad.integrations.verl._shared as shared
+    from nopad.integrations import verl as nopad_verl
+
+    use_cpu()
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    results: dict[str, Any] = {}
+    runs = {
+        "alone": (None, True),
+        "off": (False, False),
+        "on": (False, True),
+        "shared_off": (True, False),
+        "shared": (True, True),
+    }
+    for name, (share, compile) in runs.items():
+        seen: list = []
+        counts: Counter = Counter()
+        torch._dynamo.utils.counters.clear()
+        shared.COUNTS.clear()
+        handle = nopad_verl.install(share_prefixes=share) if share is not None else None
+        sys.setprofile(_count_routes(counts))
+        try:
+            step = shared_step(rank, world, model_dir, False, groups_per_rank, compile, _watch_compiled_entropy(seen))
+        finally:
+            sys.setprofile(None)
+            if handle is not None:
+                handle.uninstall()
+        dynamo = torch._dynamo.utils.counters
+        results[name] = step
+        results[name, "watch"] = {
+            "entropy_calls": seen,
+            "graph_breaks": sum(dynamo["graph_break"].values()),
+            "frames_compiled": dynamo["frames"]["ok"],
+            "routes": dict(counts),
+            "shared": dict(shared.COUNTS),
+        }
     return results
 
 
