@@ -186,17 +186,13 @@ def _bench_batch(
     def timed(ours: Callable[[], Any], theirs: Callable[[], Any]) -> tuple[float, Any, float, Any]:
         return (*_best(ours, repeats, device), *_best(theirs, reference_repeats, device))
 
-    def select() -> TensorDict:
-        return select_rows(td, mini)
-
+    select = lambda: select_rows(td, mini)
     with progress.step(f"B={B} mini-batch select, {other['name']} too"):
         ours_ms, ours, theirs_ms, theirs = timed(select, lambda: other["select"](td, mini))
     same = all(_same_nested(ours[k], theirs[k]) for k in ("input_ids", "position_ids", "loss_mask"))
     rows = [_row("mini-batch select (B/4 rows)", B, ours_ms, theirs_ms, other, same, select)]
 
-    def cut() -> tuple[list[TensorDict], Any]:
-        return micro_batches(td, BUDGET)
-
+    cut = lambda: micro_batches(td, BUDGET)
     with progress.step(f"B={B} micro-batch split, {other['name']} too"):
         ours_ms, (micro, restore), theirs_ms, (their_micro, their_parts) = timed(
             cut, lambda: other["micro_batches"](td, BUDGET)
@@ -208,9 +204,7 @@ def _bench_batch(
 
     outputs = [IndexPlan.from_nested(m["input_ids"]).to_nested(m["input_ids"].values().float()) for m in micro]
 
-    def back() -> Tensor:
-        return restore(outputs)
-
+    back = lambda: restore(outputs)
     with progress.step(f"B={B} join + restore, {other['name']} too"):
         ours_ms, joined, theirs_ms, their_joined = timed(
             back, lambda: other["join_restore"](outputs, restore.partitions)
@@ -225,10 +219,7 @@ def _bench_batch(
             rows.append(engine_path_row(td, B, repeats, device, other))
 
     k = len(micro)
-
-    def partition() -> list[list[int]]:
-        return balanced_partitions(work, k, False)
-
+    partition = lambda: balanced_partitions(work, k, False)
     with progress.step(f"B={B} partition alone, {other['name']} too"):
         ours_ms, parts, theirs_ms, their_parts = timed(partition, lambda: other["partitions"](work.tolist(), k))
     row = _row(f"partition alone ({B} into {k})", B, ours_ms, theirs_ms, other, parts == their_parts, partition)

@@ -279,22 +279,18 @@ def bench_trl(
     rows: list[dict[str, Any]] = [
         {"contender": NAMES[name], **{k: value[name, k] for k in measures}} for name in contenders
     ]
-    ratios = {
-        f"trl/nopad {key.rsplit('_', 1)[0]} {'time' if key.endswith('_ms') else 'memory'}": (
-            value["trl", key] / value["nopad", key] if value["nopad", key] else None
-        )
-        for key in measures
-    }
+
+    def ratio(a: str, b: str, key: str) -> tuple[str, float | None]:
+        """("a/b no_grad time", the ratio of the two contenders' measure ``key``; None over a zero)."""
+        what = f"{key.rsplit('_', 1)[0]} {'time' if key.endswith('_ms') else 'memory'}"
+        return f"{a}/{b} {what}", value[a, key] / value[b, key] if value[b, key] else None
+
+    ratios = dict(ratio("trl", "nopad", key) for key in measures)
     real = int(mask.sum())
     shared: dict[str, Any] = {}
     if shape.share_prefixes:
         computed = _shared_tokens(input_ids, mask, C, shape.batch_size)
-        for key in measures:
-            what = f"{key.rsplit('_', 1)[0]} {'time' if key.endswith('_ms') else 'memory'}"
-            ratios[f"nopad/shared {what}"] = value["nopad", key] / value[SHARED, key] if value[SHARED, key] else None
-            ratios[f"unshared/shared {what}"] = (
-                value[UNSHARED, key] / value[SHARED, key] if value[SHARED, key] else None
-            )
+        ratios.update(ratio(a, SHARED, key) for key in measures for a in ("nopad", UNSHARED))
         ratios["nopad/shared tokens computed"] = real / computed
         shared = {
             "tokens_computed": {"nopad": real, SHARED: computed, UNSHARED: real},

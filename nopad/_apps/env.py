@@ -26,7 +26,7 @@ import os
 import platform
 import sys
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -154,14 +154,13 @@ def attention_kernels(device: str, dtype_name: str) -> Kernels:
     return Kernels(available_kernels(device, dtype), unavailable_kernels(device, dtype))
 
 
-def state_layer_kernels(device: str) -> Kernels:
+def _refused(device: str, forms: Iterable[str], refusal: Callable[[str, Any], str | None]) -> Kernels:
+    """The ``forms`` that run on ``device`` and why each other one does not (``refusal``: None where it runs)."""
     import torch
 
-    from nopad.modeling._layers import KERNELS, kernel_refusal
-
     found = Kernels()
-    for form in KERNELS:
-        why = kernel_refusal(form, torch.device(device))
+    for form in forms:
+        why = refusal(form, torch.device(device))
         if why is None:
             found.usable.append(form)
         else:
@@ -169,19 +168,16 @@ def state_layer_kernels(device: str) -> Kernels:
     return found
 
 
-def head_kernels(device: str) -> Kernels:
-    import torch
+def state_layer_kernels(device: str) -> Kernels:
+    from nopad.modeling._layers import KERNELS, kernel_refusal
 
+    return _refused(device, KERNELS, kernel_refusal)
+
+
+def head_kernels(device: str) -> Kernels:
     from nopad.modeling._logprobs import HEAD_KERNELS, head_kernel_refusal
 
-    found = Kernels()
-    for kernel in HEAD_KERNELS:
-        why = head_kernel_refusal(kernel, torch.device(device))
-        if why is None:
-            found.usable.append(kernel)
-        else:
-            found.unusable[kernel] = why
-    return found
+    return _refused(device, HEAD_KERNELS, head_kernel_refusal)
 
 
 # ---- model families -----------------------------------------------------------------------------

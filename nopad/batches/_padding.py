@@ -18,15 +18,7 @@ from torch import Tensor
 
 from nopad.batches._reorder import DATA, DENSE, NESTED, Relayout, register_relayout
 from nopad.core._batch import get_field
-from nopad.core._errors import (
-    check_flag,
-    check_int,
-    free_to_read,
-    input_error,
-    mask_error,
-    mask_flag,
-    not_01,
-)
+from nopad.core._errors import check_flag, check_int, free_to_read, input_error, mask_error, mask_flag, not_01
 from nopad.core._layout import (
     IndexPlan,
     device_to_host,

@@ -596,13 +596,7 @@ class IndexPlan:
         ``width`` must hold the longest row: checked on the host from the longest length the nested
         tensor records (nopad's all do), or from CPU offsets; device offsets without a record are not
         read for it (a sync): the caller vouches for the width then."""
-        if not is_nested(nested):
-            got = (
-                f"a dense tensor of shape {tuple(nested.shape)}"
-                if isinstance(nested, Tensor)
-                else type(nested).__name__
-            )
-            raise input_error("tensor", None, "a jagged nested tensor", got)
+        _refuse_dense(nested, "tensor")
         width = check_optional_int(width, "width", low=0, high=MAX_WIDTH)
         source = nested_offsets(nested)
         offsets = source.to(torch.int64)
@@ -857,13 +851,7 @@ class IndexPlan:
         the plan's own (or the ones it was read from) by identity, or live on the CPU and are compared
         by value (host memory, no device sync). Other offsets on a device are not read: a host sync
         would be the price, so the caller vouches for them."""
-        if not is_nested(nested):
-            got = (
-                f"a dense tensor of shape {tuple(nested.shape)}"
-                if isinstance(nested, Tensor)
-                else type(nested).__name__
-            )
-            raise input_error(field, None, "a jagged nested tensor", got)
+        _refuse_dense(nested, field)
         offsets = nested_offsets(nested)
         if offsets is self.offsets or offsets is self._nested_offsets:
             return
@@ -969,6 +957,13 @@ def remember_host_lengths(offsets: Tensor, lengths: np.ndarray) -> None:
 def known_host_lengths(offsets: Tensor) -> np.ndarray | None:
     """The host row lengths recorded for these very offsets (identity, not value), or None."""
     return recall(offsets, "lengths")
+
+
+def _refuse_dense(x: object, field: str) -> None:
+    """The plan's refusal of what is not a nested tensor (a dense one named with its shape)."""
+    if not is_nested(x):
+        got = f"a dense tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+        raise input_error(field, None, "a jagged nested tensor", got)
 
 
 def _refuse_negative(lengths: Tensor, starts: Tensor | None) -> None:

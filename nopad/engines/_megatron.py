@@ -32,9 +32,7 @@ from nopad.core._layout import check_nested, is_nested, jagged_values, nested_of
 from nopad.core._torch_internals import cached_seqlens
 from nopad.modeling._logprobs import checked_head
 from nopad.parallel._cp import CpLayout, check_cp_args, check_padded_boundaries, gather_cp_flat, real_tokens_index
-from nopad.parallel._thd import (
-    ThdPlan,
-)
+from nopad.parallel._thd import ThdPlan
 
 
 # ---- the adapter ---------------------------------------------------------------------------------

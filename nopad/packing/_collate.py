@@ -17,14 +17,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad.core._errors import check_int, check_integer_tensor, input_error
-from nopad.core._layout import (
-    position_ids_of,
-    prepare_offsets,
-    row_ids_of,
-    spread_over_tokens,
-    to_host,
-    wrap_jagged,
-)
+from nopad.core._layout import position_ids_of, prepare_offsets, row_ids_of, spread_over_tokens, to_host, wrap_jagged
 from nopad.packing._rows import ROW_FIELDS, TOKEN_FIELDS, Columns, validate_columns
 
 # The attribute that marks a nested mask as label-aligned (a packed file's token_mask): sft_loss

@@ -531,7 +531,7 @@ def install(*, check_version: bool = True, share_prefixes: bool = False) -> TrlP
                 f"class's starts {list(passed_on)}), where nopad knows {list(expected)} (and a base taking self, "
                 "model, inputs first); nopad would misplace them, so it does not install"
             )
-        patch._steps[sft, name] = (sft.__dict__.get(name, _INHERITED), _SFT_WRAPPERS[name](original))
+        patch._steps[sft, name] = (sft.__dict__.get(name, _INHERITED), _padding_free_step(original))
     for cls, replacement in patch._replacements.items():
         setattr(cls, _METHOD, replacement)
     for (cls, name), (_, replacement) in patch._steps.items():
@@ -631,33 +631,14 @@ def _routed(trainer: Any, model: torch.nn.Module) -> Iterator[None]:
         context.__exit__(None, None, None)
 
 
-def _training_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    """TRL's ``training_step``, routed when the trainer is padding-free."""
+def _padding_free_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """TRL's ``training_step`` or ``prediction_step`` (evaluation), routed when the trainer is padding-free."""
 
     @functools.wraps(original)
-    def training_step(self: Any, model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def step(self: Any, model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if not getattr(self, "padding_free", False):
             return original(self, model, inputs, *args, **kwargs)
         with _routed(self, model):
             return original(self, model, _packed_inputs(inputs), *args, **kwargs)
 
-    return training_step
-
-
-def _prediction_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    """TRL's ``prediction_step`` (evaluation), routed when the trainer is padding-free."""
-
-    @functools.wraps(original)
-    def prediction_step(self: Any, model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        if not getattr(self, "padding_free", False):
-            return original(self, model, inputs, *args, **kwargs)
-        with _routed(self, model):
-            return original(self, model, _packed_inputs(inputs), *args, **kwargs)
-
-    return prediction_step
-
-
-_SFT_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
-    "training_step": _training_step,
-    "prediction_step": _prediction_step,
-}
+    return step

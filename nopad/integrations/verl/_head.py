@@ -55,13 +55,18 @@ class FusedLinearForPPO(torch.nn.Module):
         shape = input_ids.shape
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
         labels = input_ids.reshape(-1).to(torch.int64)
-        if isinstance(temperature, Tensor) and temperature.numel() == 1:
-            temperature = float(temperature)  # verl passes a host scalar; a 0-d tensor reads the same
-        if isinstance(temperature, Tensor):
-            temperature = temperature.reshape(-1)
+        temperature = _per_token(temperature)
         log_probs, entropy = head_log_probs(hidden, vocab_weights, labels, temperature, True, self.chunk_size)
         assert entropy is not None
         return log_probs.view(shape), entropy.to(hidden_states.dtype).view(shape)
+
+
+def _per_token(temperature: float | Tensor) -> float | Tensor:
+    """verl's temperature as the head takes it: a host scalar in verl, which a 1-element tensor reads the
+    same as; any other tensor flattened to one per token."""
+    if isinstance(temperature, Tensor):
+        return float(temperature) if temperature.numel() == 1 else temperature.reshape(-1)
+    return temperature
 
 
 def _liger(
@@ -120,13 +125,9 @@ def linear_cross_entropy(
     if not isinstance(hidden, Tensor) or hidden.dim() < 2:
         raise input_error("hidden", None, "a (..., hidden) tensor", f"{getattr(hidden, 'shape', type(hidden))}")
     flat = hidden.reshape(-1, hidden.shape[-1])
-    if isinstance(temperature, Tensor) and temperature.numel() == 1:
-        temperature = float(temperature)  # a host scalar in verl; a 1-element tensor reads the same
-    elif isinstance(temperature, Tensor):
-        temperature = temperature.reshape(-1)
     group = dist_process_group
     log_probs, entropy = checked_head(
-        flat, weight, labels.reshape(-1), temperature, True, tp_group=group, reduce_hidden_grad=False
+        flat, weight, labels.reshape(-1), _per_token(temperature), True, tp_group=group, reduce_hidden_grad=False
     )
     assert entropy is not None
     log_probs, entropy = log_probs.float(), entropy.float()

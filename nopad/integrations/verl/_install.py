@@ -50,7 +50,7 @@ import importlib.machinery
 import importlib.metadata
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,41 +73,6 @@ from nopad.parallel._cp import alignment_of
 SUPPORTED_VERSIONS = ("0.9.1",)
 PADDING_MODULE = "verl.workers.utils.padding"
 MCORE_UTIL_MODULE = "verl.models.mcore.util"
-PADDING_NAMES = (
-    "left_right_2_no_padding",
-    "no_padding_2_padding",
-    "response_from_nested",
-    "response_to_nested",
-    "build_attention_mask_from_nested",
-    "embeds_padding_2_no_padding",
-)
-THD_NAMES = ("preprocess_thd_engine", "postprocess_thd_engine")
-TENSORDICT_NAMES = (
-    "index_select_tensor_dict",
-    "chunk_tensordict",
-    "concat_nested_tensors",
-    "concat_tensordict",
-    "pad_to_divisor",
-    "unpad",
-)
-BALANCING_NAMES = (
-    "rearrange_micro_batches",
-    "restore_dynamic_batch",
-    "get_seqlen_balanced_partitions",
-    "karmarkar_karp",
-)
-ENGINE_NAMES = ("postprocess_batch_func",)
-HEAD_NAMES = ("FusedLinearForPPO",)
-KERNEL_NAMES = ("linear_cross_entropy",)
-ROUTED = {
-    PADDING_MODULE: PADDING_NAMES,
-    MCORE_UTIL_MODULE: THD_NAMES,
-    _rows.TENSORDICT_UTILS: TENSORDICT_NAMES,
-    _rows.SEQLEN_BALANCING: BALANCING_NAMES,
-    _rows.ENGINE_UTILS: ENGINE_NAMES,
-    TORCH_FUNCTIONAL_MODULE: HEAD_NAMES,
-    KERNEL_MODULE: KERNEL_NAMES,
-}
 
 
 # ---- the replacements, with verl's signatures ----------------------------------------------------
@@ -282,16 +247,13 @@ def postprocess_thd_engine(
             cp_layout=cp_layout,
         )
     mpu = util.mpu
-    cp_size = mpu.get_context_parallel_world_size()
-    cp_group = mpu.get_context_parallel_group()
-    cp_rank = mpu.get_context_parallel_rank()
     return postprocess_thd(
         output,
         packed_seq_params,
         input_ids,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        cp_group=cp_group,
+        cp_size=mpu.get_context_parallel_world_size(),
+        cp_group=mpu.get_context_parallel_group(),
+        cp_rank=mpu.get_context_parallel_rank(),
         cp_layout=cp_layout,  # type: ignore[arg-type]
     )
 
@@ -434,6 +396,8 @@ REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
         "_packed_chunk_gated_delta_rule": _packed_chunk_gated_delta_rule,
     },
 }
+# the verl functions install() routes to nopad, by defining module (Qwen3.5's model fallbacks aside)
+ROUTED = {module: tuple(names) for module, names in REPLACEMENTS.items() if module != _models.QWEN3_5_MODULE}
 
 
 def _verl_thd_shard(plan: Any, values: Tensor, need_roll: bool) -> tuple[Tensor, Tensor]:
@@ -709,10 +673,3 @@ def _original(module_name: str, name: str) -> Callable[..., Any]:
     if function is REPLACEMENTS[module_name][name]:
         raise RuntimeError(f"{module_name}.{name}: verl's original is unknown (nopad's replacement is bound)")
     return function
-
-
-def routed_names() -> Iterator[tuple[str, str]]:
-    """(module, name) of every verl function ``install()`` routes to nopad."""
-    for module_name, names in ROUTED.items():
-        for name in names:
-            yield module_name, name
