@@ -718,17 +718,12 @@ def graph_breaks_seen():
         torch._logging.set_logs()
 
 
-# Where torch.compile breaks its graph inside nopad's packed forward (each a split, not an error: the
-# results are the same). Neither needs a change to TRL or transformers:
-NOPAD_GRAPH_BREAKS = {
-    # the head kernel's lazy import (nopad.modeling): dynamo traces through its functools cache and the
-    # import fails where Cut Cross-Entropy is not installed; resolving the kernel before the compiled
-    # forward (outside the traced code) would remove it
-    ("nopad/modeling/_logprobs.py", "from cut_cross_entropy import linear_cross_entropy"),
-    # activation checkpointing: the gradient hook on the embeddings' output that ends the packed
-    # attention switch (torch 2.13 traces a hook's body into the graph; this one leaves the switch)
-    ("nopad/integrations/trl/_install.py", "self._handle.remove()"),
-}
+# Where torch.compile breaks its graph inside nopad's packed forward (a split, not an error: the
+# results are the same). It needs no change to TRL or transformers: activation checkpointing's
+# gradient hook on the embeddings' output that ends the packed attention switch (torch 2.13 traces a
+# hook's body into the graph; this one leaves the switch). The head kernel's lazy import broke it too
+# until the kernel's presence was read as a constant at trace time.
+NOPAD_GRAPH_BREAKS = {("nopad/integrations/trl/_install.py", "self._handle.remove()")}
 
 
 def test_trl_trainer_compiled_by_torch_compile_trains_the_same_installed_as_alone(tmp_path, monkeypatch):

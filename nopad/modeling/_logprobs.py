@@ -454,6 +454,9 @@ def _kernel_function(kernel: str) -> Any:
         return None
 
 
+# a fact of the installation: under torch.compile read once at trace time, not traced (dynamo would
+# trace the lazy import, and break its graph where the package is missing)
+@torch.compiler.assume_constant_result
 def kernel_installed(kernel: str) -> bool:
     return kernel == "tiles" or _kernel_function(kernel) is not None
 
