@@ -2,9 +2,12 @@
 through nopad's routes and against nopad's torch forms, forward and backward, probes included.
 
 - flash-linear-attention's ``chunk_gated_delta_rule(cu_seqlens=...)`` through
-  ``nopad.modeling.gated_delta_rule(kernel="flash-linear-attention")``;
+  ``nopad.modeling.gated_delta_rule(kernel="flash-linear-attention")``, on a packed row and on a
+  shared-prefix row (each completion from its prompt's final state: ``initial_state`` per sequence),
+  the latter also against each (prompt + completion) run alone;
 - mamba-ssm's Triton SSD scan ``mamba_chunk_scan_combined(seq_idx=...)`` through
-  ``nopad.modeling.ssd_scan(kernel="mamba-ssm")``;
+  ``nopad.modeling.ssd_scan(kernel="mamba-ssm")``; it takes one initial state per batch row, not per
+  sequence, so a shared-prefix row refuses it by name and scans in torch;
 - flash-linear-attention's Triton ``causal_conv1d(cu_seqlens=...)`` against
   ``nopad.modeling.causal_conv1d``'s torch form. nopad routes its conv to the causal-conv1d package
   (``seq_idx``), which has no Triton kernel (CUDA C++ only): it cannot run here, and its route stays
@@ -160,9 +163,63 @@ def test_fla_gated_delta_rule_through_nopad_equals_the_torch_form(layer_kernels,
     ours = values_and_grads(run("flash-linear-attention"), inputs)
     assert layers.kernel_refusal("gated_delta_rule", CPU) is None  # fla passed nopad's probe
     served = layer_kernels["gated_delta_rule"]
-    assert len(served) == 2 and torch.equal(served[-1]["cu_seqlens"], row.cu_seqlens)  # the probe's call, then ours
+    # the probe's three calls (the packed row, then a shared-prefix row's prompts and completions), then ours
+    assert len(served) == 4 and torch.equal(served[-1]["cu_seqlens"], row.cu_seqlens)
     labels = ["out", "d q", "d k", "d v", "d g", "d beta"]
     assert_close("fla gated_delta_rule", labels, ours, values_and_grads(run("torch"), inputs), TOL)
+
+
+def _shared_plan():
+    """Four GRPO groups of 2, 4, 1 and 3 rows; prompts of 1, 70 (past fla's 64-token chunk), 9 and
+    64 (exactly one chunk) tokens; completions of 0 to 66 tokens (past a chunk). Returns the plan
+    (nopad.batches._prefixes) and the :class:`SharedPrefixRow` the model's layers get."""
+    from nopad.batches._prefixes import join_prompts, plan_shared_prefixes
+    from nopad.core._torch_internals import wrap_jagged
+    from nopad.modeling._prefixes import shared_prefix_row
+
+    def nested(rows: list[list[int]]) -> torch.Tensor:
+        offsets = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
+        return wrap_jagged(torch.tensor([t for r in rows for t in r], dtype=torch.int64), offsets)
+
+    groups = {1: [3, 1], 70: [5, 0, 2, 1], 9: [66], 64: [1, 2, 3]}
+    prompts, completions = [], []
+    for g, (prompt, lengths) in enumerate(groups.items()):
+        for n in lengths:
+            prompts.append([1 + (g + t) % 50 for t in range(prompt)])
+            completions.append([2 + t % 40 for t in range(n)])
+    plan = plan_shared_prefixes(*join_prompts(nested(prompts), nested(completions)))
+    assert plan.groups == 4 and plan.shared
+    return plan, shared_prefix_row(plan)
+
+
+def test_fla_gated_delta_rule_on_a_shared_prefix_row_equals_the_torch_form_and_each_row_alone(layer_kernels):
+    """Each completion continues its prompt's final state through fla (``initial_state`` per
+    sequence): forward and every gradient, the prompt's included (its rows' shares summed), equal
+    nopad's torch shared form and each (prompt + completion) run alone through fla."""
+    need(lambda: importlib.import_module("fla.ops.gated_delta_rule"), "flash-linear-attention")
+    plan, row = _shared_plan()
+    alone = PackedRow.from_cu_seqlens(plan.row_offsets)  # each row alone, its prompt its own copy
+    inputs = _gdn_inputs(row.total, 1, 2, 16, 8)  # 1 q/k head serving 2 value heads
+    weights = _rand(plan.rows_total, seed=31)  # one per row token: a shared prompt token's output counted once per row
+
+    def shared(kernel):
+        def run(*t):
+            return plan.unpack(gated_delta_rule(*t, row, use_qk_l2norm=True, kernel=kernel)) * weights[:, None, None]
+
+        return run
+
+    def each_row_alone(*t):
+        rows = [x.index_select(0, plan.unpack_index) for x in t]
+        out = gated_delta_rule(*rows, alone, use_qk_l2norm=True, kernel="flash-linear-attention")
+        return out * weights[:, None, None]
+
+    ours = values_and_grads(shared("flash-linear-attention"), inputs)
+    served = layer_kernels["gated_delta_rule"][3:]  # after the probe's three calls
+    assert [call["initial_state"] is not None for call in served[:2]] == [False, True]  # prompts, then completions
+    assert served[0]["output_final_state"] and served[1]["initial_state"].shape == (plan.rows, 2, 16, 8)
+    labels = ["out", "d q", "d k", "d v", "d g", "d beta"]
+    assert_close("fla shared gated_delta_rule vs torch", labels, ours, values_and_grads(shared("torch"), inputs), TOL)
+    assert_close("fla shared gated_delta_rule vs alone", labels, ours, values_and_grads(each_row_alone, inputs), TOL)
 
 
 def _ssd_inputs(T: int, heads: int, head_dim: int, groups: int, state: int) -> list[torch.Tensor]:
@@ -198,6 +255,26 @@ def test_mamba_ssm_scan_through_nopad_equals_the_torch_form(layer_kernels, group
     assert len(served) == 2 and torch.equal(served[-1]["seq_idx"], row.seq_idx)
     labels = ["out", "d x", "d dt", "d A", "d B", "d C", "d D", "d z", "d dt_bias"]
     assert_close("mamba-ssm ssd_scan", labels, ours, values_and_grads(run("torch"), inputs), TOL)
+
+
+def test_mamba_ssm_takes_no_state_per_sequence_so_a_shared_prefix_row_scans_in_torch(layer_kernels):
+    """mamba-ssm's scan takes one initial state per batch row (its seq_idx zeroes the state at each
+    later sequence), not one per completion: forced on a shared-prefix row it is refused by name,
+    saying so, and "auto" runs nopad's torch form without calling it."""
+    ssd = need(interp.import_mamba_ssm, "mamba-ssm")
+    _, row = _shared_plan()
+    x, dt, A, B, C, D, z, dt_bias = _ssd_inputs(row.total, 2, 4, 1, 4)
+    per_completion = torch.zeros(len(row.completion_row.lengths), 2, 4, 4)
+    with pytest.raises(AssertionError):  # the package itself: (batch, heads, head dim, state) only
+        ssd.mamba_chunk_scan_combined(
+            x[None], dt[None], A, B[None], C[None], 16, initial_states=per_completion, seq_idx=row.seq_idx
+        )
+    options = dict(chunk_size=16, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
+    with pytest.raises(ValueError, match=r"expected 'auto' or 'torch' for a shared-prefix row, got 'mamba-ssm' \("):
+        ssd_scan(x, dt, A, B, C, row, kernel="mamba-ssm", **options)
+    out = ssd_scan(x, dt, A, B, C, row, **options)
+    assert not layer_kernels["ssd_scan"]  # neither probed nor called
+    assert_close("shared ssd_scan auto", ["out"], [out], [ssd_scan(x, dt, A, B, C, row, kernel="torch", **options)], 0)
 
 
 @pytest.mark.parametrize("activation", ["silu", None])

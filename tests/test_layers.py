@@ -410,16 +410,22 @@ def standin_chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel=False,
 ):
     assert q.shape[0] == 1 and cu_seqlens is not None and q.shape[2] == v.shape[2]
-    CALLS.append(("gated_delta_rule", {"cu_seqlens": cu_seqlens.tolist(), "scale": scale}))
-    bounds = list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
-    out = torch.cat(
-        [
-            HF_GDN(*(t[:, s:e] for t in (q, k, v, g, beta)), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0]
-            for s, e in bounds
-        ],
-        1,
+    CALLS.append(
+        ("gated_delta_rule", {"cu_seqlens": cu_seqlens.tolist(), "scale": scale, "states": initial_state is not None})
     )
-    return out, None
+    bounds = list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
+    assert initial_state is None or initial_state.shape[0] == len(bounds)  # one state per sequence, as fla takes them
+    runs = [
+        HF_GDN(
+            *(t[:, s:e] for t in (q, k, v, g, beta)),
+            initial_state=None if initial_state is None else initial_state[i : i + 1],
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        )
+        for i, (s, e) in enumerate(bounds)
+    ]
+    out = torch.cat([o for o, _ in runs], 1)
+    return out, torch.cat([f for _, f in runs]) if output_final_state else None
 
 
 def standin_mamba_chunk_scan_combined(
@@ -528,6 +534,32 @@ def test_a_kernel_that_disagrees_fails_its_probe_once_and_the_torch_form_serves(
         r"failed its probe here",
     ):
         causal_conv1d(x, w, None, row, kernel="causal-conv1d")
+
+
+def test_a_shared_prefix_row_runs_fla_from_a_state_per_completion_and_refuses_kernels_that_take_none(standins):
+    # groups of 2, 3 and 1 rows: prompts of 1, 70 (past the 64-token chunk) and 9 tokens, completions of 0 to 66
+    row = layers.SharedPrefixRow(np.array([1, 0, 70, 0, 0, 9]), np.array([4, 2, 3, 66, 0, 5]))
+    inputs = _gdn_inputs(row.total, 1, 2, 8, 6)
+    out = gated_delta_rule(*inputs, row, use_qk_l2norm=True)
+    served = [call for form, call in CALLS if form == "gated_delta_rule"][-2:]
+    assert [call["states"] for call in served] == [False, True]  # the prompts, then the completions from theirs
+    want = gated_delta_rule(*inputs, row, use_qk_l2norm=True, kernel="torch")
+    _assert_close(out, want, "shared-prefix gated delta rule: kernel vs torch")
+    for got, expected, name in zip(_grads(out, inputs), _grads(want, inputs), ("q", "k", "v", "g", "beta")):
+        _assert_close(got, expected, f"grad of {name}")  # a prompt's: its own and its completions' through its state
+    channels, w = _rand(3, row.total, seed=9).detach(), _rand(3, 4, seed=10).detach()
+    with pytest.raises(ValueError, match=r"got 'causal-conv1d' \(causal-conv1d takes no initial states with seq_idx"):
+        causal_conv1d(channels, w, None, row, kernel="causal-conv1d")
+    x, dt, A, B, C, D, dt_bias = (t.detach() for t in _ssd_inputs(row.total, 2, 4, 1, 3))
+    options = dict(chunk_size=16, D=D, dt_bias=dt_bias, dt_softplus=True)
+    with pytest.raises(ValueError, match=r"got 'mamba-ssm' \(mamba-ssm's .* one initial state per batch row"):
+        ssd_scan(x, dt, A, B, C, row, kernel="mamba-ssm", **options)
+    CALLS.clear()
+    scan = ssd_scan(x, dt, A, B, C, row, **options)
+    _assert_close(scan, ssd_scan(x, dt, A, B, C, row, kernel="torch", **options), "ssd")
+    conv = causal_conv1d(channels, w, None, row, activation="silu")
+    _assert_close(conv, causal_conv1d(channels, w, None, row, activation="silu", kernel="torch"), "conv")
+    assert not CALLS  # "auto": the torch forms, neither kernel probed nor called
 
 
 def test_kernels_are_not_used_off_cuda_or_when_missing_and_forcing_one_says_why():

@@ -26,7 +26,13 @@ A :class:`SharedPrefixRow` (a GRPO group's prompt once, then its completions: th
 layout of :mod:`nopad.batches._prefixes`) is served by the same three entries: each completion
 continues from its prompt's final state (the conv reads the prompt's last K - 1 inputs; the delta
 rule and the scan run the prompts as one packed row, then the completions as another, each from its
-prompt's final state), in the torch forms.
+prompt's final state gathered by ``completion_group``). Where a kernel takes an initial state per
+packed sequence and returns each one's final state with its gradient, both runs are the kernel's:
+flash-linear-attention's gated delta rule (``initial_state`` (N, H, D_k, D_v), chosen as for a
+plain row). The others cannot, so a shared-prefix row runs their torch forms and refuses them
+forced, by name: causal-conv1d takes no initial states with ``seq_idx`` (the torch conv is K
+gathers), and mamba-ssm's scan takes one initial state per batch row, which ``seq_idx`` resets to
+zero at every later sequence, its per-sequence final states forward-only.
 
 Shapes: T tokens of the packed row, N sequences, H heads.
 """
@@ -465,15 +471,22 @@ def _shared_gated_delta_rule(
     chunk_size: int,
     scale: float | None,
     use_qk_l2norm: bool,
+    fla: bool = False,
 ) -> Tensor:
     """:func:`torch_gated_delta_rule` over a shared-prefix row: the prompts from a zero state, then each
-    completion from its prompt's final state. Two packed runs and a gather; (T, H, D_v) like the form."""
+    completion from its prompt's final state. Two packed runs and a gather; (T, H, D_v) like the form.
+    With ``fla`` both runs are flash-linear-attention's (its own chunking; a state per sequence in and
+    out, the gradient of the initial ones returned), else the torch form's."""
     (qp, qc), (kp, kc), (vp, vc), (gp, gc), (bp, bc) = (row.split(t) for t in (q, k, v, g, beta))
-    options = (chunk_size, scale, use_qk_l2norm)
-    prompts, finals = _gated_delta_rule(qp, kp, vp, gp, bp, row.prompts, *options, final_state=True)
+    run: Callable[..., tuple[Tensor, Tensor | None]]
+    if fla:
+        run = functools.partial(_gdn_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    else:
+        run = functools.partial(_gated_delta_rule, chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    prompts, finals = run(qp, kp, vp, gp, bp, row.prompts, final_state=True)
     assert finals is not None
     initial = finals.index_select(0, row.completion_group)  # backward: each completion's share, summed
-    completions, _ = _gated_delta_rule(qc, kc, vc, gc, bc, row.completion_row, *options, initial_state=initial)
+    completions, _ = run(qc, kc, vc, gc, bc, row.completion_row, initial_state=initial)
     return row.join(prompts, completions)
 
 
@@ -648,6 +661,8 @@ def torch_selective_scan(
 # the boundaries. Each is used on CUDA where it is installed and passes its probe (once per process
 # and device: a small packed case, forward and backward, must run and equal the torch form above);
 # everywhere else, and for calls a kernel does not serve, the torch form runs. Nothing to install.
+# On a shared-prefix row only fla serves (a state per packed sequence in and out, with its gradient):
+# its probe runs both rows; causal-conv1d and mamba-ssm cannot (_NO_STATE_PER_SEQUENCE).
 
 
 def _load_causal_conv1d() -> Callable:
@@ -745,20 +760,25 @@ def _conv_kernel(x, weight, bias, row, activation="silu"):
     return _kernel("causal_conv1d")(channel_last, weight, bias, seq_idx=row.seq_idx, activation=activation)[0]
 
 
-def _gdn_kernel(q, k, v, g, beta, row, scale=None, use_qk_l2norm=True):
+def _gdn_kernel(q, k, v, g, beta, row, scale=None, use_qk_l2norm=True, initial_state=None, final_state=False):
+    """fla's chunk_gated_delta_rule over ``row``: (T, H, D_v), and (N, H, D_k, D_v) float32 each
+    sequence's final state with ``final_state`` (else None); ``initial_state`` (N, H, D_k, D_v) each
+    sequence's start (fla returns its gradient)."""
     if k.shape[1] != v.shape[1]:
         q, k = (x.repeat_interleave(v.shape[1] // k.shape[1], dim=1) for x in (q, k))
-    out, _ = _kernel("gated_delta_rule")(
+    out, finals = _kernel("gated_delta_rule")(
         q[None],
         k[None],
         v[None],
         g[None],
         beta[None],
         scale=scale,
+        initial_state=initial_state,
+        output_final_state=final_state,
         cu_seqlens=row.cu_seqlens,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
     )
-    return out[0]
+    return out[0], finals
 
 
 def _ssd_kernel(x, dt, A, B, C, row, chunk_size=16, z=None, **options):
@@ -768,14 +788,27 @@ def _ssd_kernel(x, dt, A, B, C, row, chunk_size=16, z=None, **options):
     return out[0] if isinstance(out, Tensor) else out[0][0]
 
 
+def _gdn_probe(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, row: PackedRow, fla: bool) -> Tensor:
+    """What gated_delta_rule asks of fla, on the probe's 127 tokens: the packed row [37, 1, 5, 64, 20],
+    then the same tokens as a shared-prefix row (a 37-token prompt with completions of 1 and 5, a
+    64-token one, exactly fla's chunk, with 20 and an empty one), each completion from its prompt's
+    final state. (2T, H, D_v): the two outputs, fla's with ``fla``, else the torch forms'."""
+    shared = SharedPrefixRow(np.array([37, 0, 64, 0]), np.array([1, 5, 20, 0]), row.device)
+    if fla:
+        plain = _gdn_kernel(q, k, v, g, beta, row)[0]
+    else:
+        plain = torch_gated_delta_rule(q, k, v, g, beta, row, use_qk_l2norm=True)
+    return torch.cat([plain, _shared_gated_delta_rule(q, k, v, g, beta, shared, 64, None, True, fla)])
+
+
 _KERNEL_RUNS: dict[str, Callable] = {
     "causal_conv1d": _conv_kernel,
-    "gated_delta_rule": _gdn_kernel,
+    "gated_delta_rule": functools.partial(_gdn_probe, fla=True),
     "ssd_scan": _ssd_kernel,
 }
 _TORCH_RUNS: dict[str, Callable] = {
     "causal_conv1d": lambda x, w, b, row: torch_causal_conv1d(x, w, b, row.position_ids, activation="silu"),
-    "gated_delta_rule": lambda q, k, v, g, beta, row: torch_gated_delta_rule(q, k, v, g, beta, row, use_qk_l2norm=True),
+    "gated_delta_rule": functools.partial(_gdn_probe, fla=False),
     "ssd_scan": lambda x, dt, A, B, C, row: torch_ssd_scan(x, dt, A, B, C, row, chunk_size=16, dt_softplus=True),
 }
 
@@ -883,13 +916,23 @@ def _check_ssd(x: Any, dt: Any, A: Any, B: Any, C: Any, row: Any, chunk_size: An
     check_flag(options["dt_softplus"], "dt_softplus")
 
 
-def _torch_only(kernel: str) -> None:
-    """A shared-prefix row runs the torch forms (no CUDA kernel here takes a state per sequence with
-    the boundaries): ``kernel`` must be "auto" or "torch"."""
-    if kernel not in ("auto", "torch"):
-        raise input_error(
-            "kernel", None, "'auto' or 'torch' for a shared-prefix row (its forms run in torch)", repr(kernel)
-        )
+# Why a form's kernel cannot run a shared-prefix row: each completion must start from its prompt's
+# state, and these kernels take no initial state per sequence of a packed row.
+_NO_STATE_PER_SEQUENCE = {
+    "causal_conv1d": "causal-conv1d takes no initial states with seq_idx (it asserts initial_states is None)",
+    "ssd_scan": "mamba-ssm's mamba_chunk_scan_combined takes one initial state per batch row, which "
+    "seq_idx resets to zero at every later sequence, and returns per-sequence final states without a backward",
+}
+
+
+def _torch_only(form: str, kernel: str) -> None:
+    """A shared-prefix row runs ``form`` in torch: ``kernel`` must be "auto" or "torch"; the kernel's
+    own name is refused saying why it cannot serve (:data:`_NO_STATE_PER_SEQUENCE`)."""
+    if kernel in ("auto", "torch"):
+        return
+    package = KERNELS[form][0]
+    got = f"{package!r} ({_NO_STATE_PER_SEQUENCE[form]})" if kernel == package else repr(kernel)
+    raise input_error("kernel", None, "'auto' or 'torch' for a shared-prefix row", got)
 
 
 def _use_kernel(form: str, kernel: str, device: torch.device) -> bool:
@@ -922,11 +965,12 @@ def causal_conv1d(
     probe, with a ``silu`` or no activation; "torch" the torch form (:func:`torch_causal_conv1d`);
     "causal-conv1d" requires the kernel. Shapes, dtypes and the activation are checked here (no op,
     no sync): a bad one is a ValueError naming the argument, what was expected and what came. A
-    :class:`SharedPrefixRow` runs the shared-prefix form (torch: ``kernel`` "auto" or "torch").
+    :class:`SharedPrefixRow` runs the shared-prefix form in torch (K gathers): causal-conv1d takes no
+    initial states with ``seq_idx``, so ``kernel="causal-conv1d"`` is refused there, saying so.
     """
     _check_conv(x, weight, bias, row, activation)
     if isinstance(row, SharedPrefixRow):
-        _torch_only(kernel)
+        _torch_only("causal_conv1d", kernel)
         return _shared_causal_conv1d(x, weight, bias, row, activation)
     if activation in (None, "silu", "swish") and _use_kernel("causal_conv1d", kernel, x.device):
         out = _conv_kernel(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype), row, activation)
@@ -954,14 +998,15 @@ def gated_delta_rule(
     ``chunk_gated_delta_rule(cu_seqlens=...)`` where it is installed, on CUDA, and passed its
     probe (with its own chunking); "torch" the torch form; "flash-linear-attention" requires it.
     Shapes, dtypes and ``chunk_size`` are checked here (no op, no sync). A :class:`SharedPrefixRow`
-    runs the shared-prefix form (torch: ``kernel`` "auto" or "torch").
+    runs the shared-prefix form with the same choice: fla (its ``initial_state`` per sequence, the
+    gradient into each prompt's final state returned) or the torch form, its probe covering both.
     """
     _check_gdn(q, k, v, g, beta, row, chunk_size, use_qk_l2norm)
+    fla = _use_kernel("gated_delta_rule", kernel, q.device)
     if isinstance(row, SharedPrefixRow):
-        _torch_only(kernel)
-        return _shared_gated_delta_rule(q, k, v, g, beta, row, chunk_size, scale, use_qk_l2norm)
-    if _use_kernel("gated_delta_rule", kernel, q.device):
-        return _gdn_kernel(q, k, v, g, beta, row, scale=scale, use_qk_l2norm=use_qk_l2norm).to(q.dtype)
+        return _shared_gated_delta_rule(q, k, v, g, beta, row, chunk_size, scale, use_qk_l2norm, fla).to(q.dtype)
+    if fla:
+        return _gdn_kernel(q, k, v, g, beta, row, scale=scale, use_qk_l2norm=use_qk_l2norm)[0].to(q.dtype)
     options: dict[str, Any] = dict(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm)
     return torch_gated_delta_rule(q, k, v, g, beta, row, **options)
 
@@ -988,12 +1033,14 @@ def ssd_scan(
     ``kernel``: "auto" runs mamba-ssm's ``mamba_chunk_scan_combined(seq_idx=...)`` where it is
     installed, on CUDA, and passed its probe; "torch" the torch form; "mamba-ssm" requires it.
     Shapes, dtypes and ``chunk_size`` are checked here (no op, no sync). A :class:`SharedPrefixRow`
-    runs the shared-prefix form (torch: ``kernel`` "auto" or "torch").
+    runs the shared-prefix form in torch: mamba-ssm takes one initial state per batch row (its
+    ``seq_idx`` zeroes the state at every later sequence), not one per completion, so
+    ``kernel="mamba-ssm"`` is refused there, saying so.
     """
     options: dict[str, Any] = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     _check_ssd(x, dt, A, B, C, row, chunk_size, options)
     if isinstance(row, SharedPrefixRow):
-        _torch_only(kernel)
+        _torch_only("ssd_scan", kernel)
         return _shared_ssd_scan(x, dt, A, B, C, row, chunk_size, **options)
     if _use_kernel("ssd_scan", kernel, x.device):
         return _ssd_kernel(x, dt, A, B, C, row, chunk_size, **options).float()
