@@ -187,7 +187,7 @@ def prepare_model_inputs(
     ``pad_to_multiple`` pads the row to a bucket multiple; ``sp_size > 1`` pads to a multiple of it
     too and keeps rank ``sp_rank``'s slice. Pad tokens are ``pad_token_id`` with position ids
     0, 1, ... so transformers sees them as one more sequence, attended by no real token.
-    ``bucket`` (opt-in, for compiled forwards: few row lengths, so few graphs) first rounds the T
+    ``bucket`` (opt-in: a forward then sees few row lengths) first rounds the T
     tokens up to the next multiple of ``max(bucket, 2**(floor(log2 T) - 5))``: under ``bucket``
     tokens of padding on rows under 64 buckets, under 1/32 of the row on longer ones (see
     :func:`nopad.core._layout.bucket_length`). The bucket's pad is that same dummy sequence, its
