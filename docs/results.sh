@@ -32,6 +32,7 @@ run all python -m nopad bench --all --repeats 30 --plot docs/bench.png
 run model python -m nopad bench --model --repeats 5
 run model_qwen3_5 python -m nopad bench --model --arch qwen3_5 --repeats 3
 run model_bamba python -m nopad bench --model --arch bamba --repeats 3
+run model_compile python -m nopad bench --model --compile --repeats 3 --bucket 64
 run demo python -m nopad demo
 if [ -x "$VERL_PYTHON" ]; then
   run batches_verl "$VERL_PYTHON" -m nopad bench --batches --batch-sizes 8 --repeats 7

@@ -110,6 +110,15 @@ def test_fullgraph_inductor_compile_of_a_routed_llama_is_exact(dynamo) -> None:
     assert sum(dynamo["graph_break"].values()) == 0, dict(dynamo["graph_break"])
 
 
+def test_a_model_in_training_mode_compiles_whole_too(dynamo) -> None:
+    # training mode hands the attention the module's dropout, a symbolic float under dynamic=True:
+    # read as a constant before the kernel choice, else one graph break per attention layer
+    model = use_packed_attention(tiny_causal_lm("llama", layers=2)).train()
+    compiled = torch.compile(model, backend="eager", fullgraph=True, dynamic=True)
+    _compiled_equals_eager(model, compiled, _packed_batches(2, seed=5))
+    assert sum(dynamo["graph_break"].values()) == 0, dict(dynamo["graph_break"])
+
+
 class _DropsKwargs(torch.nn.Module):
     """A decoder layer called without the model's kwargs (Moshi on transformers 5.20): its attention
     is handed neither the boundaries nor the position ids, only what the layer needs unpacked."""

@@ -396,6 +396,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with each group's prompt computed once",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --model: torch.compile's packed forward against eager packed and compiled padded over "
+        "batches of random lengths: first-pass compile time, graphs, recompiles, steady-state time",
+    )
+    parser.add_argument(
+        "--compile-batches", type=int, default=None, metavar="N", help="batches of --compile (default 8; 16 on CUDA)"
+    )
+    parser.add_argument(
+        "--backend", default="inductor", help="torch.compile backend of --compile (inductor, aot_eager, ...)"
+    )
+    parser.add_argument(
+        "--dynamic",
+        default="true",
+        choices=("true", "false", "auto"),
+        help="torch.compile's dynamic of --compile (auto: torch's default, None)",
+    )
+    parser.add_argument(
+        "--bucket",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --compile: also the packed row length-bucketed (prepare_model_inputs' bucket=N), its padding shown",
+    )
+    parser.add_argument(
         "--head",
         action="store_true",
         help="instead: the output head's peak memory and forward+backward time, logits vs chunked (and verl's)",
@@ -430,6 +455,8 @@ def run_model(args: argparse.Namespace) -> int:
         )
     # a table per shape as soon as it is measured: the large GPU shapes take a while each
     show = None if args.json else (lambda rows: print(f"\n{format_table(rows)}", flush=True))
+    if args.compile:
+        return _run_compile(args, repeats, show)
     if args.share_prefixes:
         from nopad._apps.bench_prefixes import bench_groups
 
@@ -444,6 +471,28 @@ def run_model(args: argparse.Namespace) -> int:
         print(json.dumps({"model": rows}, indent=2))
     if args.plot:
         plot_model(rows, args.plot)
+    return 0
+
+
+def _run_compile(args: argparse.Namespace, repeats: int, show: Callable[[list[dict]], None] | None) -> int:
+    import dataclasses
+
+    from nopad._apps.bench_compile import CPU_COMPILE, GPU_COMPILE, bench_compile
+
+    shape = GPU_COMPILE if torch.device(args.device).type == "cuda" else CPU_COMPILE
+    shape = dataclasses.replace(shape, model=dataclasses.replace(shape.model, arch=args.arch))
+    if args.compile_batches is not None:
+        shape = dataclasses.replace(shape, batches=check_int(args.compile_batches, "--compile-batches", low=1))
+    bucket = None if args.bucket is None else check_int(args.bucket, "--bucket", low=1)
+    dynamic = {"true": True, "false": False, "auto": None}[args.dynamic]
+    if not args.json:
+        print(f"torch {torch.__version__}  backend={args.backend}  dynamic={dynamic}")
+    with Progress("nopad bench --model --compile", 0, quiet=args.quiet) as progress:
+        rows = bench_compile(args.device, shape, repeats, args.backend, dynamic, bucket, progress=progress)
+    if show is not None:
+        show(rows)
+    else:
+        print(json.dumps({"compile": rows}, indent=2))
     return 0
 
 

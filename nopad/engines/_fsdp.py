@@ -28,7 +28,15 @@ from torch import Tensor
 
 from nopad.core._batch import check_choice, check_real_dtype, check_transformers_model, get_field
 from nopad.core._errors import check_flag, check_int, check_integer_tensor, input_error
-from nopad.core._layout import IndexPlan, check_nested, jagged_values, nested_offsets, position_ids_of, ragged_dim
+from nopad.core._layout import (
+    IndexPlan,
+    bucket_length,
+    check_nested,
+    jagged_values,
+    nested_offsets,
+    position_ids_of,
+    ragged_dim,
+)
 from nopad.core._torch_internals import wrap_jagged
 from nopad.engines._head import head_forward
 from nopad.engines._prefixes import shared_prefix_logprobs
@@ -157,6 +165,7 @@ def prepare_model_inputs(
     temperature: float | Tensor | None = None,
     attn_implementation: str | None = None,
     pad_to_multiple: int = 1,
+    bucket: int | None = None,
     sp_group: Any = None,
     sp_size: int | None = None,
     sp_rank: int | None = None,
@@ -178,12 +187,18 @@ def prepare_model_inputs(
     ``pad_to_multiple`` pads the row to a bucket multiple; ``sp_size > 1`` pads to a multiple of it
     too and keeps rank ``sp_rank``'s slice. Pad tokens are ``pad_token_id`` with position ids
     0, 1, ... so transformers sees them as one more sequence, attended by no real token.
+    ``bucket`` (opt-in: a forward then sees few row lengths) first rounds the T
+    tokens up to the next multiple of ``max(bucket, 2**(floor(log2 T) - 5))``: under ``bucket``
+    tokens of padding on rows under 64 buckets, under 1/32 of the row on longer ones (see
+    :func:`nopad.core._layout.bucket_length`). The bucket's pad is that same dummy sequence, its
+    outputs dropped before anything reads them.
     """
     input_ids, position_ids = _checked_nested(micro_batch)
     sp_size, sp_rank = _sp_size_rank(sp_group, sp_size, sp_rank)
     pad_to_multiple, pad_token_id = _checked_row_options(attn_implementation, pad_to_multiple, pad_token_id, sp_size)
     plan = _row_plan(input_ids)
-    padded_total = padded_length(plan.total, sp_size, pad_to_multiple)
+    bucketed = plan.total if bucket is None else bucket_length(plan.total, check_int(bucket, "bucket", low=1))
+    padded_total = padded_length(bucketed, sp_size, pad_to_multiple)
     pad = padded_total - plan.total
     ids = jagged_values(input_ids)  # (T,)
     device = ids.device  # the values' (the nested tensor's own device costs a Python dispatch)
@@ -640,7 +655,7 @@ def packed_logprobs(
     takes the model's logits. ``chunk_size``: the head's tokens per tile. ``tokens`` / ``score_mask``:
     the positions scored, as :func:`chunked_head` takes them ("all" by default; "response": those that
     ``no_padding_2_padding`` reads, 0 elsewhere); the model's own layers run on every token.
-    ``input_kwargs`` go to :func:`prepare_model_inputs` (pad_to_multiple, sp_group, ...). With
+    ``input_kwargs`` go to :func:`prepare_model_inputs` (pad_to_multiple, bucket, sp_group, ...). With
     ``calculate_entropy`` returns the dict of :func:`prepare_model_outputs` instead.
     ``temperature`` as :func:`prepare_model_inputs` takes it: when None, the micro-batch's
     ``temperature`` entry, else 1.0.

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from nopad.core._batch import parameters_of
 from nopad.core._errors import check_int, free_to_read, input_error
@@ -524,7 +525,9 @@ def nopad_varlen_attention(
         gqa=key.shape[1] != H,
         causal=bool(getattr(module, "is_causal", True) if causal is None else causal),
         window=sliding_window if sliding_window is not None and sliding_window < T else None,
-        dropout=dropout > 0,
+        # a training forward's dropout (a module's float) is symbolic under torch.compile(dynamic=True):
+        # guarded to a bool here, so the kernel choice below gets a constant, not a graph break per layer
+        dropout=guard_or_false(dropout > 0),
         softcap=softcap is not None,
         sinks=sinks is not None,
     )
