@@ -1,11 +1,13 @@
-"""``prepare_model_inputs(..., share_prefixes=True)`` + the caller's own forward (its attention
-switched to ``nopad_shared``) + ``prepare_model_outputs``: the two-call API of engines that run the
-model themselves gives what ``packed_logprobs(..., share_prefixes=True)`` and the plain two calls give
-at the response positions (log-probs, entropy, every parameter's gradient), from logits or from the
-chunked head; what the shared layout cannot serve is refused by name."""
+"""``prepare_model_inputs(..., share_prefixes=True)`` + the caller's own forward inside
+``chunked_head`` (which switches the attention to ``nopad_shared`` for the block) +
+``prepare_model_outputs``: the two-call API of engines that run the model themselves gives what
+``packed_logprobs(..., share_prefixes=True)`` and the plain two calls give at the response positions
+(log-probs, entropy, every parameter's gradient), from logits or from the chunked head; what the
+shared layout cannot serve is refused by name."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -14,7 +16,6 @@ import torch
 from nopad import left_right_2_no_padding, no_padding_2_padding
 from nopad.batches import select_rows
 from nopad.engines import chunked_head, packed_logprobs, prepare_model_inputs, prepare_model_outputs
-from nopad.engines._prefixes import switched_to_shared_attention
 from nopad.modeling import packed_attention
 from tests.models import tiny_llama
 from tests.test_shared_prefix_logprobs import grpo_batch
@@ -36,7 +37,7 @@ def mixed_groups(vocab: int | None = None):
 def two_calls(model, micro, temperature, *, share: bool, head: str = "logits", entropy: bool = True):
     """The engine's side: prepare, run the model its own way, read the outputs back."""
     inputs, args = prepare_model_inputs(micro, temperature=temperature, share_prefixes=share)
-    switched = switched_to_shared_attention(model) if share else packed_attention(model)
+    switched = contextlib.nullcontext() if share else packed_attention(model)  # chunked_head switches a shared row's
     with switched, chunked_head(model, args, head, calculate_entropy=entropy, tokens="response") as served:
         output = served(**inputs)
     return prepare_model_outputs(output, args, calculate_entropy=entropy, tokens="response")
@@ -147,10 +148,29 @@ def test_what_the_shared_layout_cannot_serve_is_refused_by_name(case, match):
     micro, prepare, outputs = refusal(case)
     with pytest.raises(ValueError, match=match):
         inputs, args = prepare_model_inputs(micro, **prepare)
-        with torch.no_grad(), switched_to_shared_attention(model):
-            logits = model(**inputs).logits
+        with torch.no_grad(), chunked_head(model, args, "logits", tokens="response") as served:
+            logits = served(**inputs).logits
         prepare_model_outputs(logits, args, **outputs)
     if case in ("tokens", "score_mask"):  # the head is refused the same, before the forward
         inputs, args = prepare_model_inputs(micro, **prepare)
         with pytest.raises(ValueError, match=match), chunked_head(model, args, **outputs):
             pass
+
+
+def test_the_attention_is_switched_for_the_block_only_and_a_checkpointed_model_is_refused_under_autograd():
+    model = tiny_llama(0)
+    micro = left_right_2_no_padding(grpo_batch([3], 2, [2, 2]))
+    inputs, args = prepare_model_inputs(micro, share_prefixes=True)
+    before = model.config._attn_implementation
+    with chunked_head(model, args, "logits", tokens="response"):
+        assert model.config._attn_implementation.startswith("nopad_shared")
+    assert model.config._attn_implementation == before
+    model.gradient_checkpointing_enable()
+    model.train()
+    match = r"model: expected a model whose layers are not checkpointed, for shared prefixes with gradients"
+    with pytest.raises(ValueError, match=match), chunked_head(model, args, tokens="response"):
+        pass
+    with pytest.raises(ValueError, match=match):  # the one call the same (not a raw CheckpointError)
+        packed_logprobs(model, micro, tokens="response", share_prefixes=True)
+    with torch.no_grad(), chunked_head(model, args, "logits", tokens="response") as served:  # no backward: served
+        assert served(**inputs).logits.shape[:2] == inputs["input_ids"].shape

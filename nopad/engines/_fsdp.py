@@ -18,7 +18,7 @@ Needs the ``hf`` extra (transformers) only for Ulysses (:func:`nopad.parallel.en
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
@@ -31,7 +31,13 @@ from nopad.core._errors import check_flag, check_int, check_integer_tensor, inpu
 from nopad.core._layout import IndexPlan, check_nested, jagged_values, nested_offsets, position_ids_of, ragged_dim
 from nopad.core._torch_internals import wrap_jagged
 from nopad.engines._head import head_forward
-from nopad.engines._prefixes import PLAN_KWARG, on_rows, shared_prefix_inputs, shared_prefix_logprobs
+from nopad.engines._prefixes import (
+    PLAN_KWARG,
+    on_rows,
+    shared_prefix_inputs,
+    shared_prefix_logprobs,
+    switched_to_shared_attention,
+)
 from nopad.modeling._attention import KERNELS, packed_attention, reads_boundaries
 from nopad.modeling._logprobs import (
     TOKENS,
@@ -195,10 +201,9 @@ def prepare_model_inputs(
     ``shared_prefixes`` and ``use_cache=False``, and :func:`prepare_model_outputs` (and
     :func:`chunked_head`) given ``tokens="response"`` returns what the plain layout gives at the
     response positions (0 elsewhere). The model must run that forward with its attention switched to
-    ``nopad_shared``, which nopad has no public switch for (the private
-    ``nopad.engines._prefixes.switched_to_shared_attention`` does it; an other attention silently
-    mixes the rows of a group): the public route that switches it is
-    ``packed_logprobs(model, micro_batch, tokens="response", share_prefixes=True)``. Refused by name:
+    ``nopad_shared`` (any other attention silently mixes the rows of a group): run it inside
+    ``chunked_head(model, output_args, head, tokens="response")``, which switches it for the block
+    (``head="logits"`` to keep the model's logits); nopad has no other public switch. Refused by name:
     ``sp_size > 1`` (one unsplit row), ``pad_to_multiple > 1`` (the row is not padded), 3-row
     (mrope) position ids, a micro-batch with no response fields; position ids that do not count
     each row from 0 give NaN results. ``attn_implementation`` is not read.
@@ -457,13 +462,21 @@ def chunked_head(
     the model. The forward hands the model a (1, L, 3) stand-in for the logits and checks what the
     model makes of it: anything it does to the logits beyond what was read is refused, never
     ignored (checked on the first forward, one host sync when the model post-processes its logits).
+
+    For inputs prepared with ``share_prefixes=True`` the block also switches the model's attention to
+    ``nopad_shared`` (and back on leaving it), which the shared-prefix row needs; with
+    ``head="logits"`` that is all it does. Only ``tokens="response"`` is served there, and a model
+    whose layers are checkpointed is refused under autograd (their backward would recompute them
+    after the block, under the attention switched back).
     """
     args = _checked_output_args(output_args)
     head = check_choice(head, "head", HEADS)
     calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
     if chunk_size is not None:
         chunk_size = check_int(chunk_size, "chunk_size", low=1)
-    with _chunked_head(model, args, head, calculate_entropy, chunk_size, args.scored(tokens, score_mask)) as served:
+    scored = args.scored(tokens, score_mask)
+    switched = nullcontext() if args.shared is None else switched_to_shared_attention(model)
+    with switched, _chunked_head(model, args, head, calculate_entropy, chunk_size, scored) as served:
         yield served
 
 

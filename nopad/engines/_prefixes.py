@@ -23,12 +23,14 @@ import torch
 from torch import Tensor
 
 from nopad.batches._prefixes import SharedPrefixPlan, plan_shared_prefixes
+from nopad.core._errors import input_error
 from nopad.core._layout import jagged_values, nested_offsets, row_ids_of
 from nopad.core._torch_internals import wrap_jagged
 from nopad.engines._head import head_forward
 from nopad.modeling._attention import current_implementation
 from nopad.modeling._logprobs import ScoredTokens, checked_temperature, default_tile, scored_tokens
-from nopad.modeling._prefixes import PLAN_KWARG, kernel_of_implementation, use_shared_prefix_attention
+from nopad.modeling._prefixes import IMPLEMENTATION, PLAN_KWARG, kernel_of_implementation, use_shared_prefix_attention
+from nopad.modeling._routing import checkpointed
 from nopad.parallel._ulysses import set_attn_implementation
 
 
@@ -50,8 +52,18 @@ def prompt_lengths_of(micro_batch: Any, input_ids: Tensor) -> Tensor:
 @contextmanager
 def switched_to_shared_attention(model: torch.nn.Module) -> Iterator[None]:
     """Within the block the model's attention is ``nopad_shared``, with the kernel its attention
-    forced (``nopad_varlen_fa``: flash_attn), if any; on leaving it, what it was."""
+    forced (``nopad_varlen_fa``: flash_attn), if any; on leaving it, what it was. A model whose
+    layers are checkpointed is refused under autograd: their backward recomputes them after the block,
+    under the attention switched back."""
     before = current_implementation(model)
+    if torch.is_grad_enabled() and checkpointed(model) and not str(before).startswith(IMPLEMENTATION):
+        raise input_error(
+            "model",
+            None,
+            "a model whose layers are not checkpointed, for shared prefixes with gradients (a checkpointed "
+            "layer's backward recomputes it after the attention is switched back)",
+            f"{type(model).__name__} with activation checkpointing on",
+        )
     # a model without an attention implementation is refused here
     use_shared_prefix_attention(model, kernel_of_implementation(before))
     try:
