@@ -17,7 +17,13 @@ import torch
 from nopad import left_right_2_no_padding, no_padding_2_padding
 from nopad.batches import select_rows
 from nopad.diagnostics import OpCounter
-from nopad.engines import chunked_head, packed_logprobs, prepare_model_inputs, prepare_model_outputs
+from nopad.engines import (
+    chunked_head,
+    packed_logprobs,
+    prepare_model_inputs,
+    prepare_model_outputs,
+    prepare_value_outputs,
+)
 from nopad.modeling import packed_attention
 from tests.models import tiny_llama
 from tests.test_shared_prefix_logprobs import grpo_batch
@@ -158,6 +164,11 @@ def test_what_the_shared_layout_cannot_serve_is_refused_by_name(case, match):
         with torch.no_grad(), chunked_head(model, args, "logits", tokens="response") as served:
             logits = served(**inputs).logits
         prepare_model_outputs(logits, args, **outputs)
+    if case == "tokens":  # a critic's values: every row's tokens, which the shared row does not hold
+        inputs, args = prepare_model_inputs(micro, **prepare)
+        values = torch.zeros(inputs["input_ids"].shape)
+        with pytest.raises(ValueError, match=r"output_args: expected the OutputArgs .* without share_prefixes"):
+            prepare_value_outputs(values, args)
     if case in ("tokens", "score_mask"):  # the head is refused the same, before the forward
         inputs, args = prepare_model_inputs(micro, **prepare)
         with pytest.raises(ValueError, match=match), chunked_head(model, args, **outputs):

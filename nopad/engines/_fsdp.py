@@ -539,6 +539,10 @@ def prepare_model_outputs(
     entropy are exact at the scored positions and 0 elsewhere (and from logits, computed at those
     rows only). The result keeps the nested (B, j) shape, so :func:`no_padding_2_padding` and the
     losses read it as before. A head output that scored fewer positions than asked is refused.
+    For ``output_args`` of ``prepare_model_inputs(..., share_prefixes=True)``, ``logits`` are over
+    the shared row (1, T, V) and only ``tokens="response"`` is served: each response token's
+    log-prob (and entropy) is read from the logits of the position before it in its own row, and
+    comes back nested on the micro-batch's rows as the plain layout gives it.
     """
     args = _checked_output_args(output_args)
     calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
@@ -649,6 +653,9 @@ def prepare_value_outputs(values: Any, output_args: OutputArgs, micro_batch=None
     if not isinstance(output_args, OutputArgs):
         raise input_error("output_args", None, "the OutputArgs of prepare_model_inputs", type(output_args).__name__)
     args = output_args
+    if args.shared is not None:
+        expected = "the OutputArgs of prepare_model_inputs without share_prefixes (a critic scores every row's tokens)"
+        raise input_error("output_args", None, expected, "those of a shared-prefix row")
     values = getattr(values, "logits", values)
     if not isinstance(values, Tensor) or getattr(values, "is_nested", False):
         raise input_error("values", None, "a (1, L) or (1, L, 1) tensor of per-token values", type(values).__name__)
