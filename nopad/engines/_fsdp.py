@@ -18,7 +18,7 @@ Needs the ``hf`` extra (transformers) only for Ulysses (:func:`nopad.parallel.en
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
@@ -39,7 +39,13 @@ from nopad.core._layout import (
 )
 from nopad.core._torch_internals import wrap_jagged
 from nopad.engines._head import head_forward
-from nopad.engines._prefixes import shared_prefix_logprobs
+from nopad.engines._prefixes import (
+    PLAN_KWARG,
+    on_rows,
+    shared_prefix_inputs,
+    shared_prefix_logprobs,
+    switched_to_shared_attention,
+)
 from nopad.modeling._attention import KERNELS, packed_attention, reads_boundaries
 from nopad.modeling._logprobs import (
     TOKENS,
@@ -65,6 +71,9 @@ class OutputArgs:
     ``padded_total`` = T_pad; ``sp_group`` / ``sp_size`` / ``sp_rank`` as given. ``micro_batch`` and
     its nested ``input_ids`` say which tokens a loss reads (:meth:`scored`); ``model_input_ids`` is
     the (1, L) tensor handed to the model, by which a forward shows it is this micro-batch's.
+    ``shared``: with ``share_prefixes``, the shared-prefix plan of the row (then L = T, the packed
+    row's tokens; ``labels`` are the packed tokens themselves, scored at the response tokens' own
+    positions from the states before them, and only ``tokens="response"`` is served).
     """
 
     plan: IndexPlan
@@ -78,6 +87,7 @@ class OutputArgs:
     micro_batch: Any = None
     input_ids: Tensor | None = None
     model_input_ids: Tensor | None = None
+    shared: Any = None
     _scored: list = field(default_factory=list, repr=False)  # (choice, its object, what it gave), found by identity
 
     @property
@@ -89,7 +99,11 @@ class OutputArgs:
     def scored(self, tokens: str, score_mask: Tensor | None) -> ScoredTokens | None:
         """The positions of the row (its T real tokens) to score, or None for all (see
         :func:`nopad.modeling._logprobs.scored_tokens`); worked out once per choice, so the head and the
-        outputs of one forward share them."""
+        outputs of one forward share them. Under shared prefixes, the responses only (made with the row)."""
+        if self.shared is not None and (tokens != "response" or score_mask is not None):
+            name, got = ("tokens", repr(tokens)) if tokens != "response" else ("score_mask", "a mask")
+            expected = "'response' and no score_mask for inputs prepared with share_prefixes (responses are scored)"
+            raise input_error(name, None, expected, got)
         for choice, given, found in self._scored:
             if given is score_mask and isinstance(tokens, str) and choice == tokens:
                 return found
@@ -170,6 +184,7 @@ def prepare_model_inputs(
     sp_size: int | None = None,
     sp_rank: int | None = None,
     pad_token_id: int = PAD_TOKEN_ID,
+    share_prefixes: bool = False,
 ) -> tuple[dict, OutputArgs]:
     """Nested micro-batch -> (model kwargs for one packed row, :class:`OutputArgs`). No host sync.
 
@@ -192,10 +207,32 @@ def prepare_model_inputs(
     tokens of padding on rows under 64 buckets, under 1/32 of the row on longer ones (see
     :func:`nopad.core._layout.bucket_length`). The bucket's pad is that same dummy sequence, its
     outputs dropped before anything reads them.
+
+    ``share_prefixes=True`` lays the row out with each group's shared prompt once (GRPO's n samples
+    of a prompt; groups found from the tokens, as ``packed_logprobs(..., share_prefixes=True)``
+    finds them): the kwargs are ``input_ids`` (1, T) the rows packed in the plan's order,
+    ``position_ids`` (1, T) each token's position in its own row, the plan under
+    ``shared_prefixes`` and ``use_cache=False``, and :func:`prepare_model_outputs` (and
+    :func:`chunked_head`) given ``tokens="response"`` returns what the plain layout gives at the
+    response positions (0 elsewhere). The model must run that forward with its attention switched to
+    ``nopad_shared`` (any other attention silently mixes the rows of a group): run it inside
+    ``chunked_head(model, output_args, head, tokens="response")``, which switches it for the block
+    (``head="logits"`` to keep the model's logits); nopad has no other public switch. Refused by name:
+    ``sp_size > 1`` (one unsplit row), ``pad_to_multiple > 1`` or a ``bucket`` (the row is not padded), 3-row
+    (mrope) position ids, a micro-batch with no response fields; position ids that do not count
+    each row from 0 give NaN results. ``attn_implementation`` is not read.
     """
     input_ids, position_ids = _checked_nested(micro_batch)
+    share_prefixes = check_flag(share_prefixes, "share_prefixes")
+    if share_prefixes and (sp_group is not None or sp_size not in (None, 1)):
+        got = f"sp_size {sp_size}" if sp_group is None else "an sp_group"
+        raise input_error("sp_size", None, "1 with share_prefixes (one unsplit row, no Ulysses)", got)
     sp_size, sp_rank = _sp_size_rank(sp_group, sp_size, sp_rank)
     pad_to_multiple, pad_token_id = _checked_row_options(attn_implementation, pad_to_multiple, pad_token_id, sp_size)
+    if share_prefixes:
+        if temperature is None:
+            temperature = get_field(micro_batch, "temperature", 1.0)
+        return _shared_prefix_inputs(micro_batch, input_ids, position_ids, temperature, pad_to_multiple, bucket)
     plan = _row_plan(input_ids)
     bucketed = plan.total if bucket is None else bucket_length(plan.total, check_int(bucket, "bucket", low=1))
     padded_total = padded_length(bucketed, sp_size, pad_to_multiple)
@@ -223,6 +260,45 @@ def prepare_model_inputs(
         model_input_ids=model_inputs["input_ids"],
     )
     return model_inputs, args
+
+
+def _shared_prefix_inputs(
+    micro_batch: Any,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    temperature: float | Tensor,
+    pad_to_multiple: int,
+    bucket: int | None,
+) -> tuple[dict, OutputArgs]:
+    """:func:`prepare_model_inputs` with ``share_prefixes=True`` (no sequence parallelism, checked
+    there): one unpadded row of 1-row position ids."""
+    if pad_to_multiple > 1:
+        expected = "1 with share_prefixes (the row is not padded)"
+        raise input_error("pad_to_multiple", None, expected, str(pad_to_multiple))
+    if bucket is not None:
+        raise input_error("bucket", None, "None with share_prefixes (the row is not padded)", repr(bucket))
+    _check_one_row_positions(position_ids)
+    plan = _row_plan(input_ids)
+    kwargs, scored, temps = shared_prefix_inputs(micro_batch, input_ids, temperature)
+    packed = kwargs["input_ids"]
+    args = OutputArgs(
+        plan=plan,
+        labels=packed[0],
+        temperature=temps,
+        label_mask=torch.ones_like(packed[0], dtype=torch.bool),
+        padded_total=packed.shape[1],
+        micro_batch=micro_batch,
+        input_ids=input_ids,
+        model_input_ids=packed,
+        shared=kwargs[PLAN_KWARG],
+        _scored=[("response", None, scored)],
+    )
+    return kwargs, args
+
+
+def _check_one_row_positions(position_ids: Tensor) -> None:
+    if position_ids.dim() != 2:
+        raise input_error("position_ids", None, "1-row (batch, j) ids with share_prefixes", "multi-row (mrope) ids")
 
 
 def _checked_row_options(
@@ -404,13 +480,21 @@ def chunked_head(
     the model. The forward hands the model a (1, L, 3) stand-in for the logits and checks what the
     model makes of it: anything it does to the logits beyond what was read is refused, never
     ignored (checked on the first forward, one host sync when the model post-processes its logits).
+
+    For inputs prepared with ``share_prefixes=True`` the block also switches the model's attention to
+    ``nopad_shared`` (and back on leaving it), which the shared-prefix row needs; with
+    ``head="logits"`` that is all it does. Only ``tokens="response"`` is served there, and a model
+    whose layers are checkpointed is refused under autograd (their backward would recompute them
+    after the block, under the attention switched back).
     """
     args = _checked_output_args(output_args)
     head = check_choice(head, "head", HEADS)
     calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
     if chunk_size is not None:
         chunk_size = check_int(chunk_size, "chunk_size", low=1)
-    with _chunked_head(model, args, head, calculate_entropy, chunk_size, args.scored(tokens, score_mask)) as served:
+    scored = args.scored(tokens, score_mask)
+    switched = nullcontext() if args.shared is None else switched_to_shared_attention(model)
+    with switched, _chunked_head(model, args, head, calculate_entropy, chunk_size, scored) as served:
         yield served
 
 
@@ -473,6 +557,10 @@ def prepare_model_outputs(
     entropy are exact at the scored positions and 0 elsewhere (and from logits, computed at those
     rows only). The result keeps the nested (B, j) shape, so :func:`no_padding_2_padding` and the
     losses read it as before. A head output that scored fewer positions than asked is refused.
+    For ``output_args`` of ``prepare_model_inputs(..., share_prefixes=True)``, ``logits`` are over
+    the shared row (1, T, V) and only ``tokens="response"`` is served: each response token's
+    log-prob (and entropy) is read from the logits of the position before it in its own row, and
+    comes back nested on the micro-batch's rows as the plain layout gives it.
     """
     args = _checked_output_args(output_args)
     calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
@@ -501,6 +589,8 @@ def _outputs(logits: Any, args: OutputArgs, calculate_entropy: bool, scored: Sco
                 "logits", None, f"(1, {local}, vocab) for this rank's packed row", f"{tuple(logits.shape)}"
             )
         log_probs, entropy = _from_logits(logits[0], args, calculate_entropy, args.local_scored(scored))
+    if args.shared is not None:
+        return _shared_outputs(log_probs, entropy, args, scored)
     if args.sp_size > 1:
         log_probs = gather_seq(log_probs, args.sp_group, dim=0)
         entropy = gather_seq(entropy, args.sp_group, dim=0) if entropy is not None else None
@@ -518,17 +608,31 @@ def _outputs(logits: Any, args: OutputArgs, calculate_entropy: bool, scored: Sco
     return out
 
 
+def _shared_outputs(
+    log_probs: Tensor, entropy: Tensor | None, args: OutputArgs, scored: ScoredTokens | None
+) -> dict[str, Tensor]:
+    """(T,) values over the shared-prefix row, at the response tokens' own positions -> nested (B, j)
+    on the rows, NaN unless each row's position ids count from 0 (as ``packed_logprobs`` gives them)."""
+    assert scored is not None and args.input_ids is not None  # made with the row
+    position_ids = get_field(args.micro_batch, "position_ids")
+    out = {"log_probs": on_rows(log_probs, scored, args.shared, args.input_ids)}
+    if entropy is not None:
+        out["entropy"] = on_rows(entropy, scored, args.shared, args.input_ids)
+    return {key: _counting_from_zero(value, position_ids) for key, value in out.items()}
+
+
 def _from_logits(
     logits: Tensor, args: OutputArgs, calculate_entropy: bool, scored: ScoredTokens | None
 ) -> tuple[Tensor, Tensor | None]:
     """(L,) log-probs and entropy from this rank's (L, V) logits, at the scored rows only when they are fewer."""
     check_label_range(args.labels, logits.shape[-1])
-    if scored is None or scored.count >= logits.shape[0]:
+    if scored is None or (scored.read is None and scored.count >= logits.shape[0]):
         return logits_log_probs(logits, args.labels, args.temperature, calculate_entropy)
     temperature = args.temperature
     if isinstance(temperature, Tensor):
         temperature = scored.rows(temperature)
-    log_probs, entropy = logits_log_probs(scored.rows(logits), scored.rows(args.labels), temperature, calculate_entropy)
+    rows = scored.hidden_rows(logits)  # the logits of each scored row's read position
+    log_probs, entropy = logits_log_probs(rows, scored.rows(args.labels), temperature, calculate_entropy)
     length = logits.shape[0]
     return scored.place(log_probs, length), None if entropy is None else scored.place(entropy, length)
 
@@ -567,6 +671,9 @@ def prepare_value_outputs(values: Any, output_args: OutputArgs, micro_batch=None
     if not isinstance(output_args, OutputArgs):
         raise input_error("output_args", None, "the OutputArgs of prepare_model_inputs", type(output_args).__name__)
     args = output_args
+    if args.shared is not None:
+        expected = "the OutputArgs of prepare_model_inputs without share_prefixes (a critic scores every row's tokens)"
+        raise input_error("output_args", None, expected, "those of a shared-prefix row")
     values = getattr(values, "logits", values)
     if not isinstance(values, Tensor) or getattr(values, "is_nested", False):
         raise input_error("values", None, "a (1, L) or (1, L, 1) tensor of per-token values", type(values).__name__)
@@ -731,8 +838,7 @@ def _shared_prefix_call(
     if chunk_size is not None:
         chunk_size = check_int(chunk_size, "chunk_size", low=1)
     input_ids, position_ids = _checked_nested(micro_batch)
-    if position_ids.dim() != 2:
-        raise input_error("position_ids", None, "1-row (batch, j) ids with share_prefixes", "multi-row (mrope) ids")
+    _check_one_row_positions(position_ids)
     if temperature is None:
         temperature = get_field(micro_batch, "temperature", 1.0)
     out = shared_prefix_logprobs(model, micro_batch, input_ids, temperature, calculate_entropy, chunk_size)

@@ -23,12 +23,14 @@ import torch
 from torch import Tensor
 
 from nopad.batches._prefixes import SharedPrefixPlan, plan_shared_prefixes
+from nopad.core._errors import input_error
 from nopad.core._layout import jagged_values, nested_offsets, row_ids_of
 from nopad.core._torch_internals import wrap_jagged
 from nopad.engines._head import head_forward
 from nopad.modeling._attention import current_implementation
 from nopad.modeling._logprobs import ScoredTokens, checked_temperature, default_tile, scored_tokens
-from nopad.modeling._prefixes import PLAN_KWARG, kernel_of_implementation, use_shared_prefix_attention
+from nopad.modeling._prefixes import IMPLEMENTATION, PLAN_KWARG, kernel_of_implementation, use_shared_prefix_attention
+from nopad.modeling._routing import checkpointed
 from nopad.parallel._ulysses import set_attn_implementation
 
 
@@ -50,8 +52,18 @@ def prompt_lengths_of(micro_batch: Any, input_ids: Tensor) -> Tensor:
 @contextmanager
 def switched_to_shared_attention(model: torch.nn.Module) -> Iterator[None]:
     """Within the block the model's attention is ``nopad_shared``, with the kernel its attention
-    forced (``nopad_varlen_fa``: flash_attn), if any; on leaving it, what it was."""
+    forced (``nopad_varlen_fa``: flash_attn), if any; on leaving it, what it was. A model whose
+    layers are checkpointed is refused under autograd: their backward recomputes them after the block,
+    under the attention switched back."""
     before = current_implementation(model)
+    if torch.is_grad_enabled() and checkpointed(model) and not str(before).startswith(IMPLEMENTATION):
+        raise input_error(
+            "model",
+            None,
+            "a model whose layers are not checkpointed, for shared prefixes with gradients (a checkpointed "
+            "layer's backward recomputes it after the attention is switched back)",
+            f"{type(model).__name__} with activation checkpointing on",
+        )
     # a model without an attention implementation is refused here
     use_shared_prefix_attention(model, kernel_of_implementation(before))
     try:
@@ -88,21 +100,15 @@ def shared_prefix_logprobs(
         response token's values at the position before it, 0 elsewhere (entropy only with
         ``with_entropy``).
     """
-    plan = plan_shared_prefixes(input_ids, prompt_lengths_of(micro_batch, input_ids), share=share)
-    values = jagged_values(input_ids)
-    packed_ids = plan.pack(values).unsqueeze(0)  # (1, T)
-    # each response token is scored at its own packed position (unique: responses are never shared),
-    # from the hidden state of the token before it in its row (a group's prompt's last one, shared)
-    own = plan.unpack_index.index_select(0, plan.label_index)
-    scored = ScoredTokens(own, None, plan.total, "response", read=plan.logprob_index)
-    tile = None if chunk_size is None else (chunk_size, default_tile(values.device)[1])
-    kwargs = {"input_ids": packed_ids, "position_ids": plan.position_ids.unsqueeze(0), "use_cache": False}
+    kwargs, scored, temps = shared_prefix_inputs(micro_batch, input_ids, temperature, share=share)
+    plan, packed_ids = kwargs[PLAN_KWARG], kwargs["input_ids"]
+    tile = None if chunk_size is None else (chunk_size, default_tile(packed_ids.device)[1])
     with (
         switched_to_shared_attention(model),
         head_forward(
             model,
             packed_ids[0],
-            _per_packed_token(temperature, plan),
+            temps,
             plan.total,
             with_entropy=with_entropy,
             required=True,
@@ -111,11 +117,39 @@ def shared_prefix_logprobs(
             input_ids=packed_ids,
         ) as served,
     ):
-        output = served(**kwargs, **{PLAN_KWARG: plan})
-    out = {"log_probs": _on_rows(output.log_probs[0], own, plan, input_ids)}
+        output = served(**kwargs)
+    out = {"log_probs": on_rows(output.log_probs[0], scored, plan, input_ids)}
     if with_entropy:
-        out["entropy"] = _on_rows(output.entropy[0], own, plan, input_ids)
+        out["entropy"] = on_rows(output.entropy[0], scored, plan, input_ids)
     return out
+
+
+def shared_prefix_inputs(
+    micro_batch: Any, input_ids: Tensor, temperature: Tensor | float, *, share: bool = True
+) -> tuple[dict[str, Any], ScoredTokens, Tensor | float]:
+    """The model kwargs of the shared-prefix layout of nested (B, j) ``input_ids``, the response
+    tokens the head scores there, and the temperature per packed token.
+
+    Returns:
+        kwargs: ``input_ids`` (1, T) the rows packed in the plan's order, ``position_ids`` (1, T)
+            each token's position in its own row, the plan under ``shared_prefixes`` (what the
+            ``nopad_shared`` attention reads), ``use_cache`` False.
+        scored: each response token at its own packed position (unique: responses are never
+            shared; the label there is the token itself), read from the hidden state of the token
+            before it in its row (``plan.logprob_index``: a group's prompt's last one, shared).
+        temperature: a float as it is (checked), else (T,) one per packed token (its row's).
+    """
+    plan = plan_shared_prefixes(input_ids, prompt_lengths_of(micro_batch, input_ids), share=share)
+    packed_ids = plan.pack(jagged_values(input_ids)).unsqueeze(0)  # (1, T)
+    own = plan.unpack_index.index_select(0, plan.label_index)
+    scored = ScoredTokens(own, None, plan.total, "response", read=plan.logprob_index)
+    kwargs = {
+        "input_ids": packed_ids,
+        "position_ids": plan.position_ids.unsqueeze(0),
+        PLAN_KWARG: plan,
+        "use_cache": False,
+    }
+    return kwargs, scored, _per_packed_token(temperature, plan)
 
 
 def _per_packed_token(temperature: Tensor | float, plan: SharedPrefixPlan) -> Tensor | float:
@@ -127,8 +161,10 @@ def _per_packed_token(temperature: Tensor | float, plan: SharedPrefixPlan) -> Te
     return checked_temperature(temperature, plan.rows, plan.block_order.index_select(0, block))
 
 
-def _on_rows(packed: Tensor, own: Tensor, plan: SharedPrefixPlan, input_ids: Tensor) -> Tensor:
-    """(T,) values at the response tokens' own packed positions ``own`` -> nested (B, j) on the rows,
-    each at the position before its token (where the plain path's head writes it), 0 elsewhere."""
-    frame = packed.new_zeros(plan.rows_total).index_copy(0, plan.label_index - 1, packed.index_select(0, own))
+def on_rows(packed: Tensor, scored: ScoredTokens, plan: SharedPrefixPlan, input_ids: Tensor) -> Tensor:
+    """(T,) values at the response tokens' own packed positions (``scored.index``, as
+    :func:`shared_prefix_inputs` made it) -> nested (B, j) on the rows, each at the position before
+    its token (where the plain path's head writes it), 0 elsewhere."""
+    values = packed.index_select(0, scored.index.to(packed.device))
+    frame = packed.new_zeros(plan.rows_total).index_copy(0, plan.label_index - 1, values)
     return wrap_jagged(frame, nested_offsets(input_ids))
