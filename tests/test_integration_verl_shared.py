@@ -6,7 +6,9 @@ ppo_loss, backward, one optimizer step) on a GRPO-shaped batch (groups of 4 rows
 under install() with the flag off and then on: the log-probs and entropy, the update's loss and
 metrics, every parameter's gradient and the weights after the step agree to 1e-5, and with the
 flag on every forward went through the shared-prefix layout and computed fewer tokens than the rows
-hold. Multi-process, so marked slow; CI's verl leg runs it.
+hold. A text-only Qwen3.5 (gated delta nets, transformers 5.10's layer shapes) runs the same step
+with the flag on, its log-probs those of each row alone. Multi-process, so marked slow; CI's verl
+leg runs them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ except Exception as exc:  # noqa: BLE001 - any failure to import verl means this
 import nopad.integrations.verl._shared as shared  # noqa: E402
 from nopad.integrations import verl as nopad_verl  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.verl_engine import MEASURED, flag_off_then_on, save_tiny_model  # noqa: E402
+from tests.verl_engine import MEASURED, flag_off_then_on, flag_on, save_tiny_hybrid, save_tiny_model  # noqa: E402
 
 GROUPS_PER_RANK = 2
 TOL = 1e-5
@@ -77,6 +79,34 @@ def test_a_grpo_ppo_step_with_shared_prompts_equals_the_flag_off(tmp_path):
     for line in report:
         print(*line)
     print("uid in the engine's micro-batches:", sorted({seen for r in ranks for seen in r["saw_uid"]}))
+
+
+@pytest.mark.slow
+def test_a_hybrids_grpo_step_with_shared_prompts_equals_each_row_alone(tmp_path):
+    """A text-only Qwen3.5 (gated delta nets beside attention; transformers 5.10's layer shapes under
+    verl's pins): with the flag on every forward takes the shared layout, each response continuing
+    from its prompt's final state, and the old log-probs equal each row's own padded
+    forward within 1e-5. The reference is the padded forward, not the flag off: verl's own forward
+    runs such a model's packed row as one sequence through its gated delta nets (verl patches the
+    layer for the qwen3_5 and qwen3_5_moe model types, not for qwen3_5_text)."""
+    from transformers import AutoModelForCausalLM
+
+    from nopad.engines import padded_logprobs
+    from tests.verl_engine import GROUP, grpo_batch
+
+    model_dir = str(tmp_path / "tiny-qwen3_5")
+    save_tiny_hybrid(model_dir, "qwen3_5_text")
+    ranks = run_distributed(flag_on, 2, model_dir, GROUPS_PER_RANK)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    batch = grpo_batch(2 * GROUPS_PER_RANK)
+    assert len(batch) == 2 * GROUPS_PER_RANK * GROUP
+    with torch.no_grad():
+        alone = padded_logprobs(model, batch, 0.7)
+    for rank, r in enumerate(ranks):
+        assert set(r["counts"]) == {"shared"}, f"rank {rank}: {r['counts']}"
+        mask = r["response_mask"].bool()
+        torch.testing.assert_close(r["old_log_probs"][mask], alone[mask], atol=TOL, rtol=TOL)
+        assert all(g.abs().sum() > 0 for g in r["grads"].values()), f"rank {rank}: a parameter had no gradient"
 
 
 def test_the_flag_patches_verls_engine_only_while_on():

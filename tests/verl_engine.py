@@ -45,6 +45,19 @@ def save_tiny_model(path: str, hidden: int = 32, layers: int = 2, positions: int
     Qwen2ForCausalLM(config).save_pretrained(path)
 
 
+def save_tiny_hybrid(path: str, family: str = "qwen3_5_text") -> None:
+    """A tiny random-weight model of ``family`` (seed 0; nopad's tiny config, verl's vocabulary here),
+    saved where verl's HFModelConfig loads it."""
+    from transformers import AutoModelForCausalLM
+
+    from nopad._apps.families import tiny_config
+
+    config = tiny_config(family)
+    config.vocab_size, config.tie_word_embeddings = VOCAB, False
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
 def use_cpu() -> None:
     """verl's platform singleton as a CPU: device "cpu", memory readings 0, gloo; the FSDP engine
     verl registers for CUDA chosen for it (its code is device-generic given the platform)."""
@@ -425,6 +438,20 @@ def flag_off_then_on(rank: int, world: int, model_dir: str, groups_per_rank: int
         prefixes.plan_shared_prefixes, shared.fallback_reason = plan, reason
     results["saw_uid"] = saw_uid
     return results
+
+
+def flag_on(rank: int, world: int, model_dir: str, groups_per_rank: int) -> dict:
+    """On one rank: the GRPO step of :func:`shared_step` under ``install(share_prefixes=True)``
+    (use_dynamic_bsz off), and what each micro-batch's forward took (shared or why not)."""
+    import nopad.integrations.verl._shared as shared
+    from nopad.integrations import verl as nopad_verl
+
+    use_cpu()
+    torch.manual_seed(0)
+    shared.COUNTS.clear()
+    with nopad_verl.install(share_prefixes=True):
+        results = shared_step(rank, world, model_dir, False, groups_per_rank)
+    return {**results, "counts": dict(shared.COUNTS)}
 
 
 # ---- verl's use_torch_compile (its default): the engine's entropy compiled by torch.compile ------------

@@ -42,9 +42,13 @@ receive: a root pre-hook hands the layers boundaries (``cu_seq_lens_q``) whose p
 packed forms in :mod:`nopad.modeling._layers` run the shared-prefix form for such a row: the prompts
 as one packed row (final state per prompt), then the completions as another, each from its
 prompt's state (a gather; its backward sums every completion's gradient into the one prompt). A
-fixed number of ops whatever the number of groups. Any other state layer (Kimi delta attention,
-Mamba's selective scan, a registered packed form, transformers 5.10's layer shapes) is refused by
-:func:`use_shared_prefix_attention`, naming the layer's class, before anything runs.
+fixed number of ops whatever the number of groups. transformers 5.10's layer shapes (verl 0.9.1's pin:
+primitives kept as a gated delta net's attributes, or read by a Mamba2 / LFM2 mixer's
+``cuda_kernels_forward``) are served the same way: the route gives them adapters that read the row
+from the same boundaries (handed down by the modules on the way to the layer), so they take the
+shared-prefix form too; their primitives are checked as the module-level ones are. Any other state
+layer (Kimi delta attention, Mamba's selective scan in either shape, a registered packed form) is
+refused by :func:`use_shared_prefix_attention`, naming the layer's class, before anything runs.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ from nopad.core._layout import device_to_host
 from nopad.core._memo import memo, recall, remember
 from nopad.modeling._attention import KERNELS, Needs, forced_kernel, kernel_for, mask_window, run_kernel
 from nopad.modeling._layers import SharedPrefixRow
-from nopad.modeling._routing import ADAPTERS, callee, packed_row_of, route, survey
+from nopad.modeling._routing import ADAPTERS, callee, packed_row_of, primitives_510, route, survey
 from nopad.parallel._ulysses import SP_GROUP_KWARG, set_attn_implementation
 
 IMPLEMENTATION = "nopad_shared"
@@ -84,8 +88,9 @@ _CHECKED = "shared prefixes checked"
 _HOOKED = "shared prefixes hooked"
 # the layer kinds of transformers' ``config.layer_types`` this attention serves; any other (Llama 4's
 # chunked attention) is refused rather than run as full attention. The state layers' kinds are served
-# by their layers' packed forms (each layer's primitives checked below)
-SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
+# by their layers' packed forms (each layer's primitives checked below). transformers 5.10 names some
+# models' kinds "attention" (full attention) and "mamba" (a Mamba mixer, its primitives checked as above)
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv", "attention", "mamba")
 # transformers' primitives whose packed forms take a shared-prefix row (the fused Mamba2 kernel's
 # adapter sends a packed forward down the layer's unfused conv and scan)
 SERVED_PRIMITIVES = (
@@ -316,10 +321,13 @@ def _unserved_state_layers(model: torch.nn.Module, found: Any) -> list[str]:
     for _, cls in found.registered:
         why.setdefault(cls, "a packed form registered with register_packed_module, which takes no prompt's state")
     for name, cls_name in found.rebound:
-        reached = _adapted_primitives(type(model.get_submodule(name)))
+        cls = type(model.get_submodule(name))
+        # transformers 5.10's shapes: the primitives its route serves the layer with (their adapters read
+        # the same row, so a shared-prefix row reaches them as it does the module-level ones)
+        reached = _adapted_primitives(cls) | set(primitives_510(cls))
         unserved = sorted(reached - set(SERVED_PRIMITIVES))
-        if unserved or not reached:  # none found: a shape of the layer not read here (transformers 5.10's)
-            because = f"its {unserved} take" if unserved else "its primitives (kept on the layer) take"
+        if unserved or not reached:  # none found: a shape of the layer not read here
+            because = f"its {unserved} take" if unserved else "its primitives (none found) take"
             why.setdefault(cls_name, f"{because} no prompt's final state")
     return [f"{cls} ({reason})" for cls, reason in why.items()]
 

@@ -822,6 +822,13 @@ def _fast_path_globals(cls: type) -> tuple[str, ...]:
     return tuple(sorted(_names_read(_innermost(method).__code__) & set(_FAST_PATH_ADAPTERS)))
 
 
+def primitives_510(cls: type) -> tuple[str, ...]:
+    """The primitives a 5.10-shaped layer class calls (kept as attributes, or read as globals by its
+    ``cuda_kernels_forward``): what a route serves it with; () for any other class."""
+    survey = _class_survey(cls)
+    return survey.attributes + survey.fast_path
+
+
 @dataclass(frozen=True, eq=False)
 class PackedConvX(PackedConv):
     """:class:`PackedConv` as transformers 5.10 calls it: its input named ``x`` (causal-conv1d's own name),
