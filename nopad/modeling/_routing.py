@@ -40,8 +40,10 @@ from torch import Tensor
 from nopad.core._batch import takes_keyword
 from nopad.core._errors import input_error
 from nopad.core._layout import IndexPlan, known_host_lengths, remember_host_lengths
-from nopad.core._memo import memo, recall, remember
+from nopad.core._memo import memo, recall, remember, tagged
 from nopad.modeling._layers import (
+    ROW_OF_ITS_OWN,
+    BoundedRow,
     PackedRow,
     causal_conv1d,
     gated_delta_rule,
@@ -140,6 +142,34 @@ def packed_row_of(cu_seqlens: Tensor) -> PackedRow:
     return memo(cu_seqlens, "packed_row", lambda: PackedRow.from_cu_seqlens(cu_seqlens, known_host_lengths(cu_seqlens)))
 
 
+def _row_of(cu: Tensor, kwargs: dict, tokens: Any) -> PackedRow:
+    """The row a call of ``tokens`` tokens (the whole row's) runs on: :func:`packed_row_of` in eager
+    code; under torch.compile a :class:`BoundedRow` of the boundaries, the token count and the longest
+    sequence the forward was handed (``max_length_q``, a host int known before it), which dynamo traces
+    without a break (no host read of the lengths, no read of the memo, whose entries name other
+    forwards' facts: a guard on them would recompile). Built per call: nothing derived in one graph
+    is kept for another. A compiled call with no longest known, or on boundaries tagged as carrying a
+    row of their own (a shared-prefix row's), takes :func:`packed_row_of` (graph breaks, the row right)."""
+    if torch.compiler.is_compiling() and not tagged(cu, ROW_OF_ITS_OWN):
+        longest = _longest(cu, kwargs)
+        if longest:
+            return BoundedRow(cu, tokens, longest)
+    return packed_row_of(cu)
+
+
+def _longest(cu: Tensor, kwargs: dict) -> Any:
+    """The longest sequence of the row ``cu`` bounds, as the call's kwargs tell it (``max_length_q``
+    beside ``cu_seq_lens_q``; a layer that hands the boundaries on as ``cu_seqlens`` keeps the
+    ``_k`` pair), else as the forward was handed it, else None. Under torch.compile one the compiled
+    frame was handed is symbolic; the forward's, where the root's hook ran as a frame of its own, is
+    a constant of the graph (a graph per value)."""
+    for side in ("q", "k"):
+        if kwargs.get(f"cu_seq_lens_{side}") is cu and kwargs.get(f"max_length_{side}"):
+            return kwargs[f"max_length_{side}"]
+    forward = _PACKED_FORWARD.get()
+    return forward.longest if forward is not None and forward.cu_seqlens is cu else None
+
+
 @dataclass
 class _Call:
     """One primitive call inside a packed forward: the row, and the SP group when the row is sharded."""
@@ -197,7 +227,8 @@ def _packed_call(kwargs: dict, owner: str, local_tokens: int, boundaries: Any = 
     if source is None:
         return None
     cu, group = source
-    call = _Call(packed_row_of(cu), None if group is None or dist.get_world_size(group) == 1 else group)
+    group = None if group is None or dist.get_world_size(group) == 1 else group
+    call = _Call(_row_of(cu, kwargs, local_tokens * (1 if group is None else dist.get_world_size(group))), group)
     if local_tokens * call.world != call.row.total:
         raise input_error(
             owner,
@@ -612,8 +643,12 @@ def rebind(fn: Callable, globals_: dict[str, Any]) -> Callable:
         chain.append(chain[-1].__wrapped__)
     inner = chain[-1]
     new_globals = {**inner.__globals__, **globals_}
+    # without the module's name: torch.compile reads the globals of a function whose globals name a
+    # module from that module (its unrebound primitives), and of any other from the dict itself
+    new_globals.pop("__name__", None)
     current = types.FunctionType(inner.__code__, new_globals, inner.__name__, inner.__defaults__, inner.__closure__)
     current.__kwdefaults__, current.__qualname__ = inner.__kwdefaults__, inner.__qualname__
+    current.__module__ = inner.__module__
     current.__dict__.update(inner.__dict__)
     for wrapper, wrapped in zip(reversed(chain[:-1]), reversed(chain[1:])):
         current = _replaced(wrapper, wrapped, current)
