@@ -17,13 +17,16 @@ choice-free part; inductor's cold compile costs ~1 minute here); one inductor ru
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 from torch._dynamo.utils import counters  # noqa: E402
 
+from nopad.core._memo import remember  # noqa: E402
 from nopad.modeling import _routing, use_packed_attention  # noqa: E402
+from nopad.modeling._layers import BoundedRow, SharedPrefixRow  # noqa: E402
 from nopad.synthetic import tiny_causal_lm  # noqa: E402
 
 BATCHES = 50
@@ -183,3 +186,21 @@ def test_a_function_compiled_alone_reads_the_row_an_eager_forward_set(dynamo) ->
     finally:
         state.reset(token)
     assert compiled(x).tolist() == [0, 0]
+
+
+def test_under_compile_a_shared_prefix_row_is_read_from_its_boundaries_never_made_plain(dynamo) -> None:
+    # a compiled call builds its row from the boundaries and max_length_q, except on boundaries that
+    # carry a row of their own (a shared-prefix row: completions continue their prompts), whose row
+    # it reads as eager code does (a graph break, the row right)
+    shared = SharedPrefixRow(np.array([3, 0, 2]), np.array([2, 4, 1]))
+    plain = shared.cu_seqlens.clone()
+    remember(shared.cu_seqlens, "packed_row", shared)  # as nopad's shared_prefix_row keeps it
+
+    def kind(cu: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        row = _routing._row_of(cu, {"cu_seq_lens_q": cu, "max_length_q": 4}, x.shape[0])
+        return x + (2 if isinstance(row, SharedPrefixRow) else 1 if isinstance(row, BoundedRow) else 0)
+
+    compiled = torch.compile(kind, backend="eager")
+    x = torch.zeros(12)
+    assert compiled(shared.cu_seqlens, x).tolist() == [2] * 12
+    assert compiled(plain, x).tolist() == [1] * 12
