@@ -28,6 +28,11 @@ continues from its prompt's final state (the conv reads the prompt's last K - 1 
 rule and the scan run the prompts as one packed row, then the completions as another, each from its
 prompt's final state), in the torch forms.
 
+Under torch.compile the routing hands these forms a :class:`BoundedRow` instead: the boundaries, the
+token count and a bound on the longest sequence, no host lengths, so dynamo traces them whole. Its
+:class:`DenseChunkLayout` puts every sequence on the longest's chunk count (the chunks past a
+sequence's end are zeros, which leave the state as it is): the graph depends on that count alone.
+
 Shapes: T tokens of the packed row, N sequences, H heads.
 """
 
