@@ -125,7 +125,7 @@ _PACKED_FORWARD = _RowState("nopad_packed_forward")
 # to a module on the way down to it, for the primitives it calls without them (set by their routed
 # forwards from their kwargs, so a checkpointed layer's recomputation, given the same kwargs again,
 # sets them again; see the section on transformers 5.10 below)
-_LAYER_ROW = _RowState("nopad_layer_row")
+_LAYER_ROW = _RowState("nopad_layer_row")  # (cu_seqlens, SP group, longest or None)
 
 
 def packed_forward_boundaries() -> tuple[Tensor, int | None] | None:
@@ -166,6 +166,9 @@ def _longest(cu: Tensor, kwargs: dict) -> Any:
     for side in ("q", "k"):
         if kwargs.get(f"cu_seq_lens_{side}") is cu and kwargs.get(f"max_length_{side}"):
             return kwargs[f"max_length_{side}"]
+    layer = _LAYER_ROW.get()  # a 5.10-shaped layer's: handed on from the kwargs of a module above it
+    if layer is not None and layer[0] is cu and layer[2]:
+        return layer[2]
     forward = _PACKED_FORWARD.get()
     return forward.longest if forward is not None and forward.cu_seqlens is cu else None
 
@@ -203,7 +206,7 @@ def _row_source(kwargs: dict, owner: str, boundaries: Any = None) -> tuple[Tenso
             group = layer[1]
         return cu, group
     if layer is not None:
-        return layer
+        return layer[0], layer[1]
     forward = _PACKED_FORWARD.get()
     if forward is None:
         return None
@@ -997,15 +1000,16 @@ def _recomputes_itself(module: torch.nn.Module) -> bool:
 
 def _scoped_row(module: torch.nn.Module, kwargs: dict) -> Any:
     """The row a module on the way to a 5.10-shaped layer hands the layers below it: the boundaries
-    among its kwargs; none (so a packed call below reads the forward's row, which is refused under
-    checkpointing) where backward recomputes it or its children from their own arguments, which an
-    outer row does not reach; else whatever its caller handed down (``_KEEP``)."""
+    among its kwargs (cu_seqlens, SP group, longest or None); none (so a packed call below reads the
+    forward's row, which is refused under checkpointing) where backward recomputes it or its children
+    from their own arguments, which an outer row does not reach; else whatever its caller handed
+    down (``_KEEP``)."""
     checkpointed = (
         type(module).__name__ == "CheckpointWrapper" or getattr(module, "gradient_checkpointing", False) is True
     )
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None and (not checkpointed or _recomputes_itself(module)):
-        return cu, kwargs.get(SP_GROUP_KWARG)
+        return cu, kwargs.get(SP_GROUP_KWARG), kwargs.get("max_length_q")
     return None if checkpointed else _KEEP
 
 
