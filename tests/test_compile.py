@@ -5,7 +5,9 @@ A caller that hands the packed row's boundaries as kwargs (``cu_seq_lens_q/k`` t
 them) compiles with ``fullgraph=True``: no graph break in nopad's code (under compile the routing
 keeps its per-forward state on lists dynamo traces, not in context variables; no boundary value is
 read; the kernel is chosen before tracing), the compiled forward and backward equal to the eager packed ones,
-and a bounded number of graphs over batches of random lengths with ``dynamic=True``. A decoder that
+and a bounded number of graphs over batches of random lengths with ``dynamic=True``. So do the
+hybrids (Qwen3.5's gated delta nets, Bamba's Mamba2 scans): under compile their state layers run on
+the boundaries, the token count and ``max_length_q``, a graph per chunk count of the longest sequence. A decoder that
 calls its layers without the model's kwargs (Moshi on transformers 5.20) finds the row there:
 compiled, it is exact too, never the whole row attended as one sequence.
 
@@ -15,13 +17,16 @@ choice-free part; inductor's cold compile costs ~1 minute here); one inductor ru
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 from torch._dynamo.utils import counters  # noqa: E402
 
+from nopad.core._memo import remember  # noqa: E402
 from nopad.modeling import _routing, use_packed_attention  # noqa: E402
+from nopad.modeling._layers import BoundedRow, SharedPrefixRow  # noqa: E402
 from nopad.synthetic import tiny_causal_lm  # noqa: E402
 
 BATCHES = 50
@@ -155,19 +160,25 @@ def test_a_decoder_that_drops_the_kwargs_compiles_exact_never_as_one_sequence(dy
         assert dynamo["stats"]["unique_graphs"] == 1
 
 
-@pytest.mark.slow  # ~35 s of CPU each here: dynamo traces 20-odd graphs per forward
+@pytest.mark.slow  # ~25 s of CPU per graph here: dynamo traces the whole hybrid; a step then takes ~0.05 s
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba"])
-def test_a_compiled_hybrid_is_exact_where_nopad_still_breaks_its_graph(dynamo, arch) -> None:
-    # the packed forms of the gated delta nets and Mamba2 scans break the graph (PackedRow's host
-    # arithmetic on the lengths, the memo's tensor versions: nopad's, not the model's, whose padded
-    # forward compiles whole); between the graphs the state layers still find their row
+def test_a_routed_hybrid_compiles_whole_and_exact_over_50_batches_of_random_lengths(dynamo, arch) -> None:
+    # the packed forms of the gated delta nets and Mamba2 scans trace without a break: under compile
+    # each state layer runs on the boundaries, the token count and the forward's longest sequence
+    # (max_length_q), every sequence over the longest's chunk count, so the graph depends on that
+    # count alone: Qwen3.5's 64-token chunks take 1 for sequences of 1-40 tokens, Bamba's 32-token
+    # chunks 1 or 2 (a graph each), whatever the lengths and the number of sequences
     model = use_packed_attention(tiny_causal_lm(arch, layers=2))
-    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
-    with torch.no_grad():
-        batch = _packed_batches(1, seed=3)[0]
-        logits = compiled(**batch).logits
-        _assert_alone(model, batch, logits)
-        torch.testing.assert_close(logits, model(**batch).logits, **TOL)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    batches = _packed_batches(BATCHES, seed=3)
+    chunk = 64 if arch == "qwen3_5" else model.config.mamba_chunk_size
+    counts = {-(-batch["max_length_q"] // chunk) for batch in batches}
+    assert counts == ({1} if arch == "qwen3_5" else {1, 2}), counts  # the batches reach every count
+    _compiled_equals_eager(model, compiled, batches)
+    assert sum(dynamo["graph_break"].values()) == 0, dict(dynamo["graph_break"])
+    # one graph per chunk count, and the root pre-hook's where torch.compile(model) makes it a frame
+    graphs = dynamo["stats"]["unique_graphs"]
+    assert len(counts) <= graphs <= min(len(counts) + 1, MOST_GRAPHS), graphs
 
 
 def test_a_function_compiled_alone_reads_the_row_an_eager_forward_set(dynamo) -> None:
@@ -184,3 +195,21 @@ def test_a_function_compiled_alone_reads_the_row_an_eager_forward_set(dynamo) ->
     finally:
         state.reset(token)
     assert compiled(x).tolist() == [0, 0]
+
+
+def test_under_compile_a_shared_prefix_row_is_read_from_its_boundaries_never_made_plain(dynamo) -> None:
+    # a compiled call builds its row from the boundaries and max_length_q, except on boundaries that
+    # carry a row of their own (a shared-prefix row: completions continue their prompts), whose row
+    # it reads as eager code does (a graph break, the row right)
+    shared = SharedPrefixRow(np.array([3, 0, 2]), np.array([2, 4, 1]))
+    plain = shared.cu_seqlens.clone()
+    remember(shared.cu_seqlens, "packed_row", shared)  # as nopad's shared_prefix_row keeps it
+
+    def kind(cu: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        row = _routing._row_of(cu, {"cu_seq_lens_q": cu, "max_length_q": 4}, x.shape[0])
+        return x + (2 if isinstance(row, SharedPrefixRow) else 1 if isinstance(row, BoundedRow) else 0)
+
+    compiled = torch.compile(kind, backend="eager")
+    x = torch.zeros(12)
+    assert compiled(shared.cu_seqlens, x).tolist() == [2] * 12
+    assert compiled(plain, x).tolist() == [1] * 12

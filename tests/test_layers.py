@@ -302,6 +302,32 @@ def test_ssd_scan_equals_each_sequence_alone_forward_and_backward(groups, chunk)
         _assert_close(g_packed, g_alone, f"grad of {name}")
 
 
+@pytest.mark.parametrize("slack", [0, 20])  # the longest as given, or a bound above it
+def test_the_row_a_compiled_forward_builds_computes_what_the_host_lengths_row_does(slack):
+    # under torch.compile the state layers run on a BoundedRow (boundaries, token count, a bound on
+    # the longest sequence; no host lengths): every sequence over the longest's chunk count, its
+    # chunks past its end zeros. Same outputs and gradients as the aligned layout's, an empty
+    # sequence and sequences of several chunks included
+    lengths = [*MIXED[:4], 0, *MIXED[4:]]
+    row = PackedRow.from_lengths(lengths)
+    bounded = layers.BoundedRow(row.cu_seqlens, sum(lengths), max(lengths) + slack)
+    assert bounded.layout(16).num_chunks == len(lengths) * -(-(max(lengths) + slack) // 16)
+    gdn = _gdn_inputs(sum(lengths), 2, 4, 8, 6)
+    ssd = _ssd_inputs(sum(lengths), 4, 6, 2, 5)
+    x, dt, A, B, C, D, dt_bias = ssd
+    conv = [_rand(6, sum(lengths)), _rand(6, 4, seed=1), _rand(6, seed=2)]
+    runs = {
+        "gated delta rule": (gdn, lambda r: gated_delta_rule(*gdn, r, chunk_size=16, use_qk_l2norm=True)),
+        "SSD scan": (ssd, lambda r: ssd_scan(x, dt, A, B, C, r, chunk_size=16, D=D, dt_bias=dt_bias, dt_softplus=True)),
+        "conv": (conv, lambda r: causal_conv1d(*conv, r, activation="silu")),
+    }
+    for name, (inputs, run) in runs.items():
+        out, expected = run(bounded), run(row)
+        _assert_close(out, expected, f"{name}: bounded row vs host-lengths row")
+        for got, want in zip(_grads(out, inputs), _grads(expected, inputs), strict=True):
+            _assert_close(got, want, f"{name}: gradients")
+
+
 @settings(max_examples=20, deadline=None)
 @given(lengths=lengths_st, chunk=st.sampled_from([4, 16, 32]))
 def test_ssd_scan_equals_transformers_per_sequence_for_any_lengths_and_chunks(lengths, chunk):

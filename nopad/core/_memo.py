@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 _SLOT = "_nopad_memo"
+_TAGS = "_nopad_tags"
 _MISSING = object()
 
 
@@ -42,6 +43,18 @@ def recall(obj: Any, key: Hashable, default: Any = None) -> Any:
         memo.clear()
         return default
     return entry[1]
+
+
+def tag(obj: Any, name: str) -> None:
+    """Tag ``obj`` with ``name``: a fact about the object itself (what made it), kept apart from the
+    memo's entries so that reading it reads nothing else (torch.compile guards on the tags alone, not
+    on the memo's keys, which name other forwards' facts)."""
+    setattr(obj, _TAGS, getattr(obj, _TAGS, frozenset()) | {name})
+
+
+def tagged(obj: Any, name: str) -> bool:
+    """Whether ``obj`` was tagged with ``name``."""
+    return name in getattr(obj, _TAGS, ())
 
 
 def remember(obj: Any, key: Hashable, value: Any) -> Any:

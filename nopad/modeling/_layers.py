@@ -34,6 +34,11 @@ forced, by name: causal-conv1d takes no initial states with ``seq_idx`` (the tor
 gathers), and mamba-ssm's scan takes one initial state per batch row, which ``seq_idx`` resets to
 zero at every later sequence, its per-sequence final states forward-only.
 
+Under torch.compile the routing hands these forms a :class:`BoundedRow` instead: the boundaries, the
+token count and a bound on the longest sequence, no host lengths, so dynamo traces them whole. Its
+:class:`DenseChunkLayout` puts every sequence on the longest's chunk count (the chunks past a
+sequence's end are zeros, which leave the state as it is): the graph depends on that count alone.
+
 Shapes: T tokens of the packed row, N sequences, H heads.
 """
 
@@ -61,7 +66,11 @@ from nopad.core._layout import (
     position_ids_of,
     spread_over_tokens,
 )
+from nopad.core._memo import tag
 from nopad.core._probe import probe
+
+# the tag of boundaries whose row is kept on them (a shared-prefix row's): not derivable from them
+ROW_OF_ITS_OWN = "row of its own"
 
 
 class PackedRow:
@@ -100,9 +109,14 @@ class PackedRow:
         return self.cu_seqlens.device
 
     @property
+    def count(self) -> int:
+        """N, the number of sequences."""
+        return len(self.lengths)
+
+    @property
     def seq_idx(self) -> Tensor:
         """(1, T) int32 index of each token's sequence: the boundaries as causal-conv1d and mamba-ssm take them."""
-        rows = torch.arange(len(self.lengths), device=self.device, dtype=torch.int64)
+        rows = torch.arange(self.count, device=self.device, dtype=torch.int64)
         return spread_over_tokens(rows, self.cu_seqlens, self.total).to(torch.int32).unsqueeze(0)
 
     def to_padded(self, x: Tensor) -> Tensor:
@@ -199,6 +213,77 @@ class ChunkLayout:
         return y.flatten(0, 1).index_select(0, self.slots)
 
 
+class BoundedRow(PackedRow):
+    """A packed row known by its boundaries on the device, its token count and a bound on its
+    longest sequence, with no host lengths: the row a compiled forward builds (torch.compile traces
+    it whole: no host read, no sync; the token count and the number of sequences stay symbolic).
+
+    ``cu_seqlens`` (N+1,), ``total`` T, ``longest`` at least the longest sequence's length (the
+    forward's ``max_length_q``; a smaller one fails the chunk layout's copy). Its chunk layouts are
+    :class:`DenseChunkLayout`: every sequence on the longest's chunk count, so their one host int is
+    that count (a compiled forward's graph is specialised on it, not on the lengths).
+    """
+
+    def __init__(self, cu_seqlens: Tensor, total: int, longest: int) -> None:
+        self.cu_seqlens = cu_seqlens.to(torch.int64)
+        self.total = total
+        self.longest = longest
+        self.position_ids = position_ids_of(self.cu_seqlens, total)
+        self._layouts: dict[int, ChunkLayout] = {}
+        self._padded = None
+
+    @property
+    def count(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
+
+    def _padded_plan(self) -> IndexPlan:
+        if self._padded is None:
+            lengths = self.cu_seqlens.diff()
+            self._padded = IndexPlan(
+                lengths,
+                self.cu_seqlens,
+                total=self.total,
+                width=self.longest,
+                starts=torch.zeros_like(lengths),
+                max_seqlen=self.longest,
+            )
+        return self._padded
+
+    def layout(self, chunk: int) -> ChunkLayout:
+        """The dense chunk layout of this row for ``chunk``-token chunks (cached)."""
+        if chunk not in self._layouts:
+            self._layouts[chunk] = DenseChunkLayout(self, chunk)
+        return self._layouts[chunk]
+
+
+class DenseChunkLayout(ChunkLayout):
+    """A :class:`ChunkLayout` with no host lengths: each of the N sequences on S = ceil(longest /
+    chunk) chunks of its own, step-major (step c's chunks are c*N .. c*N + N - 1, sequence order),
+    the chunks past a sequence's end all zeros. A zero chunk leaves the delta rule's and the scan's
+    state as it is (decay exp(0) = 1, no key, no input), so every sequence advances at every step and
+    its final state is the last step's. Costs N * S chunks where the aligned layout takes the sum
+    of the sequences' own counts: the price of a graph that does not depend on the lengths."""
+
+    def __init__(self, row: BoundedRow, chunk: int) -> None:
+        self.chunk = chunk
+        count = row.count
+        self.num_chunks = ceil_div(row.longest, chunk) * count
+        self.steps = [(step * count, count) for step in range(ceil_div(row.longest, chunk))]
+        positions = row.position_ids
+        rows = torch.arange(count, device=row.device, dtype=torch.int64)
+        seq = spread_over_tokens(rows, row.cu_seqlens, row.total)  # each token's sequence
+        self.slots = ((positions // chunk) * count + seq) * chunk + positions % chunk
+
+    def by_rank(self, per_sequence: Tensor) -> Tensor:
+        return per_sequence
+
+    def by_sequence(self, per_rank: Tensor) -> Tensor:
+        return per_rank
+
+    def finishing(self, step: int) -> int:
+        return self.steps[step][1] if step + 1 < len(self.steps) else 0
+
+
 class SharedPrefixRow(PackedRow):
     """A packed row in the shared-prefix layout (:mod:`nopad.batches._prefixes`): blocks, each an
     optional prompt then a completion; a completion continues its group's prompt, the one in the
@@ -234,6 +319,7 @@ class SharedPrefixRow(PackedRow):
         parts = np.stack([prompt_parts, completions], 1).reshape(-1)  # (2B,) prompt, completion, ...
         part_offsets = host_offsets(parts)
         super().__init__(host_to_device(part_offsets, device), parts)
+        tag(self.cu_seqlens, ROW_OF_ITS_OWN)  # a compiled forward reads this row, never a plain one of them
         group = np.cumsum(leads) - 1  # (B,) the group of each block: its prompt's index among the prompts
         lead_block = np.flatnonzero(leads)[group] if blocks else group
         prompt_offsets, completion_offsets = host_offsets(prompt_parts), host_offsets(completions)
@@ -442,7 +528,7 @@ def _gated_delta_rule(
     chunk_decay = decay[..., -1].exp()[..., None, None]
     advancing = layout.steps[0][1] if layout.steps else 0
     if initial_state is None:
-        initial = q.new_zeros((len(row.lengths), H, k.shape[-1], Dv)) if final_state else None
+        initial = q.new_zeros((row.count, H, k.shape[-1], Dv)) if final_state else None
         state = q.new_zeros((advancing, H, k.shape[-1], Dv))
     else:
         initial = layout.by_rank(initial_state.float())
@@ -575,7 +661,7 @@ def _ssd_scan(
     chunk_decay = decay[..., -1].exp()[..., None, None]  # (chunks, H, 1, 1)
     advancing = layout.steps[0][1] if layout.steps else 0
     if initial_states is None:
-        initial = xs.new_zeros((len(row.lengths), H, P, B.shape[-1])) if final_state else None
+        initial = xs.new_zeros((row.count, H, P, B.shape[-1])) if final_state else None
         state = xs.new_zeros((advancing, H, P, B.shape[-1]))
     else:
         initial = layout.by_rank(initial_states.float())

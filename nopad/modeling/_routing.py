@@ -40,8 +40,10 @@ from torch import Tensor
 from nopad.core._batch import takes_keyword
 from nopad.core._errors import input_error
 from nopad.core._layout import IndexPlan, known_host_lengths, remember_host_lengths
-from nopad.core._memo import memo, recall, remember
+from nopad.core._memo import memo, recall, remember, tagged
 from nopad.modeling._layers import (
+    ROW_OF_ITS_OWN,
+    BoundedRow,
     PackedRow,
     causal_conv1d,
     gated_delta_rule,
@@ -123,7 +125,7 @@ _PACKED_FORWARD = _RowState("nopad_packed_forward")
 # to a module on the way down to it, for the primitives it calls without them (set by their routed
 # forwards from their kwargs, so a checkpointed layer's recomputation, given the same kwargs again,
 # sets them again; see the section on transformers 5.10 below)
-_LAYER_ROW = _RowState("nopad_layer_row")
+_LAYER_ROW = _RowState("nopad_layer_row")  # (cu_seqlens, SP group, longest or None)
 
 
 def packed_forward_boundaries() -> tuple[Tensor, int | None] | None:
@@ -138,6 +140,37 @@ def packed_row_of(cu_seqlens: Tensor) -> PackedRow:
     identity: every layer of a forward, and a checkpointed layer's recomputation, get the same one).
     One host sync the first time, unless nopad recorded the lengths when it made the tensor."""
     return memo(cu_seqlens, "packed_row", lambda: PackedRow.from_cu_seqlens(cu_seqlens, known_host_lengths(cu_seqlens)))
+
+
+def _row_of(cu: Tensor, kwargs: dict, tokens: Any) -> PackedRow:
+    """The row a call of ``tokens`` tokens (the whole row's) runs on: :func:`packed_row_of` in eager
+    code; under torch.compile a :class:`BoundedRow` of the boundaries, the token count and the longest
+    sequence the forward was handed (``max_length_q``, a host int known before it), which dynamo traces
+    without a break (no host read of the lengths, no read of the memo, whose entries name other
+    forwards' facts: a guard on them would recompile). Built per call: nothing derived in one graph
+    is kept for another. A compiled call with no longest known, or on boundaries tagged as carrying a
+    row of their own (a shared-prefix row's), takes :func:`packed_row_of` (graph breaks, the row right)."""
+    if torch.compiler.is_compiling() and not tagged(cu, ROW_OF_ITS_OWN):
+        longest = _longest(cu, kwargs)
+        if longest:
+            return BoundedRow(cu, tokens, longest)
+    return packed_row_of(cu)
+
+
+def _longest(cu: Tensor, kwargs: dict) -> Any:
+    """The longest sequence of the row ``cu`` bounds, as the call's kwargs tell it (``max_length_q``
+    beside ``cu_seq_lens_q``; a layer that hands the boundaries on as ``cu_seqlens`` keeps the
+    ``_k`` pair), else as the forward was handed it, else None. Under torch.compile one the compiled
+    frame was handed is symbolic; the forward's, where the root's hook ran as a frame of its own, is
+    a constant of the graph (a graph per value)."""
+    for side in ("q", "k"):
+        if kwargs.get(f"cu_seq_lens_{side}") is cu and kwargs.get(f"max_length_{side}"):
+            return kwargs[f"max_length_{side}"]
+    layer = _LAYER_ROW.get()  # a 5.10-shaped layer's: handed on from the kwargs of a module above it
+    if layer is not None and layer[0] is cu and layer[2]:
+        return layer[2]
+    forward = _PACKED_FORWARD.get()
+    return forward.longest if forward is not None and forward.cu_seqlens is cu else None
 
 
 @dataclass
@@ -173,7 +206,7 @@ def _row_source(kwargs: dict, owner: str, boundaries: Any = None) -> tuple[Tenso
             group = layer[1]
         return cu, group
     if layer is not None:
-        return layer
+        return layer[0], layer[1]
     forward = _PACKED_FORWARD.get()
     if forward is None:
         return None
@@ -197,7 +230,8 @@ def _packed_call(kwargs: dict, owner: str, local_tokens: int, boundaries: Any = 
     if source is None:
         return None
     cu, group = source
-    call = _Call(packed_row_of(cu), None if group is None or dist.get_world_size(group) == 1 else group)
+    group = None if group is None or dist.get_world_size(group) == 1 else group
+    call = _Call(_row_of(cu, kwargs, local_tokens * (1 if group is None else dist.get_world_size(group))), group)
     if local_tokens * call.world != call.row.total:
         raise input_error(
             owner,
@@ -612,8 +646,12 @@ def rebind(fn: Callable, globals_: dict[str, Any]) -> Callable:
         chain.append(chain[-1].__wrapped__)
     inner = chain[-1]
     new_globals = {**inner.__globals__, **globals_}
+    # without the module's name: torch.compile reads the globals of a function whose globals name a
+    # module from that module (its unrebound primitives), and of any other from the dict itself
+    new_globals.pop("__name__", None)
     current = types.FunctionType(inner.__code__, new_globals, inner.__name__, inner.__defaults__, inner.__closure__)
     current.__kwdefaults__, current.__qualname__ = inner.__kwdefaults__, inner.__qualname__
+    current.__module__ = inner.__module__
     current.__dict__.update(inner.__dict__)
     for wrapper, wrapped in zip(reversed(chain[:-1]), reversed(chain[1:])):
         current = _replaced(wrapper, wrapped, current)
@@ -969,15 +1007,16 @@ def _recomputes_itself(module: torch.nn.Module) -> bool:
 
 def _scoped_row(module: torch.nn.Module, kwargs: dict) -> Any:
     """The row a module on the way to a 5.10-shaped layer hands the layers below it: the boundaries
-    among its kwargs; none (so a packed call below reads the forward's row, which is refused under
-    checkpointing) where backward recomputes it or its children from their own arguments, which an
-    outer row does not reach; else whatever its caller handed down (``_KEEP``)."""
+    among its kwargs (cu_seqlens, SP group, longest or None); none (so a packed call below reads the
+    forward's row, which is refused under checkpointing) where backward recomputes it or its children
+    from their own arguments, which an outer row does not reach; else whatever its caller handed
+    down (``_KEEP``)."""
     checkpointed = (
         type(module).__name__ == "CheckpointWrapper" or getattr(module, "gradient_checkpointing", False) is True
     )
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None and (not checkpointed or _recomputes_itself(module)):
-        return cu, kwargs.get(SP_GROUP_KWARG)
+        return cu, kwargs.get(SP_GROUP_KWARG), kwargs.get("max_length_q")
     return None if checkpointed else _KEEP
 
 
