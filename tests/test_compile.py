@@ -181,6 +181,27 @@ def test_a_routed_hybrid_compiles_whole_and_exact_over_50_batches_of_random_leng
     assert len(counts) <= graphs <= min(len(counts) + 1, MOST_GRAPHS), graphs
 
 
+@pytest.mark.slow  # 9-21 s each here: a graph or two per model
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "gpt_oss", "lfm2"])
+def test_windows_sinks_and_short_convs_compile_whole_and_exact(dynamo, model_type) -> None:
+    # the other kinds of layer nopad serves, as transformers ships them (nopad env's tiny models):
+    # sliding windows of 16 tokens (Gemma 2 and 3, gpt-oss; the batches' sequences reach 40), gpt-oss's
+    # attention sinks, LFM2's short convolutions: fullgraph, no break, equal to eager, each sequence
+    # as alone
+    from nopad._apps.families import tiny_model
+
+    model = tiny_model(model_type)
+    vocab = model.config.get_text_config().vocab_size
+    model = use_packed_attention(model.float())
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    batches = _packed_batches(6, seed=5)
+    for batch in batches:
+        batch["input_ids"] = batch["input_ids"] % vocab
+    _compiled_equals_eager(model, compiled, batches)
+    assert sum(dynamo["graph_break"].values()) == 0, dict(dynamo["graph_break"])
+    assert 1 <= dynamo["stats"]["unique_graphs"] <= MOST_GRAPHS, dynamo["stats"]["unique_graphs"]
+
+
 def test_a_function_compiled_alone_reads_the_row_an_eager_forward_set(dynamo) -> None:
     # a block compiled alone under an eager root (torchtitan compiles each block): traced with no
     # row set, its read returns None in the graph, guarded on no eager set being in force; set, the
