@@ -527,7 +527,14 @@ def test_a_hybrid_on_the_shared_layout_equals_each_row_alone_with_every_gradient
     plan = plan_shared_prefixes(input_ids, prompt_lengths)
     assert plan.groups == 5 and plan.shared
     weights = torch.randn(plan.rows, 16, generator=torch.Generator().manual_seed(0))
-    logits = model(input_ids=plan.pack(values)[None], shared_prefixes=plan, use_cache=False).logits[0]
+    try:
+        logits = model(input_ids=plan.pack(values)[None], shared_prefixes=plan, use_cache=False).logits[0]
+    except ValueError as refusal:  # a release whose decoder does not hand its layers the boundaries
+        import transformers
+
+        assert checkpointed, refusal  # (LFM2 on 5.20): refused by name, never recomputed as one sequence
+        assert f"of transformers {transformers.__version__} does not hand them to" in str(refusal)
+        return
     shared = plan_logprobs(logits, plan, values)
     sum((lp * weights[r, : lp.shape[0]]).sum() for r, lp in enumerate(shared)).backward()
     for r, (p, c) in enumerate(zip(prompts, completions)):  # each (prompt + completion) alone
