@@ -60,6 +60,7 @@ from torch import Tensor
 import nopad.batches._padding as _padding
 import nopad.integrations.verl._head as _head
 import nopad.integrations.verl._models as _models
+import nopad.integrations.verl._originals as _originals
 import nopad.integrations.verl._rows as _rows
 import nopad.integrations.verl._shared as _shared
 from nopad.core._batch import get_field, takes_keyword
@@ -68,6 +69,7 @@ from nopad.core._layout import is_nested, known_host_lengths, nested_offsets, re
 from nopad.core._torch_internals import cached_seqlens, jagged_values, wrap_jagged
 from nopad.engines._megatron import ThdPlan, postprocess_thd
 from nopad.integrations.verl._head import KERNEL_MODULE, TORCH_FUNCTIONAL_MODULE, FusedLinearForPPO
+from nopad.integrations.verl._originals import verl_original
 from nopad.parallel._cp import alignment_of
 
 SUPPORTED_VERSIONS = ("0.9.1",)
@@ -176,7 +178,7 @@ def preprocess_thd_engine(
         if pad_to_length_bucket is not None and pad_to_length_bucket > 0 and not use_fp8_padding:
             fallback = math.lcm(pad_to_length_bucket, cp_size) % align != 0  # verl's total would break alignment
     if fallback:
-        return _original(MCORE_UTIL_MODULE, "preprocess_thd_engine")(
+        return verl_original(MCORE_UTIL_MODULE, "preprocess_thd_engine")(
             input_ids,
             pre_process=pre_process,
             need_roll=need_roll,
@@ -237,7 +239,7 @@ def postprocess_thd_engine(
         raise input_error("batch_size", None, f"{rows}, the number of sequences in input_ids", repr(batch_size))
     util = _mcore_util()
     if util is None or local_cp_size is not None:
-        return _original(MCORE_UTIL_MODULE, "postprocess_thd_engine")(
+        return verl_original(MCORE_UTIL_MODULE, "postprocess_thd_engine")(
             output,
             packed_seq_params,
             input_ids,
@@ -258,76 +260,6 @@ def postprocess_thd_engine(
     )
 
 
-# verl's row utilities: the nested fields on nopad, everything else by verl's own function
-def index_select_tensor_dict(batch: TensorDict | None, indices: Tensor | list[int]) -> TensorDict | None:
-    """verl's ``index_select_tensor_dict``: the rows ``indices`` of ``batch``, nested fields in one gather each."""
-    return _rows.index_select_tensor_dict(batch, indices, _original)
-
-
-def chunk_tensordict(td: TensorDict, chunks: int) -> list[TensorDict]:
-    """verl's ``chunk_tensordict``: equal consecutive parts, nested fields ((B, C, j) included) as views."""
-    return _rows.chunk_tensordict(td, chunks, _original)
-
-
-def concat_nested_tensors(tensors: list[Tensor]) -> Tensor:
-    """verl's ``concat_nested_tensors``: the rows of jagged nested tensors one after another, one cat."""
-    return _rows.concat_nested_tensors(tensors, _original)
-
-
-def concat_tensordict(data: list[TensorDict]) -> TensorDict:
-    """verl's ``concat_tensordict``: one cat per nested field, everything else as verl joins it."""
-    return _rows.concat_tensordict(data, _original)
-
-
-def pad_to_divisor(data: TensorDict, size_divisor: int) -> tuple[TensorDict, int]:
-    """verl's ``pad_to_divisor``: rows repeated from the start (nested fields too, which verl cannot slice)."""
-    return _rows.pad_to_divisor(data, size_divisor, _original)
-
-
-def unpad(data: TensorDict, pad_size: int) -> TensorDict:
-    """verl's ``unpad``: ``data[:-pad_size]`` (nested fields too, which verl cannot slice)."""
-    return _rows.unpad(data, pad_size, _original)
-
-
-def rearrange_micro_batches(
-    batch: TensorDict,
-    max_token_len: int,
-    dp_group: Any = None,
-    num_batches_divided_by: int | None = None,
-    same_micro_num_in_dp: bool = True,
-    min_num_micro_batch: int | None = None,
-    use_dynamic_bsz_balance: bool = True,
-    force_group_size: int = 1,
-) -> tuple[list[TensorDict], list[list[int]]]:
-    """verl's ``rearrange_micro_batches``: verl's partitions, the micro-batches' tensors in one gather per field."""
-    return _rows.rearrange_micro_batches(
-        batch,
-        max_token_len,
-        dp_group,
-        num_batches_divided_by,
-        same_micro_num_in_dp,
-        min_num_micro_batch,
-        use_dynamic_bsz_balance,
-        force_group_size,
-        original=_original,
-    )
-
-
-def karmarkar_karp(seqlen_list: list[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
-    """verl's ``karmarkar_karp``: the same partitions from arrays (what nopad does not take: verl's)."""
-    return _rows.karmarkar_karp(seqlen_list, k_partitions, equal_size, _original)
-
-
-def get_seqlen_balanced_partitions(seqlen_list: list[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
-    """verl's ``get_seqlen_balanced_partitions``: the same partitions from arrays, each sorted."""
-    return _rows.get_seqlen_balanced_partitions(seqlen_list, k_partitions, equal_size, _original)
-
-
-def postprocess_batch_func(output_lst: list[dict], indices: list[list[int]] | None, data: TensorDict) -> dict:
-    """verl's ``postprocess_batch_func``: nested outputs joined and restored in one gather each."""
-    return _rows.postprocess_batch_func(output_lst, indices, data, _original)
-
-
 def _packed_causal_conv1d_fallback(
     self: Any, mixed_qkv: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Any = None
 ) -> Tensor:
@@ -339,7 +271,7 @@ def _packed_chunk_gated_delta_rule(
     self: Any, query, key, value, g, beta, cu_seqlens, cu_seqlens_cpu, cp_context=None
 ) -> tuple[Tensor, Any]:
     """verl's Qwen3.5 delta-rule fallback (one call per sequence) as one packed call: :mod:`._verl_models`."""
-    original = _original(_models.QWEN3_5_MODULE, "_packed_chunk_gated_delta_rule")
+    original = verl_original(_models.QWEN3_5_MODULE, "_packed_chunk_gated_delta_rule")
     return _models.packed_chunk_gated_delta_rule(
         self, query, key, value, g, beta, cu_seqlens, cu_seqlens_cpu, cp_context, original
     )
@@ -355,7 +287,7 @@ def linear_cross_entropy(
 ) -> tuple[Tensor, Tensor]:
     """verl's ``linear_cross_entropy`` (its fused Triton head, ``dist_process_group`` its vocabulary-parallel
     form): verl's kernel where it runs, nopad's tiles on any other device (:mod:`._verl_head`)."""
-    original = _original(KERNEL_MODULE, "linear_cross_entropy")
+    original = verl_original(KERNEL_MODULE, "linear_cross_entropy")
     return _head.linear_cross_entropy(
         hidden, weight, labels, temperature, reduction, dist_process_group, original=original
     )
@@ -375,20 +307,20 @@ REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
         "postprocess_thd_engine": postprocess_thd_engine,
     },
     _rows.TENSORDICT_UTILS: {
-        "index_select_tensor_dict": index_select_tensor_dict,
-        "chunk_tensordict": chunk_tensordict,
-        "concat_nested_tensors": concat_nested_tensors,
-        "concat_tensordict": concat_tensordict,
-        "pad_to_divisor": pad_to_divisor,
-        "unpad": unpad,
+        "index_select_tensor_dict": _rows.index_select_tensor_dict,
+        "chunk_tensordict": _rows.chunk_tensordict,
+        "concat_nested_tensors": _rows.concat_nested_tensors,
+        "concat_tensordict": _rows.concat_tensordict,
+        "pad_to_divisor": _rows.pad_to_divisor,
+        "unpad": _rows.unpad,
     },
     _rows.SEQLEN_BALANCING: {
-        "rearrange_micro_batches": rearrange_micro_batches,
+        "rearrange_micro_batches": _rows.rearrange_micro_batches,
         "restore_dynamic_batch": _rows.restore_dynamic_batch,
-        "get_seqlen_balanced_partitions": get_seqlen_balanced_partitions,
-        "karmarkar_karp": karmarkar_karp,
+        "get_seqlen_balanced_partitions": _rows.get_seqlen_balanced_partitions,
+        "karmarkar_karp": _rows.karmarkar_karp,
     },
-    _rows.ENGINE_UTILS: {"postprocess_batch_func": postprocess_batch_func},
+    _rows.ENGINE_UTILS: {"postprocess_batch_func": _rows.postprocess_batch_func},
     TORCH_FUNCTIONAL_MODULE: {"FusedLinearForPPO": FusedLinearForPPO},
     KERNEL_MODULE: {"linear_cross_entropy": linear_cross_entropy},
     _models.QWEN3_5_MODULE: {
@@ -523,6 +455,7 @@ class VerlPatch:
         self.active = False
         if _ACTIVE is self:
             _ACTIVE = None
+            _originals.learn_into(None)
 
     def __enter__(self) -> VerlPatch:
         return self
@@ -637,6 +570,7 @@ def install(*, check_version: bool = True, head_kernel: str = "auto", share_pref
         )
     patch = VerlPatch()
     patch.active = True
+    _originals.learn_into(patch.originals)
     importlib.import_module(PADDING_MODULE)  # cheap, and its originals are then known for every caller
     patch._patch_loaded()
     patch._finder = _VerlFinder(patch)
@@ -661,15 +595,3 @@ def _mcore_util() -> Any:
         return importlib.import_module(MCORE_UTIL_MODULE)
     except ImportError:
         return None
-
-
-def _original(module_name: str, name: str) -> Callable[..., Any]:
-    """verl's own function (for the options nopad leaves to verl), installed or not. The module is
-    imported first: under ``install()`` importing it is what records its originals."""
-    module = importlib.import_module(module_name)
-    if _ACTIVE is not None and (module_name, name) in _ACTIVE.originals:
-        return _ACTIVE.originals[module_name, name]
-    function = vars(module)[name]
-    if function is REPLACEMENTS[module_name][name]:
-        raise RuntimeError(f"{module_name}.{name}: verl's original is unknown (nopad's replacement is bound)")
-    return function

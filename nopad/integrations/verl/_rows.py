@@ -11,7 +11,6 @@ not a nested tensor) is left to verl's own function.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,12 +26,11 @@ from nopad.core._batch import get_field
 from nopad.core._errors import input_error
 from nopad.core._layout import device_to_host, is_nested, nested_offsets, ragged_dim
 from nopad.core._torch_internals import is_jagged, put_checked
+from nopad.integrations.verl._originals import verl_original
 
 TENSORDICT_UTILS = "verl.utils.tensordict_utils"
 SEQLEN_BALANCING = "verl.utils.seqlen_balancing"
 ENGINE_UTILS = "verl.workers.engine.utils"
-
-Original = Callable[[str, str], Callable[..., Any]]
 
 
 def _without_device(td: TensorDict) -> TensorDict:
@@ -98,10 +96,10 @@ def _nested_rows(td: TensorDict, nested: list[str], rows: Any) -> TensorDict:
     return take([td.select(*nested)], RowPlan.of(picked, [len(picked)], len(td)), reindex=False)[0]
 
 
-def index_select_tensor_dict(batch: TensorDict | None, indices: Tensor | list[int], original: Original) -> Any:
+def index_select_tensor_dict(batch: TensorDict | None, indices: Tensor | list[int]) -> Any:
     """verl's ``index_select_tensor_dict``: the rows ``indices`` of ``batch`` (None stays None), the
     nested fields in one gather each, the rest by verl's function."""
-    verls = original(TENSORDICT_UTILS, "index_select_tensor_dict")
+    verls = verl_original(TENSORDICT_UTILS, "index_select_tensor_dict")
     nested = _nested_keys(batch)
     if nested is None or batch is None:
         return verls(batch, indices)
@@ -110,10 +108,10 @@ def index_select_tensor_dict(batch: TensorDict | None, indices: Tensor | list[in
     return _merge([str(k) for k in batch.keys()], rest, _nested_rows(batch, nested, index))
 
 
-def chunk_tensordict(td: TensorDict, chunks: int, original: Original) -> Any:
+def chunk_tensordict(td: TensorDict, chunks: int) -> Any:
     """verl's ``chunk_tensordict``: ``chunks`` equal consecutive parts; nested fields (mrope's (B, C, j)
     included) as views of one buffer each."""
-    verls = original(TENSORDICT_UTILS, "chunk_tensordict")
+    verls = verl_original(TENSORDICT_UTILS, "chunk_tensordict")
     nested = _nested_keys(td)
     if nested is None:
         return verls(td, chunks)
@@ -128,10 +126,10 @@ def chunk_tensordict(td: TensorDict, chunks: int, original: Original) -> Any:
     return parts
 
 
-def concat_nested_tensors(tensors: list[Tensor], original: Original) -> Tensor:
+def concat_nested_tensors(tensors: list[Tensor]) -> Tensor:
     """verl's ``concat_nested_tensors``: the rows of jagged nested tensors one after another."""
     if not isinstance(tensors, (list, tuple)) or not tensors or not all(is_nested(t) for t in tensors):
-        return original(TENSORDICT_UTILS, "concat_nested_tensors")(tensors)
+        return verl_original(TENSORDICT_UTILS, "concat_nested_tensors")(tensors)
     for i, tensor in enumerate(tensors):
         if not is_jagged(tensor) or not tensor.is_contiguous() or tensor.dim() < 2:
             raise input_error(f"tensors[{i}]", None, "a contiguous jagged nested tensor (B, j, ...)", f"{tensor.shape}")
@@ -163,10 +161,10 @@ def _cat(tensors: list[Tensor], field: str) -> Tensor:
     return take_nested(tensors, RowPlan.of(None, [rows], rows), field)[0]
 
 
-def concat_tensordict(data: list[TensorDict], original: Original) -> Any:
+def concat_tensordict(data: list[TensorDict]) -> Any:
     """verl's ``concat_tensordict``: one cat per nested field; everything else by verl's function
     (tensordict's cat: 0.10 keeps the first part's NonTensorData and stacks NonTensorStacks)."""
-    verls = original(TENSORDICT_UTILS, "concat_tensordict")
+    verls = verl_original(TENSORDICT_UTILS, "concat_tensordict")
     nested = _nested_keys(data[0]) if isinstance(data, (list, tuple)) and data else None
     if nested is None:
         return verls(data)
@@ -195,11 +193,11 @@ def _count(value: Any, low: int, high: int | None = None) -> bool:
     return integer and low <= value and (high is None or value <= high)
 
 
-def pad_to_divisor(data: TensorDict, size_divisor: int, original: Original) -> Any:
+def pad_to_divisor(data: TensorDict, size_divisor: int) -> Any:
     """verl's ``pad_to_divisor``: rows repeated from the start to a multiple of ``size_divisor``.
     verl's own cannot slice a TensorDict with nested fields (tensordict 0.10); this one repeats them
     with one gather each. A divisor < 1 is verl's own (a negative pad size is no padding)."""
-    verls = original(TENSORDICT_UTILS, "pad_to_divisor")
+    verls = verl_original(TENSORDICT_UTILS, "pad_to_divisor")
     nested = _nested_keys(data)
     if nested is None or not _count(size_divisor, 1):
         return verls(data, size_divisor)
@@ -211,11 +209,11 @@ def pad_to_divisor(data: TensorDict, size_divisor: int, original: Original) -> A
     return _merge([str(k) for k in data.keys()], rest, _nested_rows(data, nested, rows)), pad
 
 
-def unpad(data: TensorDict, pad_size: int, original: Original) -> Any:
+def unpad(data: TensorDict, pad_size: int) -> Any:
     """verl's ``unpad``: ``data[:-pad_size]`` (``data`` itself for 0; a batch of no rows when every
     row goes), nested fields in one gather each. A pad size outside [0, rows] is verl's own (a
     negative one would keep rows from the start)."""
-    verls = original(TENSORDICT_UTILS, "unpad")
+    verls = verl_original(TENSORDICT_UTILS, "unpad")
     nested = _nested_keys(data)
     if nested is None or not _count(pad_size, 0, len(data)):
         return verls(data, pad_size)
@@ -244,21 +242,19 @@ def _nopad_partitions(seqlen_list: Any, k_partitions: Any, equal_size: Any) -> n
     return None if equal_size and array.size % k_partitions else array
 
 
-def karmarkar_karp(seqlen_list: list[int], k_partitions: int, equal_size: bool, original: Original) -> list[list[int]]:
+def karmarkar_karp(seqlen_list: list[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
     """verl's ``karmarkar_karp``: the same partitions, item for item, from arrays."""
     array = _nopad_partitions(seqlen_list, k_partitions, equal_size)
     if array is None:
-        return original(SEQLEN_BALANCING, "karmarkar_karp")(seqlen_list, k_partitions, equal_size)
+        return verl_original(SEQLEN_BALANCING, "karmarkar_karp")(seqlen_list, k_partitions, equal_size)
     return _karmarkar_karp(array, k_partitions, equal_size)
 
 
-def get_seqlen_balanced_partitions(
-    seqlen_list: list[int], k_partitions: int, equal_size: bool, original: Original
-) -> list[list[int]]:
+def get_seqlen_balanced_partitions(seqlen_list: list[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
     """verl's ``get_seqlen_balanced_partitions``: the same partitions, each sorted."""
     array = _nopad_partitions(seqlen_list, k_partitions, equal_size)
     if array is None:
-        return original(SEQLEN_BALANCING, "get_seqlen_balanced_partitions")(seqlen_list, k_partitions, equal_size)
+        return verl_original(SEQLEN_BALANCING, "get_seqlen_balanced_partitions")(seqlen_list, k_partitions, equal_size)
     partitions = balanced_partitions(array, k_partitions, equal_size)
     empty = [i for i, p in enumerate(partitions) if not p]
     if empty:
@@ -288,8 +284,6 @@ def rearrange_micro_batches(
     min_num_micro_batch: int | None = None,
     use_dynamic_bsz_balance: bool = True,
     force_group_size: int = 1,
-    *,
-    original: Original,
 ) -> tuple[list[TensorDict], list[list[int]]]:
     """verl's ``rearrange_micro_batches``: the same partitions (and, over a DP group, verl's own
     collectives, so the count is verl's), the micro-batches' tensors as one gather per field and
@@ -318,7 +312,7 @@ def rearrange_micro_batches(
             in_place = keys[: len(tensors)] == tensors  # the metadata comes last: added to each part as it is
             micro = [_with_metadata(keys, m, others, shared, in_place) for m in micro]
         else:  # per-row metadata (a NonTensorStack) or a sub-TensorDict: verl's own selection of them
-            verls = original(TENSORDICT_UTILS, "index_select_tensor_dict")
+            verls = verl_original(TENSORDICT_UTILS, "index_select_tensor_dict")
             micro = [_merge(keys, verls(others, p), m) for m, p in zip(micro, rows)]
     return micro, rows
 
@@ -342,9 +336,7 @@ def _with_metadata(keys: list[str], part: TensorDict, metadata: TensorDict, shar
     return out
 
 
-def postprocess_batch_func(
-    output_lst: list[dict], indices: list[list[int]] | None, data: TensorDict, original: Original
-) -> dict:
+def postprocess_batch_func(output_lst: list[dict], indices: list[list[int]] | None, data: TensorDict) -> dict:
     """verl's ``postprocess_batch_func``: losses and metrics as verl gathers them; nested model outputs
     joined and put back in the batch's row order in one gather each (verl unbinds every one)."""
     outputs: dict[str, list[Any]] = {}
@@ -352,9 +344,9 @@ def postprocess_batch_func(
         for key, value in o.get("model_output", {}).items() if "model_output" in o else ():
             outputs.setdefault(key, []).append(value)
     if not all(is_jagged(v) and ragged_dim(v) == 1 for parts in outputs.values() for v in parts):
-        return original(ENGINE_UTILS, "postprocess_batch_func")(output_lst, indices, data)
+        return verl_original(ENGINE_UTILS, "postprocess_batch_func")(output_lst, indices, data)
     without = [{k: v for k, v in o.items() if k != "model_output"} for o in output_lst]
-    result = original(ENGINE_UTILS, "postprocess_batch_func")(without, indices, data)
+    result = verl_original(ENGINE_UTILS, "postprocess_batch_func")(without, indices, data)
 
     use_dynamic_bsz = get_field(data, "use_dynamic_bsz", True)  # verl's default
     if use_dynamic_bsz and outputs and indices is None:
