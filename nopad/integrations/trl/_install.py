@@ -21,6 +21,7 @@ from nopad.core._errors import input_error
 from nopad.engines import packed_logprobs
 from nopad.engines._prefixes import switched_to_shared_attention
 from nopad.modeling import packed_attention
+from nopad.modeling._routing import checkpointed
 
 _SUPPORTED_VERSIONS = ("1.16.0",)
 _METHOD = "_get_per_token_logps_and_entropies"
@@ -127,7 +128,7 @@ def _packed_per_token_logps_and_entropies(
         _HELD.release()
     share = share_prefixes and router is None  # the aux loss counts each row's prompt: unshared
     chunks = token_budget_chunks(attention_mask, batch_size or rows, keep_rows=router is not None)
-    held = _HeldUntilBackward(model, shared=share) if torch.is_grad_enabled() and _checkpointed(model) else None
+    held = _HeldUntilBackward(model, shared=share) if torch.is_grad_enabled() and checkpointed(model) else None
     temperature = float(self.temperature)
     log_probs: list[Tensor] = []
     entropies: list[Tensor] = []
@@ -390,17 +391,6 @@ def _check_head_precision(trainer: Any, model: torch.nn.Module) -> None:
     if weight is None or weight.dtype != torch.float32 or mixed != "no":
         got = f"head weights {getattr(weight, 'dtype', None)}, mixed precision {mixed!r}"
         raise _refuse("cast_lm_head_to_fp32", "float32 head weights and no mixed precision (or False)", got)
-
-
-def _checkpointed(model: torch.nn.Module) -> bool:
-    """Whether some layer of ``model`` recomputes its forward in backward (transformers' flag or a wrapper)."""
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else ""
-    if getattr(model, flag or "is_gradient_checkpointing", False):
-        return True
-    return any(
-        type(m).__name__ == "CheckpointWrapper" or getattr(m, "gradient_checkpointing", False) is True
-        for m in model.modules()
-    )
 
 
 def _trl_version() -> str | None:
