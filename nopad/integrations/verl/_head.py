@@ -23,6 +23,7 @@ from torch import Tensor
 from nopad.core._batch import check_choice
 from nopad.core._errors import input_error
 from nopad.core._probe import probe
+from nopad.integrations.verl._originals import verl_original
 from nopad.modeling._logprobs import checked_head, head_log_probs
 
 TORCH_FUNCTIONAL_MODULE = "verl.utils.experimental.torch_functional"
@@ -104,7 +105,7 @@ def linear_cross_entropy(
     reduction: str = "none",
     dist_process_group: Any = None,
     *,
-    original: Any,
+    original: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """verl's ``linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group)``.
 
@@ -114,9 +115,11 @@ def linear_cross_entropy(
     0-d sum / mean of the log-probs (the entropy stays (T,)), as verl's kernel returns them. Backward:
     the gradient of ``hidden`` in its own shape and, under a process group, this rank's part of it
     (verl's kernel leaves the sum to its callers: Megatron's sequence-parallel gather reduces it),
-    of ``weight`` its own rows. ``original`` is verl's function: it runs where the user's choice
-    (:func:`use_kernel`) and its probe let it; nopad's tiles serve every other call, on any device.
+    of ``weight`` its own rows. ``original`` is verl's function (None: the one ``install()`` replaced): it
+    runs where the user's choice (:func:`use_kernel`) and its probe let it; nopad's tiles serve every other
+    call, on any device.
     """
+    original = verl_original(KERNEL_MODULE, "linear_cross_entropy") if original is None else original
     if not isinstance(reduction, str) or reduction.lower() not in REDUCTIONS:
         raise input_error("reduction", None, f"one of {list(REDUCTIONS)} (verl's reductions)", repr(reduction))
     kernel = _choice["kernel"]

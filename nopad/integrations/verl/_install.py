@@ -260,39 +260,6 @@ def postprocess_thd_engine(
     )
 
 
-def _packed_causal_conv1d_fallback(
-    self: Any, mixed_qkv: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Any = None
-) -> Tensor:
-    """verl's Qwen3.5 conv fallback (one conv per sequence) as one packed conv: :mod:`._verl_models`."""
-    return _models.packed_causal_conv1d_fallback(self, mixed_qkv, cu_seqlens, cu_seqlens_cpu)
-
-
-def _packed_chunk_gated_delta_rule(
-    self: Any, query, key, value, g, beta, cu_seqlens, cu_seqlens_cpu, cp_context=None
-) -> tuple[Tensor, Any]:
-    """verl's Qwen3.5 delta-rule fallback (one call per sequence) as one packed call: :mod:`._verl_models`."""
-    original = verl_original(_models.QWEN3_5_MODULE, "_packed_chunk_gated_delta_rule")
-    return _models.packed_chunk_gated_delta_rule(
-        self, query, key, value, g, beta, cu_seqlens, cu_seqlens_cpu, cp_context, original
-    )
-
-
-def linear_cross_entropy(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    temperature: float | Tensor = 1.0,
-    reduction: str = "none",
-    dist_process_group: Any = None,
-) -> tuple[Tensor, Tensor]:
-    """verl's ``linear_cross_entropy`` (its fused Triton head, ``dist_process_group`` its vocabulary-parallel
-    form): verl's kernel where it runs, nopad's tiles on any other device (:mod:`._verl_head`)."""
-    original = verl_original(KERNEL_MODULE, "linear_cross_entropy")
-    return _head.linear_cross_entropy(
-        hidden, weight, labels, temperature, reduction, dist_process_group, original=original
-    )
-
-
 REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
     PADDING_MODULE: {
         "left_right_2_no_padding": left_right_2_no_padding,
@@ -322,10 +289,10 @@ REPLACEMENTS: dict[str, dict[str, Callable[..., Any]]] = {
     },
     _rows.ENGINE_UTILS: {"postprocess_batch_func": _rows.postprocess_batch_func},
     TORCH_FUNCTIONAL_MODULE: {"FusedLinearForPPO": FusedLinearForPPO},
-    KERNEL_MODULE: {"linear_cross_entropy": linear_cross_entropy},
+    KERNEL_MODULE: {"linear_cross_entropy": _head.linear_cross_entropy},
     _models.QWEN3_5_MODULE: {
-        "_packed_causal_conv1d_fallback": _packed_causal_conv1d_fallback,
-        "_packed_chunk_gated_delta_rule": _packed_chunk_gated_delta_rule,
+        "_packed_causal_conv1d_fallback": _models.packed_causal_conv1d_fallback,
+        "_packed_chunk_gated_delta_rule": _models.packed_chunk_gated_delta_rule,
     },
 }
 # the verl functions install() routes to nopad, by defining module (Qwen3.5's model fallbacks aside)

@@ -12,7 +12,6 @@ verl's own calls run as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from torch import Tensor
 
 from nopad.core._batch import takes_keyword
 from nopad.core._layout import known_host_lengths, remember_host_lengths
+from nopad.integrations.verl._originals import verl_original
 from nopad.modeling._layers import PackedRow, causal_conv1d, gated_delta_rule
 from nopad.modeling._routing import packed_row_of
 
@@ -53,17 +53,17 @@ def packed_chunk_gated_delta_rule(
     beta: Tensor,
     cu_seqlens: Tensor | None,
     cu_seqlens_cpu: Tensor | None,
-    cp_context: Any,
-    original: Callable[..., Any],
+    cp_context: Any = None,
 ) -> tuple[Tensor, Any]:
     """verl's ``_packed_chunk_gated_delta_rule``: its kernel paths as they were (no boundaries, fla's
-    context parallelism, a kernel that takes ``cu_seqlens``: ``original`` runs them), and instead of
+    context parallelism, a kernel that takes ``cu_seqlens``: verl's function runs them), and instead of
     its loop over sequences, or of a fallback that would ignore the boundaries, one packed call of
     :func:`nopad.modeling.gated_delta_rule`. A kernel takes ``cu_seqlens`` as a parameter of its own: verl
     also counts a ``**kwargs``, which makes transformers' torch fallback look as if it took them; it ignores
     them, and verl's packed Qwen3.5 then runs the row as one sequence (measured: 2e-4 off per sequence)."""
     takes_them = takes_keyword(self.chunk_gated_delta_rule, "cu_seqlens", any_keyword=False)
     if cu_seqlens is None or cp_context is not None or takes_them:
+        original = verl_original(QWEN3_5_MODULE, "_packed_chunk_gated_delta_rule")
         return original(self, query, key, value, g, beta, cu_seqlens, cu_seqlens_cpu, cp_context)
     row = _row(cu_seqlens, cu_seqlens_cpu)
     out = gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], row, use_qk_l2norm=True)
