@@ -513,12 +513,6 @@ CATALOGUE += [
     ),
     (
         "mask",
-        "masked-mean-mask-2",
-        lambda: L.masked_mean(torch.ones(2, 3), torch.full((2, 3), 2.0)),
-        r"mask row 0: expected a 0/1 mask .*got 2.0",
-    ),
-    (
-        "mask",
         "global-batch-info-half",
         lambda: L.global_batch_info(torch.full((2, 3), 0.5)),
         r"response_mask row 0: expected a 0/1 mask .*got 0.5",
@@ -530,12 +524,6 @@ CATALOGUE += [
     ("mask", "ppo-response-mask-on-padding", _mask_on_padding(L.ppo_loss), PADDING_MARKED),
     ("mask", "value-response-mask-on-padding", _mask_on_padding(L.value_loss), PADDING_MARKED),
     ("mask", "sft-response-mask-on-padding", _mask_on_padding(L.sft_loss), PADDING_MARKED),
-    (
-        "mask",
-        "shifted-loss-mask-2",
-        lambda: L.shifted_loss_mask(_on_batch_offsets(_batch()[0], torch.full((16,), 2))),
-        r"loss_mask: expected a 0/1 mask .*got 2",
-    ),
 ]
 
 

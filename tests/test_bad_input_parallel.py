@@ -16,7 +16,7 @@ from nopad.modeling._attention import nopad_varlen_attention
 from nopad.parallel import _cp as cp_module
 from nopad.parallel import _thd as thd_module
 from nopad.parallel import padded_length, shard_index, unshard_index
-from nopad.parallel._cp import check_cp_args, cp_alignment, prepare_padded_lengths
+from nopad.parallel._cp import check_cp_args, cp_alignment
 from nopad.parallel._thd import ThdPlan
 
 
@@ -215,12 +215,6 @@ CATALOGUE = [
         "postprocess-output-of-another-length",
         lambda: postprocess_thd(torch.zeros(1, 5), preprocess_thd(_ids(5, 3, 8))[1], _ids(5, 3, 8)),
         r"packed_seq_params.cu_seqlens_q_padded: expected boundaries from 0 to 5 \(cp_size 1 x the output's slots\)",
-    ),
-    (
-        "weak message",
-        "padded-lengths-alignment-0",
-        lambda: prepare_padded_lengths(np.array([3, 4]), 0),
-        r"alignment: expected an int >= 1, got 0",
     ),
     ("weak message", "padded-length-float-sp", lambda: padded_length(5, 2.5), r"sp_size: expected an int >= 1"),
 ]

@@ -27,7 +27,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from nopad.core._batch import check_choice, check_real_dtype, check_transformers_model, get_field
-from nopad.core._errors import check_flag, check_int, check_integer_tensor, input_error
+from nopad.core._errors import check_flag, check_int, check_integer_tensor, check_optional_int, input_error
 from nopad.core._layout import (
     IndexPlan,
     bucket_length,
@@ -490,8 +490,7 @@ def chunked_head(
     args = _checked_output_args(output_args)
     head = check_choice(head, "head", HEADS)
     calculate_entropy = check_flag(calculate_entropy, "calculate_entropy")
-    if chunk_size is not None:
-        chunk_size = check_int(chunk_size, "chunk_size", low=1)
+    chunk_size = check_optional_int(chunk_size, "chunk_size", low=1)
     scored = args.scored(tokens, score_mask)
     switched = nullcontext() if args.shared is None else switched_to_shared_attention(model)
     with switched, _chunked_head(model, args, head, calculate_entropy, chunk_size, scored) as served:
@@ -798,8 +797,7 @@ def packed_logprobs(
         check_choice(attention, "attention", ("auto", *KERNELS))
     head = check_choice(head, "head", HEADS)
     check_choice(tokens, "tokens", TOKENS)
-    if chunk_size is not None:
-        chunk_size = check_int(chunk_size, "chunk_size", low=1)
+    chunk_size = check_optional_int(chunk_size, "chunk_size", low=1)
     with packed_attention(model, attention):
         inputs, args = prepare_model_inputs(
             micro_batch, temperature=temperature, attn_implementation=_attn_implementation(model), **input_kwargs
@@ -835,8 +833,7 @@ def _shared_prefix_call(
         raise input_error("head", None, "'auto' or 'chunked' with share_prefixes", "'logits'")
     if input_kwargs:
         raise input_error("input_kwargs", None, "none with share_prefixes (one unsplit row)", f"{sorted(input_kwargs)}")
-    if chunk_size is not None:
-        chunk_size = check_int(chunk_size, "chunk_size", low=1)
+    chunk_size = check_optional_int(chunk_size, "chunk_size", low=1)
     input_ids, position_ids = _checked_nested(micro_batch)
     _check_one_row_positions(position_ids)
     if temperature is None:
@@ -880,8 +877,7 @@ def padded_logprobs(
     batch = padded["input_ids"].shape[0]
     if batch == 0:
         raise input_error("padded", None, "at least one row", "an empty batch")
-    if rows_per_forward is not None:
-        rows_per_forward = check_int(rows_per_forward, "rows_per_forward", low=1)
+    rows_per_forward = check_optional_int(rows_per_forward, "rows_per_forward", low=1)
     if temperature is None:
         temperature = get_field(padded, "temperature", 1.0)
     # a tensor is read on the host (a bad row is named on any device); every use below moves it back

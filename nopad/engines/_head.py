@@ -132,26 +132,22 @@ def refusal(model: torch.nn.Module) -> tuple[HeadSpec | None, str | None]:
     return (None, reason) if reason is not None else (spec, None)
 
 
+@dataclass(eq=False)
 class _Call:
     """One forward through the head: what the stand-in needs and what it leaves behind."""
 
-    def __init__(
-        self,
-        spec: HeadSpec,
-        labels: Tensor,
-        temperature: Tensor | float,
-        real: int,
-        with_entropy: bool,
-        tile: tuple[int, int] | None,
-        scored: ScoredTokens | None,
-        same: Tensor | None,
-    ):
-        self.spec, self.labels, self.temperature, self.real = spec, labels, temperature, real
-        self.with_entropy, self.tile, self.scored, self.same = with_entropy, tile, scored, same
-        self.calls = 0
-        self.stand_in: Tensor | None = None
-        self.declined: str | None = None
-        self.transient = False
+    spec: HeadSpec
+    labels: Tensor
+    temperature: Tensor | float
+    real: int
+    with_entropy: bool
+    tile: tuple[int, int] | None
+    scored: ScoredTokens | None
+    same: Tensor | None
+    calls: int = 0
+    stand_in: Tensor | None = None
+    declined: str | None = None
+    transient: bool = False
 
     def forward(self, hidden: Tensor) -> Tensor:
         """The output layer's forward, standing in: the head on this row, a (1, L, 3) stand-in returned."""

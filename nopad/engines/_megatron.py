@@ -32,7 +32,7 @@ from nopad.core._layout import check_nested, is_nested, jagged_values, nested_of
 from nopad.core._torch_internals import cached_seqlens
 from nopad.modeling._logprobs import checked_head
 from nopad.parallel._cp import CpLayout, check_cp_args, check_padded_boundaries, gather_cp_flat, real_tokens_index
-from nopad.parallel._thd import ThdPlan
+from nopad.parallel._thd import ThdPlan, thd_sizes
 
 
 # ---- the adapter ---------------------------------------------------------------------------------
@@ -63,15 +63,8 @@ def preprocess_thd(
     """
     need_roll = check_flag(need_roll, "need_roll")
     use_fp8_padding = check_flag(use_fp8_padding, "use_fp8_padding")
-    plan = ThdPlan.from_nested(
-        input_ids_nested,
-        tp_size=tp_size,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        cp_layout=cp_layout,
-        use_fp8_padding=use_fp8_padding,
-        pad_to_length_bucket=pad_to_length_bucket,
-    )
+    sizes = thd_sizes(tp_size, cp_size, cp_rank, cp_layout, use_fp8_padding, pad_to_length_bucket)
+    plan = ThdPlan.from_nested(input_ids_nested, sizes=sizes)
     return plan.shard(input_ids_nested, need_roll=need_roll), plan.packed_seq_params(), plan.position_ids
 
 
@@ -141,8 +134,7 @@ def postprocess_thd(
     else:
         index = real_tokens_index(cu, offsets.diff(), total, local_len, cp_size, layout)
     values = gathered.index_select(0, index)
-    low, high = cached_seqlens(input_ids_nested)
-    return wrap_jagged(values, offsets, min_seqlen=low, max_seqlen=high)
+    return wrap_jagged(values, offsets, **_seqlens(input_ids_nested))
 
 
 def _check_plan(plan: ThdPlan, cu: Tensor, input_ids: Tensor, batch: int, total: int, local_len: int) -> None:

@@ -292,15 +292,8 @@ def _aggregate(
     return loss
 
 
-def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` where the 0/1 ``mask`` is set; 0 for an empty mask. No sync (a device mask
-    that is not 0/1 gives NaN; on the CPU it is refused)."""
-    _check_same_shape(mask, "mask", check_real_dtype(values, "values"), "values")
-    only_01 = check_mask(mask, "mask")
-    return _poison_unless(only_01, _masked_mean(values, mask.bool()))
-
-
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` where the bool ``mask`` is set; 0 for an empty mask. No sync."""
     return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
 
 
@@ -693,18 +686,10 @@ def _and_flags(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     return a & b.to(a.device)
 
 
-def shifted_loss_mask(loss_mask: Tensor) -> Tensor:
-    """Nested (B, j) token mask -> flat (total,) mask of the positions whose NEXT token is learned.
-
-    Position t gets loss_mask[t + 1] of the same sequence; each sequence's last position gets 0,
-    so no label crosses a sequence boundary. No sync. ``loss_mask`` is a 0/1 mask: on the CPU a 2
-    or 0.5 is refused; on a device it is not read (any nonzero entry then counts as a one).
-    """
-    check_mask(jagged_values(loss_mask) if _is_nested(loss_mask) else loss_mask, "loss_mask")
-    return _shifted(loss_mask)
-
-
 def _shifted(loss_mask: Tensor) -> Tensor:
+    """Nested (B, j) 0/1 mask -> flat (total,) bool mask of the positions whose NEXT token is learned:
+    position t gets loss_mask[t + 1] of its sequence and each sequence's last position 0, so no label
+    crosses a sequence boundary. No sync."""
     return IndexPlan.from_nested(loss_mask).next_token_labels(loss_mask.values().bool(), False)
 
 

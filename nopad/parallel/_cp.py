@@ -24,7 +24,7 @@ sequences or ranks, and no host sync (callers pass the sizes they already know o
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, overload
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -58,38 +58,18 @@ def fp8_alignment(alignment: int) -> tuple[int, int]:
     return math.lcm(16, alignment), alignment * 128
 
 
-@overload
-def prepare_padded_lengths(lengths: Tensor, alignment: int, total_multiple: int = 1) -> Tensor: ...
-@overload
-def prepare_padded_lengths(lengths: np.ndarray, alignment: int, total_multiple: int = 1) -> np.ndarray: ...
-def prepare_padded_lengths(lengths: Any, alignment: int, total_multiple: int = 1) -> Any:
-    """(B,) lengths -> (B,) int64 lengths rounded up to ``alignment``; the last one also absorbs the
-    padding that rounds the TOTAL up to ``total_multiple`` (which must be a multiple of ``alignment``).
+def padded_lengths_of(lengths: np.ndarray, alignment: int, total_multiple: int) -> np.ndarray:
+    """Host (B,) lengths -> (B,) int64 lengths rounded up to ``alignment``; the last one also absorbs the
+    padding that rounds the TOTAL up to ``total_multiple`` (a multiple of ``alignment``, as the THD
+    plan's checked settings make it).
 
     Tail padding is folded into the last segment because a cu_seqlens that ends short of the
-    buffer makes TransformerEngine's partitioning return duplicate and missing tokens. No sync.
-    A numpy array in gives a numpy array out (the THD plan's host path): one derivation for both.
+    buffer makes TransformerEngine's partitioning return duplicate and missing tokens.
     """
-    alignment = check_int(alignment, "alignment", low=1)
-    total_multiple = check_int(total_multiple, "total_multiple", low=1)
-    if total_multiple % alignment:
-        raise input_error(
-            "total_multiple", None, f"a multiple of the segment alignment {alignment}", f"{total_multiple}"
-        )
-    return padded_lengths_of(lengths, alignment, total_multiple)
-
-
-def padded_lengths_of(lengths: Any, alignment: int, total_multiple: int) -> Any:
-    """:func:`prepare_padded_lengths` of multiples already checked (the THD plan's, checked once)."""
-    if isinstance(lengths, np.ndarray):
-        padded = round_up(lengths, alignment) if alignment > 1 else lengths.astype(np.int64)  # a new array
-        padded_total = int(padded.sum())
-        padded[-1:] += round_up(padded_total, total_multiple) - padded_total
-        return padded
-    lengths = lengths.to(torch.int64)
-    padded = round_up(lengths, alignment)
-    tail = round_up(padded.sum(), total_multiple) - padded.sum()
-    return torch.cat([padded[:-1], padded[-1:] + tail])
+    padded = round_up(lengths, alignment) if alignment > 1 else lengths.astype(np.int64)  # a new array
+    padded_total = int(padded.sum())
+    padded[-1:] += round_up(padded_total, total_multiple) - padded_total
+    return padded
 
 
 # ---- chunks: the one derivation of a rank's share --------------------------------------------------
@@ -140,13 +120,9 @@ def real_token_pieces(cu_seqlens_padded: Any, lengths: Any, local_len: int, cp_s
     cu = cu_seqlens_padded
     if cp_layout != "zigzag" or cp_size == 1:  # the gathered buffer is the padded buffer itself
         return token_starts[1:], cu[:-1] - token_starts[:-1]
-    width = 2 * cp_size
-    k: Any
-    if isinstance(lengths, Tensor):
-        k = torch.arange(width, device=lengths.device)
-    else:
-        k = np.arange(width)
-    minimum = torch.minimum if isinstance(lengths, Tensor) else np.minimum
+    width, on_torch = 2 * cp_size, isinstance(lengths, Tensor)
+    k: Any = torch.arange(width, device=lengths.device) if on_torch else np.arange(width)
+    minimum = torch.minimum if on_torch else np.minimum
     chunk = ((cu[1:] - cu[:-1]) // width)[:, None]  # (B, 1)
     first = token_starts[:-1, None]
     ends = first + minimum((k + 1) * chunk, lengths[:, None])  # chunk k holds positions [k*c, (k+1)*c)
