@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._apps.progress import QUIET, Progress, add_quiet_argument
+from nopad._apps.progress import QUIET, Progress, add_quiet_argument, sync
 from nopad.batches._padding import left_right_2_no_padding, no_padding_2_padding, plan_left_right
 from nopad.core._errors import check_int
 from nopad.core._layout import IndexPlan, prepare_offsets, wrap_jagged
@@ -76,11 +76,6 @@ def reference_no_padding(tensor: torch.Tensor, data: TensorDict) -> torch.Tensor
     return torch.stack(rows)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def timeit(fn: Callable[[], object], device: str, repeats: int) -> float:
     """Best wall time in milliseconds over ``repeats`` calls after one warm-up."""
     return time_interleaved([fn], device, repeats)[0]
@@ -95,13 +90,13 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device: str, repeats: 
     """
     for fn in fns:
         fn()
-    _sync(device)
+    sync(device)
     best = [float("inf")] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             start = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             best[i] = min(best[i], (time.perf_counter() - start) * 1e3)
     return best
 

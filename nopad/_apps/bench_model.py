@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from nopad._apps.progress import QUIET, Progress
+from nopad._apps.progress import QUIET, Progress, sync
 from nopad.batches._padding import left_right_2_no_padding, no_padding_2_padding
 from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs, prepare_model_outputs
 from nopad.modeling._attention import available_kernels
@@ -83,11 +83,6 @@ def shapes_for(arch: str, device: str) -> tuple[ModelShape, ...]:
     else:
         base = CPU_SHAPES if arch in ("llama", "qwen2") else STATE_CPU_SHAPES
     return tuple(dataclasses.replace(shape, arch=arch) for shape in base)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -160,7 +155,7 @@ def measure_call(
     """ms of one call, its peak GiB and its output (None after an out-of-memory)."""
     _reset_peak(device)
     try:
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         if backward:
             out = run()
@@ -168,7 +163,7 @@ def measure_call(
         else:
             with torch.no_grad():
                 out = run()
-        _sync(device)
+        sync(device)
         return (time.perf_counter() - start) * 1e3, _peak_gib(device), out.detach()
     except torch.cuda.OutOfMemoryError:
         return float("inf"), _peak_gib(device), None

@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._apps.progress import QUIET, Progress
+from nopad._apps.progress import QUIET, Progress, sync
 from nopad.batches._balance import Workload, balanced_partitions
 from nopad.batches._rows import micro_batches, select_rows
 from nopad.core._layout import IndexPlan, ceil_div, nested_offsets
@@ -138,8 +138,7 @@ def _best(fn: Callable[[], Any], repeats: int, device: str = "cpu") -> tuple[flo
     for _ in range(repeats):
         start = time.perf_counter()
         result = fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync(device)
         best = min(best, time.perf_counter() - start)
     return best * 1e3, result
 

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nopad._apps.progress import Progress
+from nopad._apps.progress import Progress, sync
 
 GIB = 1024**3
 CONTENDERS = ("trl", "nopad")
@@ -170,21 +170,16 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(call: Callable[[], Any], device: torch.device) -> tuple[float, float, Any]:
     """ms of one call, its peak GiB above what was allocated before (CUDA; 0.0 elsewhere), its output."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     out = call()
-    _sync(device)
+    sync(device)
     elapsed = (time.perf_counter() - start) * 1e3
     gib = (torch.cuda.max_memory_allocated(device) - base) / GIB if cuda else 0.0
     return elapsed, gib, out
