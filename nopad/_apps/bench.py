@@ -131,39 +131,29 @@ def _bench_batch(
     data = synthetic_batch(B, prompt_width, resp_width, device=device)
     out = left_right_2_no_padding(data)
     total = out.get_non_tensor("indices").shape[0]
+    row = functools.partial(_row, B, device, repeats)
+    gather = lambda: bare_gather(data)
     with progress.step(f"B={B} padded -> nested"):
-        to_nested = _row(
-            "padded -> nested",
-            B,
-            device,
-            repeats,
-            lambda: left_right_2_no_padding(data),
-            lambda: reference_left_right(data),
-            lambda: bare_gather(data),
+        to_nested = row(
+            "padded -> nested", lambda: left_right_2_no_padding(data), lambda: reference_left_right(data), gather
         )
     # the rollout hands the batch over from the host, where its mask is known: a plan made there,
     # timed with the conversion (its host work included); counted on the conversion alone
     masks = data["attention_mask"].cpu(), data["response_mask"].cpu()
     with progress.step(f"B={B} padded -> nested, host plan"):
-        with_host_plan = _row(
+        with_host_plan = row(
             "padded -> nested, host plan",
-            B,
-            device,
-            repeats,
             lambda: left_right_2_no_padding(data, plan=plan_left_right(*masks)),
             to_nested["loop_ms"],
-            lambda: bare_gather(data),
+            gather,
             counted=functools.partial(left_right_2_no_padding, data, plan=plan_left_right(*masks)),
         )
     offsets = out["input_ids"].offsets()
     logp = torch.nested.nested_tensor_from_jagged(torch.randn(total, device=device), offsets)
     src = torch.randint(0, total, (B * resp_width,), device=device)
     with progress.step(f"B={B} nested -> padded"):
-        to_padded = _row(
+        to_padded = row(
             "nested -> padded",
-            B,
-            device,
-            repeats,
             lambda: no_padding_2_padding(logp, out),
             lambda: reference_no_padding(logp, data),
             lambda: logp.values().index_select(0, src),
@@ -274,7 +264,7 @@ def _bench_thd_batch(
     return batch, ref_ms, ours_ms, ref_ms / ours_ms
 
 
-def _row(name, B, device, repeats, ours, loop, gather, counted=None) -> dict:
+def _row(B, device, repeats, name, ours, loop, gather, counted=None) -> dict:
     """``loop``: the per-row reference to time, or its time (ms) when another row already took it.
     Ops and syncs are counted on one call of ``counted`` (default ``ours``)."""
     with OpCounter() as counter:
@@ -483,7 +473,7 @@ def _run_compile(args: argparse.Namespace, repeats: int, show: Callable[[list[di
     if not args.json:
         print(f"torch {torch.__version__}  backend={args.backend}  dynamic={dynamic}")
     with Progress("nopad bench --model --compile", 0, quiet=args.quiet) as progress:
-        rows = bench_compile(args.device, shape, repeats, args.backend, dynamic, bucket, progress=progress)
+        rows = bench_compile(shape, args.device, repeats, args.backend, dynamic, bucket, progress=progress)
     if show is not None:
         show(rows)
     else:
