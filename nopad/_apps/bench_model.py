@@ -214,11 +214,10 @@ def bench_model_shape(
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     data = synthetic_batch(shape.batch, shape.prompt, shape.response, seed=seed, device=device, vocab=shape.vocab)
-    fp32 = build_model(shape, dev, torch.float32)
+    model = build_model(shape, dev, torch.float32)
     with torch.no_grad():
-        exact = padded_logprobs(fp32, data, rows_per_forward=max(1, 4096 // (shape.prompt + shape.response)))
-    model = fp32.to(dtype) if dtype != torch.float32 else fp32
-    del fp32
+        exact = padded_logprobs(model, data, rows_per_forward=max(1, 4096 // (shape.prompt + shape.response)))
+    model.to(dtype)  # in place, once the fp32 reference is taken
     kernels = available_kernels(dev, dtype)
     if len(kernels) > 1:  # the dense fallback is for CPUs and fp32; beside a flash kernel it only takes T x T memory
         kernels.remove("sdpa")
