@@ -166,8 +166,6 @@ def bench_padded_to_nested_steps(
 ) -> list[dict]:
     """Where padded -> nested spends its time: each step added to the one before, all timed in turn
     with the bare gather. Rows of {steps, ms, /gather}."""
-    from nopad.batches._padding import plan_left_right
-
     data = synthetic_batch(B, prompt_width, resp_width, device=device)
     am, rm, ids, pos = (data[k] for k in ("attention_mask", "response_mask", "input_ids", "position_ids"))
 

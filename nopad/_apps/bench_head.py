@@ -76,17 +76,15 @@ def _response_rows(tokens: int, fraction: float, device: str) -> Any:
 
 
 def _step(contender: str, x: dict[str, Any], temperature: float, chunk_size: int | None) -> None:
+    from nopad.modeling._logprobs import head_log_probs, token_log_probs
+
     hidden, weight, labels = x["hidden"], x["weight"], x["labels"]
     if contender in FRACTIONS:  # what chunked_head does for tokens="response"
-        from nopad.modeling._logprobs import head_log_probs
-
         scored = x["scored"]
         lp, ent = head_log_probs(scored.rows(hidden), weight, scored.rows(labels), temperature, True, chunk_size)
         assert ent is not None
         lp, ent = scored.place(lp), scored.place(ent)
     elif contender in TP:
-        from nopad.modeling._logprobs import head_log_probs
-
         lp, ent = head_log_probs(hidden, weight, labels, temperature, True, chunk_size, tp_group=x["group"])
     elif contender == "liger":
         from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction as liger
@@ -94,20 +92,14 @@ def _step(contender: str, x: dict[str, Any], temperature: float, chunk_size: int
         nll, ent = liger.apply(hidden, weight, labels, temperature, -100, 1, True)
         lp = -nll
     elif contender == "logits":
-        from nopad.modeling._logprobs import token_log_probs
-
         lp, ent = token_log_probs(hidden @ weight.T, labels, temperature, with_entropy=True)
     elif contender == "chunked":
-        from nopad.modeling._logprobs import head_log_probs
-
         lp, ent = head_log_probs(hidden, weight, labels, temperature, True, chunk_size)
     elif contender == "verl":
         from verl.utils.experimental.torch_functional import FusedLinearForPPO
 
         lp, ent = FusedLinearForPPO()(hidden, weight, labels, temperature)
     elif contender in FUSED:
-        from nopad.modeling._logprobs import head_log_probs
-
         kernel = "tiles" if contender == "chunked_lp" else "cut_cross_entropy"
         lp, ent = head_log_probs(hidden, weight, labels, temperature, False, chunk_size, kernel=kernel)
     else:
