@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._apps.progress import QUIET, Progress, add_quiet_argument
+from nopad._apps.progress import QUIET, Progress, add_quiet_argument, sync
 from nopad.batches._padding import left_right_2_no_padding, no_padding_2_padding, plan_left_right
 from nopad.core._errors import check_int
 from nopad.core._layout import IndexPlan, prepare_offsets, wrap_jagged
@@ -76,11 +76,6 @@ def reference_no_padding(tensor: torch.Tensor, data: TensorDict) -> torch.Tensor
     return torch.stack(rows)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def timeit(fn: Callable[[], object], device: str, repeats: int) -> float:
     """Best wall time in milliseconds over ``repeats`` calls after one warm-up."""
     return time_interleaved([fn], device, repeats)[0]
@@ -95,13 +90,13 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device: str, repeats: 
     """
     for fn in fns:
         fn()
-    _sync(device)
+    sync(device)
     best = [float("inf")] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             start = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             best[i] = min(best[i], (time.perf_counter() - start) * 1e3)
     return best
 
@@ -136,39 +131,29 @@ def _bench_batch(
     data = synthetic_batch(B, prompt_width, resp_width, device=device)
     out = left_right_2_no_padding(data)
     total = out.get_non_tensor("indices").shape[0]
+    row = functools.partial(_row, B, device, repeats)
+    gather = lambda: bare_gather(data)
     with progress.step(f"B={B} padded -> nested"):
-        to_nested = _row(
-            "padded -> nested",
-            B,
-            device,
-            repeats,
-            lambda: left_right_2_no_padding(data),
-            lambda: reference_left_right(data),
-            lambda: bare_gather(data),
+        to_nested = row(
+            "padded -> nested", lambda: left_right_2_no_padding(data), lambda: reference_left_right(data), gather
         )
     # the rollout hands the batch over from the host, where its mask is known: a plan made there,
     # timed with the conversion (its host work included); counted on the conversion alone
     masks = data["attention_mask"].cpu(), data["response_mask"].cpu()
     with progress.step(f"B={B} padded -> nested, host plan"):
-        with_host_plan = _row(
+        with_host_plan = row(
             "padded -> nested, host plan",
-            B,
-            device,
-            repeats,
             lambda: left_right_2_no_padding(data, plan=plan_left_right(*masks)),
             to_nested["loop_ms"],
-            lambda: bare_gather(data),
+            gather,
             counted=functools.partial(left_right_2_no_padding, data, plan=plan_left_right(*masks)),
         )
     offsets = out["input_ids"].offsets()
     logp = torch.nested.nested_tensor_from_jagged(torch.randn(total, device=device), offsets)
     src = torch.randint(0, total, (B * resp_width,), device=device)
     with progress.step(f"B={B} nested -> padded"):
-        to_padded = _row(
+        to_padded = row(
             "nested -> padded",
-            B,
-            device,
-            repeats,
             lambda: no_padding_2_padding(logp, out),
             lambda: reference_no_padding(logp, data),
             lambda: logp.values().index_select(0, src),
@@ -181,8 +166,6 @@ def bench_padded_to_nested_steps(
 ) -> list[dict]:
     """Where padded -> nested spends its time: each step added to the one before, all timed in turn
     with the bare gather. Rows of {steps, ms, /gather}."""
-    from nopad.batches._padding import plan_left_right
-
     data = synthetic_batch(B, prompt_width, resp_width, device=device)
     am, rm, ids, pos = (data[k] for k in ("attention_mask", "response_mask", "input_ids", "position_ids"))
 
@@ -279,7 +262,7 @@ def _bench_thd_batch(
     return batch, ref_ms, ours_ms, ref_ms / ours_ms
 
 
-def _row(name, B, device, repeats, ours, loop, gather, counted=None) -> dict:
+def _row(B, device, repeats, name, ours, loop, gather, counted=None) -> dict:
     """``loop``: the per-row reference to time, or its time (ms) when another row already took it.
     Ops and syncs are counted on one call of ``counted`` (default ``ours``)."""
     with OpCounter() as counter:
@@ -488,7 +471,7 @@ def _run_compile(args: argparse.Namespace, repeats: int, show: Callable[[list[di
     if not args.json:
         print(f"torch {torch.__version__}  backend={args.backend}  dynamic={dynamic}")
     with Progress("nopad bench --model --compile", 0, quiet=args.quiet) as progress:
-        rows = bench_compile(args.device, shape, repeats, args.backend, dynamic, bucket, progress=progress)
+        rows = bench_compile(shape, args.device, repeats, args.backend, dynamic, bucket, progress=progress)
     if show is not None:
         show(rows)
     else:

@@ -141,7 +141,7 @@ def _tokens(data: list[TensorDict], bucket: int | None) -> tuple[int, int, int]:
     return sum(real), slots, bucketed
 
 
-def bench_compile_shape(
+def bench_compile(
     shape: CompileShape,
     device: str = "cpu",
     repeats: int = 3,
@@ -153,7 +153,8 @@ def bench_compile_shape(
 ) -> list[dict]:
     """Rows of {shape, contender, tokens, padding, first_pass_s, graphs, recompiles, graph_breaks,
     fwd_ms, fwd_bwd_ms, x_eager_packed_fwd_bwd, x_compiled_padded_fwd_bwd, peak_gib,
-    max_abs_logprob_diff}; graph counts are None for the eager contender."""
+    max_abs_logprob_diff}; graph counts are None for the eager contender. ``nopad bench`` passes
+    :data:`GPU_COMPILE` on CUDA, :data:`CPU_COMPILE` elsewhere."""
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     data = compile_batches(shape, device, seed)
@@ -195,19 +196,3 @@ def bench_compile_shape(
         }
         for name in runs
     ]
-
-
-def bench_compile(
-    device: str = "cpu",
-    shape: CompileShape | None = None,
-    repeats: int = 3,
-    backend: str = "inductor",
-    dynamic: bool | None = True,
-    bucket: int | None = None,
-    progress: Progress = QUIET,
-) -> list[dict]:
-    """:func:`bench_compile_shape` of ``shape`` (default: :data:`GPU_COMPILE` on CUDA,
-    :data:`CPU_COMPILE` elsewhere)."""
-    if shape is None:
-        shape = GPU_COMPILE if torch.device(device).type == "cuda" else CPU_COMPILE
-    return bench_compile_shape(shape, device, repeats, backend, dynamic, bucket, progress=progress)

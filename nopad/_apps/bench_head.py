@@ -76,17 +76,15 @@ def _response_rows(tokens: int, fraction: float, device: str) -> Any:
 
 
 def _step(contender: str, x: dict[str, Any], temperature: float, chunk_size: int | None) -> None:
+    from nopad.modeling._logprobs import head_log_probs, token_log_probs
+
     hidden, weight, labels = x["hidden"], x["weight"], x["labels"]
     if contender in FRACTIONS:  # what chunked_head does for tokens="response"
-        from nopad.modeling._logprobs import head_log_probs
-
         scored = x["scored"]
         lp, ent = head_log_probs(scored.rows(hidden), weight, scored.rows(labels), temperature, True, chunk_size)
         assert ent is not None
         lp, ent = scored.place(lp), scored.place(ent)
     elif contender in TP:
-        from nopad.modeling._logprobs import head_log_probs
-
         lp, ent = head_log_probs(hidden, weight, labels, temperature, True, chunk_size, tp_group=x["group"])
     elif contender == "liger":
         from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction as liger
@@ -94,20 +92,14 @@ def _step(contender: str, x: dict[str, Any], temperature: float, chunk_size: int
         nll, ent = liger.apply(hidden, weight, labels, temperature, -100, 1, True)
         lp = -nll
     elif contender == "logits":
-        from nopad.modeling._logprobs import token_log_probs
-
         lp, ent = token_log_probs(hidden @ weight.T, labels, temperature, with_entropy=True)
     elif contender == "chunked":
-        from nopad.modeling._logprobs import head_log_probs
-
         lp, ent = head_log_probs(hidden, weight, labels, temperature, True, chunk_size)
     elif contender == "verl":
         from verl.utils.experimental.torch_functional import FusedLinearForPPO
 
         lp, ent = FusedLinearForPPO()(hidden, weight, labels, temperature)
     elif contender in FUSED:
-        from nopad.modeling._logprobs import head_log_probs
-
         kernel = "tiles" if contender == "chunked_lp" else "cut_cross_entropy"
         lp, ent = head_log_probs(hidden, weight, labels, temperature, False, chunk_size, kernel=kernel)
     else:
@@ -138,29 +130,14 @@ def measure(
     temperature: float = 0.9,
     chunk_size: int | None = None,
     threads: int | None = None,
+    group: Any = None,
 ) -> dict[str, Any]:
     """One configuration, in THIS process (the CLI runs it in a child): {ms, cpu_ms, peak_gib} above the inputs.
 
     A TP contender runs its ranks in processes of their own (gloo) and reports the slowest rank's time
-    and the largest peak."""
-    if contender in TP:
-        return _measure_tp(contender, tokens, hidden, vocab, dtype, repeats, temperature, chunk_size, threads)
-    return _measure(contender, tokens, hidden, vocab, device, dtype, repeats, temperature, chunk_size, threads)
-
-
-def _measure(
-    contender: str,
-    tokens: int,
-    hidden: int,
-    vocab: int,
-    device: str,
-    dtype: str,
-    repeats: int,
-    temperature: float,
-    chunk_size: int | None,
-    threads: int | None,
-    group: Any = None,
-) -> dict[str, Any]:
+    and the largest peak; each rank measures its shard with ``group``, the ranks' process group."""
+    if contender in TP and group is None:
+        return _measure_tp(dict(locals()))  # this call's arguments, for the ranks
     if threads is not None:
         torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
@@ -197,28 +174,18 @@ def _measure(
     return {"contender": contender, "T": tokens, "ms": best * 1e3, "cpu_ms": cpu * 1e3, "peak_gib": (peak - base) / GIB}
 
 
-def _measure_tp(
-    contender: str,
-    tokens: int,
-    hidden: int,
-    vocab: int,
-    dtype: str,
-    repeats: int,
-    temperature: float,
-    chunk_size: int | None,
-    threads: int | None,
-) -> dict[str, Any]:
-    """The ranks of a TP contender on the CPU, each in its own process (gloo), sharing ``threads``."""
+def _measure_tp(config: dict[str, Any]) -> dict[str, Any]:
+    """The ranks of a TP contender (``config``: :func:`measure`'s arguments) on the CPU, each in its own
+    process (gloo), sharing ``threads``."""
     import socket
 
     import torch.multiprocessing as mp
 
-    size = TP[contender]
+    size = TP[config["contender"]]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    per_rank = max(1, (threads or torch.get_num_threads()) // size)
-    config = (contender, tokens, hidden, vocab, dtype, repeats, temperature, chunk_size, per_rank)
+    config.update(device="cpu", threads=max(1, (config["threads"] or torch.get_num_threads()) // size))
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
@@ -228,16 +195,13 @@ def _measure_tp(
     return {**slowest, "peak_gib": max(r["peak_gib"] for r in ranks)}
 
 
-def _tp_rank(rank: int, size: int, port: int, config: tuple, results: Any) -> None:
+def _tp_rank(rank: int, size: int, port: int, config: dict[str, Any], results: Any) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
-        contender, tokens, hidden, vocab, dtype, repeats, temperature, chunk_size, threads = config
-        results[rank] = _measure(
-            contender, tokens, hidden, vocab, "cpu", dtype, repeats, temperature, chunk_size, threads, dist.group.WORLD
-        )
+        results[rank] = measure(**{**config, "group": dist.group.WORLD})
     finally:
         dist.destroy_process_group()
 
@@ -313,36 +277,28 @@ def bench_head(
     result)`` is called before each measurement (``result`` None) and after it.
     """
     contenders = runnable_contenders(contenders, device, vocab)
-    plan = [(T, c) for T in tokens for _ in range(rounds) for c in contenders]
-    plan = [(T, c) for T, c in plan if not (c == "logits" and logits_max_tokens is not None and T > logits_max_tokens)]
+    runnable = {  # the logits path only up to logits_max_tokens
+        T: [c for c in contenders if not (c == "logits" and logits_max_tokens is not None and T > logits_max_tokens)]
+        for T in tokens
+    }
+    total = rounds * sum(len(runnable[T]) for T in tokens)
+    common = dict(hidden=hidden, vocab=vocab, device=device, dtype=dtype, repeats=repeats)
+    common.update(chunk_size=chunk_size, threads=threads)
     done = 0
     rows = []
     for T in tokens:
         row: dict[str, Any] = {"T": T}
-        runnable = [
-            c for c in contenders if not (c == "logits" and logits_max_tokens is not None and T > logits_max_tokens)
-        ]
         for contender in contenders:
             row[f"{contender}_ms"] = row[f"{contender}_cpu_ms"] = row[f"{contender}_gib"] = None
         for _ in range(rounds):
-            for contender in runnable:
-                config = dict(
-                    contender=contender,
-                    tokens=T,
-                    hidden=hidden,
-                    vocab=vocab,
-                    device=device,
-                    dtype=dtype,
-                    repeats=repeats,
-                    chunk_size=chunk_size,
-                    threads=threads,
-                )
+            for contender in runnable[T]:
+                config = dict(contender=contender, tokens=T, **common)
                 done += 1
                 if on_config is not None:
-                    on_config(done, len(plan), config, None)
+                    on_config(done, total, config, None)
                 result = _child(config, timeout)
                 if on_config is not None:
-                    on_config(done, len(plan), config, result)
+                    on_config(done, total, config, result)
                 if "error" in result:
                     row[f"{contender}_error"] = result["error"]
                     continue

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from nopad._apps.progress import QUIET, Progress
+from nopad._apps.progress import QUIET, Progress, sync
 from nopad.batches._padding import left_right_2_no_padding, no_padding_2_padding
 from nopad.engines._fsdp import packed_logprobs, padded_logprobs, prepare_model_inputs, prepare_model_outputs
 from nopad.modeling._attention import available_kernels
@@ -83,11 +83,6 @@ def shapes_for(arch: str, device: str) -> tuple[ModelShape, ...]:
     else:
         base = CPU_SHAPES if arch in ("llama", "qwen2") else STATE_CPU_SHAPES
     return tuple(dataclasses.replace(shape, arch=arch) for shape in base)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -160,7 +155,7 @@ def measure_call(
     """ms of one call, its peak GiB and its output (None after an out-of-memory)."""
     _reset_peak(device)
     try:
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         if backward:
             out = run()
@@ -168,7 +163,7 @@ def measure_call(
         else:
             with torch.no_grad():
                 out = run()
-        _sync(device)
+        sync(device)
         return (time.perf_counter() - start) * 1e3, _peak_gib(device), out.detach()
     except torch.cuda.OutOfMemoryError:
         return float("inf"), _peak_gib(device), None
@@ -219,11 +214,10 @@ def bench_model_shape(
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     data = synthetic_batch(shape.batch, shape.prompt, shape.response, seed=seed, device=device, vocab=shape.vocab)
-    fp32 = build_model(shape, dev, torch.float32)
+    model = build_model(shape, dev, torch.float32)
     with torch.no_grad():
-        exact = padded_logprobs(fp32, data, rows_per_forward=max(1, 4096 // (shape.prompt + shape.response)))
-    model = fp32.to(dtype) if dtype != torch.float32 else fp32
-    del fp32
+        exact = padded_logprobs(model, data, rows_per_forward=max(1, 4096 // (shape.prompt + shape.response)))
+    model.to(dtype)  # in place, once the fp32 reference is taken
     kernels = available_kernels(dev, dtype)
     if len(kernels) > 1:  # the dense fallback is for CPUs and fp32; beside a flash kernel it only takes T x T memory
         kernels.remove("sdpa")

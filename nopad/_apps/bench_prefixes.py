@@ -100,9 +100,9 @@ def bench_group_shape(
     token_ratio, peak_gib, max_abs_logprob_diff}."""
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    rows = shape.prompts * shape.samples
+    n = shape.prompts * shape.samples
     data = synthetic_batch(
-        rows,
+        n,
         shape.prompt,
         shape.response,
         seed=seed,
@@ -110,10 +110,10 @@ def bench_group_shape(
         vocab=shape.model.vocab,
         samples_per_prompt=shape.samples,
     )
-    fp32 = build_model(shape.model, dev, torch.float32)
+    model = build_model(shape.model, dev, torch.float32)
     with torch.no_grad():
-        exact = padded_logprobs(fp32, data, rows_per_forward=max(1, 4096 // (shape.prompt + shape.response)))
-    model = fp32.to(dtype) if dtype != torch.float32 else fp32
+        exact = padded_logprobs(model, data, rows_per_forward=max(1, 4096 // (shape.prompt + shape.response)))
+    model.to(dtype)  # in place, once the fp32 reference is taken
     runs = _contenders(model, data)
     tokens = _computed_tokens(data, shape.prompt, shape.samples)
     fwd, fwd_bwd, peak, diff = time_contenders(runs, model, exact, dev, repeats, shape.label, progress)

@@ -19,10 +19,10 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from nopad._apps.progress import QUIET, Progress
+from nopad._apps.progress import QUIET, Progress, sync
 from nopad.batches._balance import Workload, balanced_partitions
 from nopad.batches._rows import micro_batches, select_rows
-from nopad.core._layout import IndexPlan, ceil_div, nested_offsets
+from nopad.core._layout import IndexPlan, ceil_div, nested_offsets, remember_host_lengths
 from nopad.diagnostics import OpCounter
 
 BUDGET = 16_384
@@ -39,8 +39,6 @@ def nested_rows_batch(B: int, device: str = "cpu", seed: int = 0) -> TensorDict:
     td["input_ids"] = plan.to_nested(torch.randint(0, 150_000, (total,), generator=g).to(device))
     td["position_ids"] = plan.to_nested(plan.position_ids)
     td["loss_mask"] = plan.to_nested(torch.randint(0, 2, (total,), generator=g).to(device))
-    from nopad.core._layout import remember_host_lengths
-
     remember_host_lengths(plan.offsets, lengths.numpy())
     return td
 
@@ -138,8 +136,7 @@ def _best(fn: Callable[[], Any], repeats: int, device: str = "cpu") -> tuple[flo
     for _ in range(repeats):
         start = time.perf_counter()
         result = fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync(device)
         best = min(best, time.perf_counter() - start)
     return best * 1e3, result
 

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nopad._apps.progress import Progress
+from nopad._apps.progress import QUIET, Progress, sync
 
 GIB = 1024**3
 CONTENDERS = ("trl", "nopad")
@@ -170,21 +170,16 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(call: Callable[[], Any], device: torch.device) -> tuple[float, float, Any]:
     """ms of one call, its peak GiB above what was allocated before (CUDA; 0.0 elsewhere), its output."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     out = call()
-    _sync(device)
+    sync(device)
     elapsed = (time.perf_counter() - start) * 1e3
     gib = (torch.cuda.max_memory_allocated(device) - base) / GIB if cuda else 0.0
     return elapsed, gib, out
@@ -194,7 +189,7 @@ def bench_trl(
     shape: TrlShape = TrlShape(),
     device: str = "cpu",
     rounds: int = 3,
-    progress: Progress | None = None,
+    progress: Progress = QUIET,
 ) -> dict[str, Any]:
     """{"shape", "device", "dtype", "memory", "rows": [one per contender], "ratios", "diff"}.
 
@@ -242,14 +237,13 @@ def bench_trl(
         times: dict[tuple[str, str], list[float]] = {(c, k): [] for c in contenders for k in calls}
         peak: dict[tuple[str, str], float] = {(c, k): 0.0 for c in contenders for k in calls}
         warm: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
-        if progress is not None:
-            progress.add(len(contenders) * len(calls) * (rounds + 1) + len(calls))  # + the model body's
+        progress.add(len(contenders) * len(calls) * (rounds + 1) + len(calls))  # + the model body's
         before = (input_ids, mask, *params, *model.buffers())
         for round_ in range(rounds + 1):
             order = contenders if round_ % 2 == 0 else contenders[::-1]
             for name in order:
                 for kind, call in calls.items():
-                    with _step(progress, f"{name} {kind}, {'warm-up' if round_ == 0 else f'round {round_}'}"):
+                    with progress.step(f"{name} {kind}, {'warm-up' if round_ == 0 else f'round {round_}'}"):
                         if round_ == 0:  # warms up, gives the results compared and (on a CPU) the memory
                             with nullcontext() if cuda else LiveBytes(*before) as live:
                                 warm[name, kind] = call(name)
@@ -355,7 +349,7 @@ def _body_peaks(
     mask: torch.Tensor,
     device: torch.device,
     before: tuple[torch.Tensor, ...],
-    progress: Progress | None,
+    progress: Progress,
 ) -> dict[str, float]:
     """The model's own activations: peak GiB of its decoder stack alone (no head) on the batch's real
     tokens as one packed row (nopad's packed attention keeps the sequences apart), under
@@ -382,7 +376,7 @@ def _body_peaks(
     peaks: dict[str, float] = {}
     with packed_attention(model):
         for key, grad in (("no_grad_gib", False), ("fwd_bwd_gib", True)):
-            with _step(progress, f"model body {'fwd+bwd' if grad else 'no_grad'}"):
+            with progress.step(f"model body {'fwd+bwd' if grad else 'no_grad'}"):
                 if cuda:
                     peaks[key] = _timed(functools.partial(call, grad), device)[1]
                 else:
@@ -390,10 +384,6 @@ def _body_peaks(
                         call(grad)
                     peaks[key] = live.peak / GIB
     return peaks
-
-
-def _step(progress: Progress | None, label: str) -> Any:
-    return nullcontext() if progress is None else progress.step(label)
 
 
 def _differences(

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from nopad._apps.progress import QUIET, Progress, add_quiet_argument
+from nopad._apps.progress import QUIET, Progress, add_quiet_argument, sync
 from nopad.batches._padding import left_right_2_no_padding, no_padding_2_padding
 from nopad.synthetic import synthetic_batch, tiny_causal_lm
 
@@ -34,13 +34,11 @@ def _timed(fn: Callable[[], Any], device: str, calls: int = CALLS) -> tuple[Any,
         out = fn()
     times = []
     for _ in range(calls):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync(device)
         start = time.perf_counter()
         with torch.no_grad():
             out = fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return out, statistics.median(times)
 

@@ -333,17 +333,14 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  {name:<{width}}{shown}")
     lines += ["", "devices:"]
     lines += [f"  {device}: {what}" for device, what in report["devices"].items()]
-    lines.append("")
-    lines += _kernel_lines(
-        f"attention kernels (nopad_varlen at {report['attention_dtype']}; auto takes the first usable):",
-        report["attention_kernels"],
-    )
-    lines.append("")
-    lines += _kernel_lines(
-        "state-layer kernels (where none is usable, nopad's torch forms run):", report["state_layer_kernels"]
-    )
-    lines.append("")
-    lines += _kernel_lines("output-head kernels (where none is usable, nopad's tiles run):", report["head_kernels"])
+    dtype = report["attention_dtype"]
+    kernels = {
+        "attention_kernels": f"attention kernels (nopad_varlen at {dtype}; auto takes the first usable):",
+        "state_layer_kernels": "state-layer kernels (where none is usable, nopad's torch forms run):",
+        "head_kernels": "output-head kernels (where none is usable, nopad's tiles run):",
+    }
+    for key, title in kernels.items():
+        lines += ["", *_kernel_lines(title, report[key])]
     lines.append("")
     families = report["families"]
     if families is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import numpy as np
 
@@ -44,13 +43,9 @@ def _expected_tokenizer(name: str | None):
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 for a valid file, 1 when validation finds problems (each is printed), 2 when the file
-    or the --tokenizer cannot be read at all."""
-    try:
-        expected = _expected_tokenizer(args.tokenizer)
-        meta = read_metadata(args.path)
-    except (ValueError, OSError) as e:
-        print(f"nopad inspect: error: {e}", file=sys.stderr)
-        return 2
+    or the --tokenizer cannot be read at all (the command line prints their ValueError or OSError)."""
+    expected = _expected_tokenizer(args.tokenizer)
+    meta = read_metadata(args.path)
     print(f"file: {args.path}")
     print("metadata:")
     print("  " + json.dumps(meta, indent=2, sort_keys=True).replace("\n", "\n  "))

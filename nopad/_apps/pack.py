@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
 
@@ -297,11 +296,7 @@ def _describe(meta: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        report, meta = pack(args)
-    except (ValueError, OSError) as e:
-        print(f"nopad pack: error: {e}", file=sys.stderr)
-        return 2
+    report, meta = pack(args)  # a ValueError or OSError: the command line prints it, exit status 2
     print(f"wrote {args.output}: {report.rows} rows of <= {args.pack_length} tokens, {_describe(meta)}")
     for key, value in report.summary().items():
         print(f"  {key:>18}: {value}")

@@ -3,7 +3,8 @@
 A bar on a terminal that names what is being measured now (tqdm's when it is installed, a plain
 one otherwise); nothing when stderr is not a terminal (a CI log, a file: no carriage returns in
 it) or under ``--quiet``. Results go to stdout, so ``nopad bench > results.txt`` still shows the
-bar, and ``--json`` output is never mixed with it.
+bar, and ``--json`` output is never mixed with it. Beside it, :func:`sync`: the wait for the device
+that every timing of that work shares.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
+
+import torch
 
 
 def add_quiet_argument(parser: Any, *aliases: str) -> None:
@@ -27,6 +30,12 @@ def add_quiet_argument(parser: Any, *aliases: str) -> None:
         action="store_true",
         help="no progress on stderr (off a terminal there is none anyway)",
     )
+
+
+def sync(device: str | torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA; nothing to wait for elsewhere): a timing then counts it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def is_terminal(stream: TextIO) -> bool:
