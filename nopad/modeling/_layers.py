@@ -129,8 +129,7 @@ class PackedRow:
 
     def _padded_plan(self) -> IndexPlan:
         if self._padded is None:
-            longest = int(self.lengths.max()) if len(self.lengths) else 0
-            shortest = int(self.lengths.min()) if len(self.lengths) else 0
+            longest, shortest = self._extent()
             lengths = self.cu_seqlens.diff()
             self._padded = IndexPlan(
                 lengths,
@@ -142,6 +141,10 @@ class PackedRow:
                 min_seqlen=shortest,
             )
         return self._padded
+
+    def _extent(self) -> tuple[int, int | None]:
+        """The longest sequence's length (or a bound on it) and the shortest's (None where not known)."""
+        return (int(self.lengths.max()), int(self.lengths.min())) if len(self.lengths) else (0, 0)
 
     def layout(self, chunk: int) -> ChunkLayout:
         """The aligned chunk layout of this row for ``chunk``-token chunks (cached)."""
@@ -250,18 +253,8 @@ class BoundedRow(PackedRow):
     def count(self) -> int:
         return self.cu_seqlens.shape[0] - 1
 
-    def _padded_plan(self) -> IndexPlan:
-        if self._padded is None:
-            lengths = self.cu_seqlens.diff()
-            self._padded = IndexPlan(
-                lengths,
-                self.cu_seqlens,
-                total=self.total,
-                width=self.longest,
-                starts=torch.zeros_like(lengths),
-                max_seqlen=self.longest,
-            )
-        return self._padded
+    def _extent(self) -> tuple[int, int | None]:
+        return self.longest, None
 
     def layout(self, chunk: int) -> ChunkLayout:
         """The dense chunk layout of this row for ``chunk``-token chunks (cached)."""
