@@ -428,7 +428,7 @@ def test_the_state_forms_on_the_shared_layout_equal_each_row_alone_forward_and_b
 
 
 def test_the_recurrent_forms_take_and_return_a_state_per_sequence():
-    from nopad.modeling._layers import PackedRow, _gated_delta_rule, _ssd_scan
+    from nopad.modeling._layers import PackedRow, torch_gated_delta_rule, torch_ssd_scan
 
     # sequences of 3, 0 and 5 tokens, each run whole, then split after 1 / 0 / 2 tokens: the second
     # parts from the first parts' final states give the same outputs and final states
@@ -437,10 +437,10 @@ def test_the_recurrent_forms_take_and_return_a_state_per_sequence():
     halves = PackedRow.from_lengths([1, 0, 2]), PackedRow.from_lengths([2, 0, 3])
     gdn, ssd = state_inputs(8, seed=3)["gdn"], state_inputs(8, seed=4)["ssd"]
     runs = (
-        (lambda *a, **o: _gated_delta_rule(*a, 2, None, True, **o), gdn, "initial_state"),
-        (lambda *a, **o: _ssd_scan(*a, 2, dt_softplus=True, **o), ssd[:5], "initial_states"),
+        (lambda *a, **o: torch_gated_delta_rule(*a, chunk_size=2, use_qk_l2norm=True, **o), gdn),
+        (lambda *a, **o: torch_ssd_scan(*a, chunk_size=2, dt_softplus=True, **o), ssd[:5]),
     )
-    for run, inputs, initial in runs:
+    for run, inputs in runs:
 
         def part(index, inputs=inputs):
             return tuple(t.index_select(0, index) if t.dim() > 1 else t for t in inputs)
@@ -448,7 +448,7 @@ def test_the_recurrent_forms_take_and_return_a_state_per_sequence():
         out, final = run(*inputs, row, final_state=True)
         first, state = run(*part(head), halves[0], final_state=True)
         assert torch.equal(state[1], torch.zeros_like(state[1]))  # an empty sequence: its initial (zero) state
-        second, final_2 = run(*part(tail), halves[1], final_state=True, **{initial: state})
+        second, final_2 = run(*part(tail), halves[1], final_state=True, initial_state=state)
         joined = torch.cat([first, second]).index_select(0, torch.argsort(torch.cat([head, tail])))
         torch.testing.assert_close(joined, out)
         torch.testing.assert_close(final_2, final)

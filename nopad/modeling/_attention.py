@@ -472,10 +472,6 @@ def forced_kernel(implementation: str | None) -> str:
     return _KERNEL_OF.get((implementation or IMPLEMENTATION).removeprefix(ULYSSES_PREFIX), "auto")
 
 
-def _requested_kernel(module: Any) -> str:
-    return forced_kernel(getattr(getattr(module, "config", None), "_attn_implementation", None))
-
-
 def nopad_varlen_attention(
     module: torch.nn.Module,
     query: Tensor,
@@ -532,7 +528,7 @@ def nopad_varlen_attention(
         sinks=sinks is not None,
     )
     fields = (needs.gqa, needs.causal, needs.window, needs.dropout, needs.softcap, needs.sinks)
-    kernel = kernel_for(_requested_kernel(module), query.device.type, query.dtype, *fields)
+    kernel = kernel_for(forced_kernel(current_implementation(module)), query.device.type, query.dtype, *fields)
     scale = D**-0.5 if scaling is None else scaling
     # (B, H, T, D) -> (B * T, H, D): a view of HF's (B, T, H, D) projection after its transpose
     q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (query, key, value))

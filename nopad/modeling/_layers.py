@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -129,8 +129,7 @@ class PackedRow:
 
     def _padded_plan(self) -> IndexPlan:
         if self._padded is None:
-            longest = int(self.lengths.max()) if len(self.lengths) else 0
-            shortest = int(self.lengths.min()) if len(self.lengths) else 0
+            longest, shortest = self._extent()
             lengths = self.cu_seqlens.diff()
             self._padded = IndexPlan(
                 lengths,
@@ -142,6 +141,10 @@ class PackedRow:
                 min_seqlen=shortest,
             )
         return self._padded
+
+    def _extent(self) -> tuple[int, int | None]:
+        """The longest sequence's length (or a bound on it) and the shortest's (None where not known)."""
+        return (int(self.lengths.max()), int(self.lengths.min())) if len(self.lengths) else (0, 0)
 
     def layout(self, chunk: int) -> ChunkLayout:
         """The aligned chunk layout of this row for ``chunk``-token chunks (cached)."""
@@ -193,11 +196,25 @@ class ChunkLayout:
         """(N, *rest) in rank order -> (N, *rest) one entry per sequence: the inverse of :meth:`by_rank`."""
         return per_rank.index_select(0, self._rank)
 
-    def final_states(self, finished: list[Tensor], rest: Tensor) -> Tensor:
-        """(N, *rest) each sequence's state after its last chunk, from the recurrence's ``finished``
-        pieces (step c's: the states of the sequences whose last chunk step c was, rank order) and
-        ``rest``, the states of the sequences with no chunk (their initial ones)."""
-        return self.by_sequence(torch.cat([*reversed(finished), rest]))
+    def recur(
+        self, initial: Tensor, advance: Callable[[slice, Tensor], tuple[Tensor, Tensor]], final_state: bool
+    ) -> tuple[list[Tensor], Tensor | None]:
+        """The recurrence across chunks, from ``initial`` (N, *state) each sequence's state before its
+        first chunk, in rank order (:meth:`by_rank`). ``advance(chunks, state)``: a step's slice of the
+        chunk axis and the states of the sequences it advances -> that step's output and their states
+        after it. Returns the steps' outputs and, with ``final_state``, (N, *state) each sequence's
+        state after its last chunk (its initial one for a sequence with no chunk), else None."""
+        advancing = self.steps[0][1] if self.steps else 0
+        state, outputs, finished = initial[:advancing], [], []
+        for step, (first, count) in enumerate(self.steps):
+            # the sequences that have this chunk: a prefix (longest first)
+            output, state = advance(slice(first, first + count), state[:count])
+            outputs.append(output)
+            if final_state:  # the states of the sequences whose last chunk this step was
+                finished.append(state[self.finishing(step) :])
+        if not final_state:
+            return outputs, None
+        return outputs, self.by_sequence(torch.cat([*reversed(finished), initial[advancing:]]))
 
     def finishing(self, step: int) -> int:
         """How many sequences advance past step ``step`` (the rest, up to that step's count, end there)."""
@@ -236,18 +253,8 @@ class BoundedRow(PackedRow):
     def count(self) -> int:
         return self.cu_seqlens.shape[0] - 1
 
-    def _padded_plan(self) -> IndexPlan:
-        if self._padded is None:
-            lengths = self.cu_seqlens.diff()
-            self._padded = IndexPlan(
-                lengths,
-                self.cu_seqlens,
-                total=self.total,
-                width=self.longest,
-                starts=torch.zeros_like(lengths),
-                max_seqlen=self.longest,
-            )
-        return self._padded
+    def _extent(self) -> tuple[int, int | None]:
+        return self.longest, None
 
     def layout(self, chunk: int) -> ChunkLayout:
         """The dense chunk layout of this row for ``chunk``-token chunks (cached)."""
@@ -416,18 +423,11 @@ def torch_causal_conv1d(
     K = weight.shape[-1]
     if weight.shape != (C, K):
         raise input_error("weight", None, f"({C}, kernel) for {C} channels", f"{tuple(weight.shape)}")
-    dtype = x.dtype
-    x = x.to(weight.dtype)
-    if history is None:
-        history = x.new_zeros((C, K - 1))
-    extended = torch.cat([history.to(x.dtype), x], dim=1)  # (C, K - 1 + T)
-    out = x * weight[:, K - 1 : K]
-    for j in range(1, K):
-        tap = extended[:, K - 1 - j : K - 1 - j + T]  # x[:, t - j]
-        out = out + torch.where(positions >= j, tap, 0.0) * weight[:, K - 1 - j : K - j]
-    if bias is not None:
-        out = out + bias[:, None]
-    return _activation(activation)(out).to(dtype)
+    xw = x.to(weight.dtype)
+    extended = torch.cat([xw.new_zeros((C, K - 1)) if history is None else history.to(xw.dtype), xw], dim=1)
+    # tap j: x[:, t - j], read where token t's own sequence reaches that far back
+    taps = (torch.where(positions >= j, extended[:, K - 1 - j : K - 1 - j + T], 0.0) for j in range(1, K))
+    return _conv_of_taps(xw, weight, bias, taps, activation).to(x.dtype)
 
 
 def _shared_causal_conv1d(
@@ -435,17 +435,25 @@ def _shared_causal_conv1d(
 ) -> Tensor:
     """:func:`torch_causal_conv1d` over a shared-prefix row: (C, T) -> (C, T), a completion's first
     taps reading its prompt's last inputs (:meth:`SharedPrefixRow.conv_taps`). K gathers."""
+    xw = x.to(weight.dtype)
+    padded = F.pad(xw, (0, 1))  # column T: the zero a tap before a sequence's start reads
+    taps = (padded.index_select(1, at) for at in row.conv_taps(weight.shape[-1]))
+    return _conv_of_taps(xw, weight, bias, taps, activation).to(x.dtype)
+
+
+def _conv_of_taps(
+    x: Tensor, weight: Tensor, bias: Tensor | None, taps: Iterable[Tensor], activation: str | Callable | None
+) -> Tensor:
+    """The depthwise conv's sum: (C, T) ``x`` and (K - 1) ``taps`` (C, T), tap j each token's input j
+    steps back (zero before its sequence), in ``weight``'s dtype -> (C, T), bias added and activated.
+    The taps come one at a time (a generator), so no more than one is held beside the sum."""
     K = weight.shape[-1]
-    dtype = x.dtype
-    x = x.to(weight.dtype)
-    padded = F.pad(x, (0, 1))  # column T: the zero a tap before a sequence's start reads
-    taps = row.conv_taps(K)
     out = x * weight[:, K - 1 : K]
-    for j in range(1, K):
-        out = out + padded.index_select(1, taps[j - 1]) * weight[:, K - 1 - j : K - j]
+    for j, tap in enumerate(taps, 1):
+        out = out + tap * weight[:, K - 1 - j : K - j]
     if bias is not None:
         out = out + bias[:, None]
-    return _activation(activation)(out).to(dtype)
+    return _activation(activation)(out)
 
 
 # ---- the chunked gated delta rule ------------------------------------------------------------------
@@ -471,34 +479,20 @@ def torch_gated_delta_rule(
     chunk_size: int = 64,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
-) -> Tensor:
+    initial_state: Tensor | None = None,
+    final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """The gated delta rule of each sequence of a packed row, its state reset at every start.
 
     q, k (T, H_k, D_k); v (T, H, D_v); g (T, H) log decay (<= 0); beta (T, H). H_k divides H (each
     query/key head serves H / H_k consecutive value heads). Per token t of a sequence, with state
     S (D_k, D_v) starting at zero: S = exp(g_t) S; S += k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t.
     ``scale`` defaults to D_k ** -0.5; ``use_qk_l2norm`` normalises q and k first. Computed in
-    float32, chunk by chunk (:class:`ChunkLayout`); returns (T, H, D_v) in q's dtype.
+    float32, chunk by chunk (:class:`ChunkLayout`); returns (T, H, D_v) in q's dtype, and with
+    ``final_state`` (N, H, D_k, D_v) float32 each sequence's state after its last token (its initial
+    one for an empty sequence), else None. ``initial_state`` (N, H, D_k, D_v): each sequence's state
+    at its start where given, instead of zero.
     """
-    return _gated_delta_rule(q, k, v, g, beta, row, chunk_size, scale, use_qk_l2norm)[0]
-
-
-def _gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    row: PackedRow,
-    chunk_size: int,
-    scale: float | None,
-    use_qk_l2norm: bool,
-    initial_state: Tensor | None = None,
-    final_state: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """:func:`torch_gated_delta_rule`, each sequence's state starting from ``initial_state`` (N, H,
-    D_k, D_v) where given (else zero); with ``final_state``, also (N, H, D_k, D_v) float32 each
-    sequence's state after its last token (its initial one for an empty sequence), else None."""
     dtype = q.dtype
     T, H, Dv = v.shape
     if k.shape[1] != H:  # grouped values: repeat each query/key head for the value heads it serves
@@ -526,53 +520,41 @@ def _gated_delta_rule(
     q_decayed = q * decay.exp().unsqueeze(-1)
     k_decayed = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
     chunk_decay = decay[..., -1].exp()[..., None, None]
-    advancing = layout.steps[0][1] if layout.steps else 0
-    if initial_state is None:
-        initial = q.new_zeros((row.count, H, k.shape[-1], Dv)) if final_state else None
-        state = q.new_zeros((advancing, H, k.shape[-1], Dv))
-    else:
-        initial = layout.by_rank(initial_state.float())
-        state = initial[:advancing]
-    outputs, finished = [], []
-    for step, (first, count) in enumerate(layout.steps):
-        c = slice(first, first + count)
-        state = state[:count]  # the sequences that have this chunk: a prefix (longest first)
+
+    def advance(c: slice, state: Tensor) -> tuple[Tensor, Tensor]:
         v_new = new_values[c] - k_cumdecay[c] @ state
-        outputs.append(q_decayed[c] @ state + intra[c] @ v_new)
-        state = state * chunk_decay[c] + k_decayed[c].transpose(-1, -2) @ v_new
-        if final_state:
-            finished.append(state[layout.finishing(step) :])
+        output = q_decayed[c] @ state + intra[c] @ v_new
+        return output, state * chunk_decay[c] + k_decayed[c].transpose(-1, -2) @ v_new
+
+    shape = (row.count, H, k.shape[-1], Dv)
+    initial = q.new_zeros(shape) if initial_state is None else layout.by_rank(initial_state.float())
+    outputs, finals = layout.recur(initial, advance, final_state)
     out = torch.cat(outputs) if outputs else v.new_zeros((0, H, layout.chunk, Dv))
-    finals = None if initial is None or not final_state else layout.final_states(finished, initial[advancing:])
     return layout.from_chunks(out.transpose(1, 2)).to(dtype), finals
 
 
-def _shared_gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    row: SharedPrefixRow,
-    chunk_size: int,
-    scale: float | None,
-    use_qk_l2norm: bool,
-    fla: bool = False,
-) -> Tensor:
-    """:func:`torch_gated_delta_rule` over a shared-prefix row: the prompts from a zero state, then each
-    completion from its prompt's final state. Two packed runs and a gather; (T, H, D_v) like the form.
-    With ``fla`` both runs are flash-linear-attention's (its own chunking; a state per sequence in and
-    out, the gradient of the initial ones returned), else the torch form's."""
-    (qp, qc), (kp, kc), (vp, vc), (gp, gc), (bp, bc) = (row.split(t) for t in (q, k, v, g, beta))
-    run: Callable[..., tuple[Tensor, Tensor | None]]
+def _gdn_form(fla: bool, chunk_size: int, scale: float | None, use_qk_l2norm: bool) -> Callable:
+    """The gated delta rule run by row, (q, k, v, g, beta, row, initial_state=, final_state=) -> (out,
+    finals): flash-linear-attention's with ``fla`` (its own chunking), else the torch form's."""
     if fla:
-        run = functools.partial(_gdn_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    else:
-        run = functools.partial(_gated_delta_rule, chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    prompts, finals = run(qp, kp, vp, gp, bp, row.prompts, final_state=True)
+        return functools.partial(_gdn_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    return functools.partial(torch_gated_delta_rule, chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm)
+
+
+def _shared_run(
+    run: Callable[..., tuple[Tensor, Tensor | None]], row: SharedPrefixRow, **tokens: Tensor | None
+) -> Tensor:
+    """A recurrent form over a shared-prefix row: the prompts from a zero state, then each completion
+    from its prompt's final state. Two packed runs of ``run`` (keyword inputs, ``row`` and
+    ``final_state`` or ``initial_state`` -> the output and the final states, as
+    :func:`torch_gated_delta_rule`) and a gather; the output like the form's. ``tokens``: the inputs
+    with a token axis, each split between the two runs (None passes as None)."""
+    halves = {name: (None, None) if t is None else row.split(t) for name, t in tokens.items()}
+    to_prompts, to_completions = ({name: half[i] for name, half in halves.items()} for i in (0, 1))
+    prompts, finals = run(row=row.prompts, final_state=True, **to_prompts)
     assert finals is not None
     initial = finals.index_select(0, row.completion_group)  # backward: each completion's share, summed
-    completions, _ = run(qc, kc, vc, gc, bc, row.completion_row, initial_state=initial)
+    completions, _ = run(row=row.completion_row, initial_state=initial, **to_completions)
     return row.join(prompts, completions)
 
 
@@ -604,40 +586,19 @@ def torch_ssd_scan(
     dt_bias: Tensor | None = None,
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, math.inf),
-) -> Tensor:
+    initial_state: Tensor | None = None,
+    final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """Mamba2's selective state-space scan of each sequence of a packed row, its state reset at every start.
 
     x (T, H, P); dt (T, H); A (H,); B, C (T, G, N) with G dividing H. Per token t of a sequence,
     with state S (P, N) per head starting at zero, dt_t = clamp(softplus(dt_t + dt_bias)) (as
     asked): S = exp(dt_t A) S + dt_t x_t B_t^T; y_t = S C_t + D x_t, then y_t * silu(z_t) if ``z``.
     Computed in float32, chunk by chunk (:class:`ChunkLayout`); returns (T, H, P) float32, as
-    transformers' reference scan does.
+    transformers' reference scan does, and with ``final_state`` (N, H, P, N_state) float32 each
+    sequence's state after its last token (its initial one for an empty sequence), else None.
+    ``initial_state`` (N, H, P, N_state): each sequence's state at its start where given, instead of zero.
     """
-    return _ssd_scan(
-        x, dt, A, B, C, row, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit
-    )[0]
-
-
-def _ssd_scan(
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    row: PackedRow,
-    chunk_size: int,
-    *,
-    D: Tensor | None = None,
-    z: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
-    initial_states: Tensor | None = None,
-    final_state: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """:func:`torch_ssd_scan`, each sequence's state starting from ``initial_states`` (N, H, P, N_state)
-    where given (else zero); with ``final_state``, also (N, H, P, N_state) float32 each sequence's
-    state after its last token (its initial one for an empty sequence), else None."""
     T, H, P = x.shape
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
@@ -659,23 +620,14 @@ def _ssd_scan(
     to_end = (decay[..., -1:] - decay).exp()  # (chunks, H, L)
     chunk_states = torch.einsum("clhn,chl,clhp->chpn", B, to_end, xs)
     chunk_decay = decay[..., -1].exp()[..., None, None]  # (chunks, H, 1, 1)
-    advancing = layout.steps[0][1] if layout.steps else 0
-    if initial_states is None:
-        initial = xs.new_zeros((row.count, H, P, B.shape[-1])) if final_state else None
-        state = xs.new_zeros((advancing, H, P, B.shape[-1]))
-    else:
-        initial = layout.by_rank(initial_states.float())
-        state = initial[:advancing]
-    entering, finished = [], []  # the state each chunk starts from, in chunk order
-    for step, (first, count) in enumerate(layout.steps):
-        c = slice(first, first + count)
-        state = state[:count]
-        entering.append(state)
-        state = state * chunk_decay[c] + chunk_states[c]
-        if final_state:
-            finished.append(state[layout.finishing(step) :])
+
+    def advance(c: slice, state: Tensor) -> tuple[Tensor, Tensor]:
+        return state, state * chunk_decay[c] + chunk_states[c]
+
+    shape = (row.count, H, P, B.shape[-1])
+    initial = xs.new_zeros(shape) if initial_state is None else layout.by_rank(initial_state.float())
+    entering, finals = layout.recur(initial, advance, final_state)  # the state each chunk starts from
     starts = torch.cat(entering) if entering else chunk_states
-    finals = None if initial is None or not final_state else layout.final_states(finished, initial[advancing:])
     y = y + torch.einsum("clhn,chpn,chl->clhp", C, starts, decay.exp())
     out = layout.from_chunks(y)
     if skip is not None:
@@ -683,24 +635,6 @@ def _ssd_scan(
     if z is not None:
         out = out * F.silu(z.float())
     return out, finals
-
-
-def _shared_ssd_scan(
-    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, row: SharedPrefixRow, chunk_size: int, **options: Any
-) -> Tensor:
-    """:func:`torch_ssd_scan` over a shared-prefix row: the prompts from a zero state, then each
-    completion from its prompt's final state. Two packed runs and a gather; (T, H, P) float32.
-    ``options``: the scan's D, z, dt_bias, dt_softplus and dt_limit."""
-    z = options.pop("z", None)
-    (xp, xc), (dtp, dtc), (Bp, Bc), (Cp, Cc) = (row.split(t) for t in (x, dt, B, C))
-    zp, zc = (None, None) if z is None else row.split(z)
-    prompts, finals = _ssd_scan(xp, dtp, A, Bp, Cp, row.prompts, chunk_size, z=zp, final_state=True, **options)
-    assert finals is not None
-    initial = finals.index_select(0, row.completion_group)  # backward: each completion's share, summed
-    completions, _ = _ssd_scan(
-        xc, dtc, A, Bc, Cc, row.completion_row, chunk_size, z=zc, initial_states=initial, **options
-    )
-    return row.join(prompts, completions)
 
 
 # ---- Mamba's selective scan --------------------------------------------------------------------------
@@ -880,11 +814,8 @@ def _gdn_probe(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, row: Pa
     64-token one, exactly fla's chunk, with 20 and an empty one), each completion from its prompt's
     final state. (2T, H, D_v): the two outputs, fla's with ``fla``, else the torch forms'."""
     shared = SharedPrefixRow(np.array([37, 0, 64, 0]), np.array([1, 5, 20, 0]), row.device)
-    if fla:
-        plain = _gdn_kernel(q, k, v, g, beta, row)[0]
-    else:
-        plain = torch_gated_delta_rule(q, k, v, g, beta, row, use_qk_l2norm=True)
-    return torch.cat([plain, _shared_gated_delta_rule(q, k, v, g, beta, shared, 64, None, True, fla)])
+    form = _gdn_form(fla, 64, None, True)
+    return torch.cat([form(q, k, v, g, beta, row)[0], _shared_run(form, shared, q=q, k=k, v=v, g=g, beta=beta)])
 
 
 _KERNEL_RUNS: dict[str, Callable] = {
@@ -895,7 +826,7 @@ _KERNEL_RUNS: dict[str, Callable] = {
 _TORCH_RUNS: dict[str, Callable] = {
     "causal_conv1d": lambda x, w, b, row: torch_causal_conv1d(x, w, b, row.position_ids, activation="silu"),
     "gated_delta_rule": functools.partial(_gdn_probe, fla=False),
-    "ssd_scan": lambda x, dt, A, B, C, row: torch_ssd_scan(x, dt, A, B, C, row, chunk_size=16, dt_softplus=True),
+    "ssd_scan": lambda x, dt, A, B, C, row: torch_ssd_scan(x, dt, A, B, C, row, chunk_size=16, dt_softplus=True)[0],
 }
 
 
@@ -1088,13 +1019,10 @@ def gated_delta_rule(
     gradient into each prompt's final state returned) or the torch form, its probe covering both.
     """
     _check_gdn(q, k, v, g, beta, row, chunk_size, use_qk_l2norm)
-    fla = _use_kernel("gated_delta_rule", kernel, q.device)
+    form = _gdn_form(_use_kernel("gated_delta_rule", kernel, q.device), chunk_size, scale, use_qk_l2norm)
     if isinstance(row, SharedPrefixRow):
-        return _shared_gated_delta_rule(q, k, v, g, beta, row, chunk_size, scale, use_qk_l2norm, fla).to(q.dtype)
-    if fla:
-        return _gdn_kernel(q, k, v, g, beta, row, scale=scale, use_qk_l2norm=use_qk_l2norm)[0].to(q.dtype)
-    options: dict[str, Any] = dict(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    return torch_gated_delta_rule(q, k, v, g, beta, row, **options)
+        return _shared_run(form, row, q=q, k=k, v=v, g=g, beta=beta).to(q.dtype)
+    return form(q, k, v, g, beta, row)[0].to(q.dtype)
 
 
 def ssd_scan(
@@ -1127,10 +1055,11 @@ def ssd_scan(
     _check_ssd(x, dt, A, B, C, row, chunk_size, options)
     if isinstance(row, SharedPrefixRow):
         _torch_only("ssd_scan", kernel)
-        return _shared_ssd_scan(x, dt, A, B, C, row, chunk_size, **options)
+        tokens = dict(x=x, dt=dt, B=B, C=C, z=options.pop("z"))
+        return _shared_run(functools.partial(torch_ssd_scan, A=A, chunk_size=chunk_size, **options), row, **tokens)
     if _use_kernel("ssd_scan", kernel, x.device):
         return _ssd_kernel(x, dt, A, B, C, row, chunk_size, **options).float()
-    return torch_ssd_scan(x, dt, A, B, C, row, chunk_size=chunk_size, **options)
+    return torch_ssd_scan(x, dt, A, B, C, row, chunk_size=chunk_size, **options)[0]
 
 
 # ---- packed forms registered for whole modules ---------------------------------------------------------
