@@ -568,8 +568,9 @@ def _fallback_name(fn: Any) -> str | None:
 @dataclass(frozen=True)
 class Callee:
     """A global a layer's code calls, as transformers wrapped it: a sequence ``primitive`` (its kernel
-    name), a ``helper`` whose Python ``function`` may reach primitives, or ``opaque`` (a kernels function
-    module whose function nopad cannot read: its ``name`` says what it is)."""
+    name; ``function``, transformers' torch implementation behind it, what runs without the CUDA
+    package), a ``helper`` whose Python ``function`` may reach primitives, or ``opaque`` (a kernels
+    function module whose function nopad cannot read: its ``name`` says what it is)."""
 
     kind: str  # "primitive", "helper" or "opaque"
     name: str
@@ -586,30 +587,13 @@ def callee(obj: Any) -> Callee | None:
         if func is None:
             return Callee("opaque", layer_name)
         name = _fallback_name(func)
-        return Callee("primitive", name) if name is not None else Callee("helper", layer_name, _innermost(func))
+        return Callee("primitive", name, _innermost(func)) if name else Callee("helper", layer_name, _innermost(func))
     name = _fallback_name(obj)
     if name is not None:
-        return Callee("primitive", name)
+        return Callee("primitive", name, _innermost(obj))
     if inspect.isfunction(obj):
         return Callee("helper", obj.__name__, _innermost(obj))
     return None
-
-
-def primitive_name(obj: Any) -> str | None:
-    """The kernel name transformers registered a sequence primitive under, however it is wrapped (with or
-    without ``kernels``), or None when ``obj`` is not one."""
-    found = callee(obj)
-    return found.name if found is not None and found.kind == "primitive" else None
-
-
-def torch_fallback(obj: Any) -> Callable:
-    """transformers' torch implementation behind a primitive (what runs without the CUDA package)."""
-    found = callee(obj)
-    if found is None or found.kind != "primitive":
-        raise input_error("primitive", None, "a transformers sequence primitive", repr(obj))
-    fn = _kernels_function(obj) if isinstance(obj, torch.nn.Module) else obj
-    assert fn is not None  # callee read it
-    return _innermost(fn)
 
 
 def _transformers_version() -> str:
