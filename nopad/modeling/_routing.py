@@ -414,17 +414,25 @@ class PackedSSDScan(Adapter):
 
 @dataclass(frozen=True, eq=False)
 class UnfusedMamba2(Adapter):
-    """``mamba_split_conv1d_scan_combined``, mamba-ssm's fused conv + scan + norm + projection: a packed call
-    returns None, as the torch fallback does, so the layer takes its unfused path (conv and scan served)."""
+    """``mamba_split_conv1d_scan_combined``, mamba-ssm's fused conv + scan + norm + projection (zxbcdt
+    (B, L, ...)): a packed call returns None, as the torch fallback does, so the layer takes its unfused
+    path (conv and scan served)."""
 
-    def __call__(self, zxbcdt, *args, **kwargs):
-        if _packed_call(kwargs, self.owner, zxbcdt.shape[0] * zxbcdt.shape[1], kwargs.get("cu_seqlens")) is not None:
+    seq_dim = 1  # where the input's tokens are
+
+    def __call__(self, x, *args, **kwargs):
+        if _packed_call(kwargs, self.owner, x.shape[0] * x.shape[self.seq_dim], kwargs.get("cu_seqlens")) is not None:
             return None
-        return self.original(zxbcdt, *args, **kwargs)
+        return self.original(x, *args, **kwargs)
 
 
-# the kwargs naming a packed row's boundaries, which a primitive run one row per sequence is not handed
-_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+def _alone_kwargs(call: _Call, owner: str, what: str, kwargs: dict) -> dict:
+    """The kwargs of a primitive run one row per sequence (no SP: refused), less those naming a packed
+    row's boundaries, which such a run is not handed."""
+    if call.world > 1:
+        raise input_error(owner, None, f"no sequence parallelism ({what} under Ulysses)", f"SP {call.world}")
+    boundaries = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    return {k: v for k, v in kwargs.items() if k not in boundaries}
 
 
 def _by_sequence(x: Tensor, call: _Call, seq_dim: int) -> Tensor:
@@ -451,11 +459,7 @@ class PackedKDA(Adapter):
         if call is None:
             return self.original(query, key, value, g=g, beta=beta, **options, **kwargs)
         _no_state(self.owner, initial_state=initial_state, output_final_state=output_final_state)
-        if call.world > 1:
-            raise input_error(
-                self.owner, None, "no sequence parallelism (Kimi delta attention under Ulysses)", f"SP {call.world}"
-            )
-        kwargs = {k: v for k, v in kwargs.items() if k not in _BOUNDARY_KWARGS}
+        kwargs = _alone_kwargs(call, self.owner, "Kimi delta attention", kwargs)
         rows = [_by_sequence(t.reshape(1, B * L, *t.shape[2:]), call, 1) for t in (query, key, value, g, beta)]
         out, _ = self.original(*rows[:3], g=rows[3], beta=rows[4], **options, **kwargs)
         return _by_token(out, call, 1).view(B, L, *out.shape[2:]), None
@@ -488,30 +492,23 @@ class PackedSelectiveScan(Adapter):
                 hidden_states, dt, A, B, C, z=z, return_last_state=return_last_state, **options, **kwargs
             )
         _no_state(self.owner, return_last_state=return_last_state)
-        if call.world > 1:
-            raise input_error(
-                self.owner, None, "no sequence parallelism (Mamba's selective scan under Ulysses)", f"SP {call.world}"
-            )
+        kwargs = _alone_kwargs(call, self.owner, "Mamba's selective scan", kwargs)
         flat = [
             None if t is None else t.movedim(0, 1).reshape(1, t.shape[1], batch * L)
             for t in (hidden_states, dt, B, C, z)
         ]
         rows = [None if t is None else _by_sequence(t, call, 2) for t in flat]
-        kwargs = {k: v for k, v in kwargs.items() if k not in _BOUNDARY_KWARGS}
         out = self.original(*rows[:2], A, *rows[2:4], z=rows[4], return_last_state=False, **options, **kwargs)
         packed = _by_token(out, call, 2)  # (1, channels, T)
         return packed.reshape(packed.shape[1], batch, L).movedim(1, 0)
 
 
 @dataclass(frozen=True, eq=False)
-class UnfusedMamba(Adapter):
+class UnfusedMamba(UnfusedMamba2):
     """``mamba_inner_fn``, mamba-ssm's fused Mamba (xz (B, 2D, L)): a packed call returns None, so the layer
     takes its unfused path (conv and scan served)."""
 
-    def __call__(self, xz, *args, **kwargs):
-        if _packed_call(kwargs, self.owner, xz.shape[0] * xz.shape[-1]) is not None:
-            return None
-        return self.original(xz, *args, **kwargs)
+    seq_dim = -1
 
 
 # transformers' primitives (by the kernel name transformers registers them under) -> nopad's adapter
@@ -587,12 +584,12 @@ def callee(obj: Any) -> Callee | None:
         if func is None:
             return Callee("opaque", layer_name)
         name = _fallback_name(func)
-        return Callee("primitive", name, _innermost(func)) if name else Callee("helper", layer_name, _innermost(func))
+        return Callee("primitive" if name else "helper", name or layer_name, inspect.unwrap(func))
     name = _fallback_name(obj)
     if name is not None:
-        return Callee("primitive", name, _innermost(obj))
+        return Callee("primitive", name, inspect.unwrap(obj))
     if inspect.isfunction(obj):
-        return Callee("helper", obj.__name__, _innermost(obj))
+        return Callee("helper", obj.__name__, inspect.unwrap(obj))
     return None
 
 
@@ -603,12 +600,6 @@ def _transformers_version() -> str:
 
 
 # ---- rebinding a layer's methods ------------------------------------------------------------------
-
-
-def _innermost(fn: Callable) -> Callable:
-    while hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    return fn
 
 
 def _replaced(fn: types.FunctionType, old: Callable, new: Callable) -> types.FunctionType:
@@ -679,13 +670,17 @@ POSITIONWISE_KERNELS = {"rotary_pos_emb"}
 _REACHES: dict[Callable, Reach] = {}  # by function: functions live as long as their module
 
 
-def _names_read(code: types.CodeType) -> set[str]:
-    """The global names ``code`` reads, with those of the functions defined inside it."""
-    names = set(code.co_names)
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code of the functions defined inside it."""
+    yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _names_read(const)
-    return names
+            yield from _codes(const)
+
+
+def _names_read(code: types.CodeType) -> set[str]:
+    """The global names ``code`` reads, with those of the functions defined inside it."""
+    return {name for inner in _codes(code) for name in inner.co_names}
 
 
 def _follows(helper: Callable, caller: Callable) -> bool:
@@ -754,7 +749,7 @@ def _class_survey(cls: type) -> ClassSurvey:
         return _SURVEYS[cls]
     survey = _SURVEYS[cls] = ClassSurvey(cls)
     for name, method in _methods(cls):
-        found = _reach(_innermost(method))
+        found = _reach(inspect.unwrap(method))
         if found.served:
             survey.rebinds[name] = found
         survey.unserved |= found.unserved
@@ -829,10 +824,10 @@ def _attribute_primitives(cls: type) -> tuple[str, ...]:
     init = methods.pop("__init__", None)
     if init is None:
         return ()
-    stored = _attribute_names(_innermost(init).__code__, "STORE_ATTR")
+    stored = _attribute_names(inspect.unwrap(init).__code__, "STORE_ATTR")
     loaded: set[str] = set()
     for method in methods.values():
-        loaded |= _attribute_names(_innermost(method).__code__, "LOAD_ATTR", "LOAD_METHOD")
+        loaded |= _attribute_names(inspect.unwrap(method).__code__, "LOAD_ATTR", "LOAD_METHOD")
     return tuple(name for name in _ATTRIBUTE_PRIMITIVES if name in stored and name in loaded)
 
 
@@ -841,7 +836,7 @@ def _fast_path_globals(cls: type) -> tuple[str, ...]:
     method = dict(_methods(cls)).get(_FAST_PATH)
     if method is None:
         return ()
-    return tuple(sorted(_names_read(_innermost(method).__code__) & set(_FAST_PATH_ADAPTERS)))
+    return tuple(sorted(_names_read(inspect.unwrap(method).__code__) & set(_FAST_PATH_ADAPTERS)))
 
 
 def primitives_510(cls: type) -> tuple[str, ...]:
@@ -962,8 +957,8 @@ _FAST_PATH_FALLBACKS = {"selective_scan_fn": _torch_selective_scan_fn}  # where 
 def _clamps_at_minimum(torch_path: Callable, fast: Callable) -> bool:
     """Whether a 5.10 mixer's torch forward clamps its time steps at ``time_step_min``, which its CUDA
     forward does not (nemotron_h's and zamba2's: their two paths differ by that clamp)."""
-    return "time_step_min" in _names_read(_innermost(torch_path).__code__) and "time_step_min" not in _names_read(
-        _innermost(fast).__code__
+    return "time_step_min" in _names_read(inspect.unwrap(torch_path).__code__) and "time_step_min" not in _names_read(
+        inspect.unwrap(fast).__code__
     )
 
 
@@ -1051,7 +1046,7 @@ def _fast_path_forward(module: torch.nn.Module, names: tuple[str, ...]) -> Mixer
     """The mixer's forward, its ``cuda_kernels_forward`` reading nopad's adapters for ``names``."""
     owner = type(module).__name__
     fast = getattr(type(module), _FAST_PATH)
-    globals_ = _innermost(fast).__globals__
+    globals_ = inspect.unwrap(fast).__globals__
     adapters = {n: _FAST_PATH_ADAPTERS[n](globals_.get(n) or _FAST_PATH_FALLBACKS.get(n), owner) for n in names}
     torch_path, scan = dict(_methods(type(module))).get("torch_forward"), "mamba_chunk_scan_combined"
     if scan in adapters and torch_path is not None and _clamps_at_minimum(torch_path, fast):
@@ -1150,10 +1145,6 @@ class RegisteredForward(Adapter):
         return self.form(self.module, call.row, *args, **kwargs)
 
 
-def _registered_forward(module: torch.nn.Module, form: Callable) -> RegisteredForward:
-    return RegisteredForward(module.forward, type(module).__name__, module, form)
-
-
 # ---- the guard -------------------------------------------------------------------------------------
 
 # module classes that mix positions in ways nopad cannot keep apart, found by the architecture sweep
@@ -1243,11 +1234,7 @@ def survey(model: torch.nn.Module) -> Survey:
     for name, module in model.named_modules():  # parents before children
         if _TOWER.search(name):
             served.add(id(module))
-        if id(module) in served:
-            served.update(id(child) for child in module.children())
-            continue
-        cls = type(module)
-        if registered_form(cls) is not None or _class_survey(cls).served:
+        if id(module) in served or registered_form(type(module)) is not None or _class_survey(type(module)).served:
             served.update(id(child) for child in module.children())
     for name, module in reversed(list(model.named_modules())):  # children before parents
         cls = type(module)
@@ -1293,25 +1280,22 @@ _WINDOW_MASK = "create_sliding_window_causal_mask"
 def _builds_window_mask(model: torch.nn.Module) -> bool:
     """Whether some module of ``model`` builds transformers' sliding-window mask (its decoder's forward)."""
     classes = {type(m) for m in model.modules()}
-    return any(_WINDOW_MASK in _names_read(_innermost(fn).__code__) for cls in classes for _, fn in _methods(cls))
+    return any(_WINDOW_MASK in _names_read(inspect.unwrap(fn).__code__) for cls in classes for _, fn in _methods(cls))
 
 
 def _mentions(code: types.CodeType, name: str) -> bool:
     """Whether ``code`` (or a function defined inside it) reads ``name`` or passes it as a keyword."""
-    if name in code.co_names:
-        return True
-    for const in code.co_consts:
-        if const == name or (isinstance(const, tuple) and name in const):
-            return True
-        if isinstance(const, types.CodeType) and _mentions(const, name):
-            return True
-    return False
+    return any(
+        name in inner.co_names
+        or any(const == name or (isinstance(const, tuple) and name in const) for const in inner.co_consts)
+        for inner in _codes(code)
+    )
 
 
 def _passes_window(cls: type) -> bool:
     """Whether the class's code that calls the attention interface hands it a ``sliding_window``."""
     for _, method in _methods(cls):
-        code = _innermost(method).__code__
+        code = inspect.unwrap(method).__code__
         if "ALL_ATTENTION_FUNCTIONS" in _names_read(code) and _mentions(code, "sliding_window"):
             return True
     return False
@@ -1366,7 +1350,7 @@ class Route:
         for name, module in model.named_modules():
             form = registered_form(type(module)) if name in registered else None
             if form is not None:
-                self._patch(module, "forward", _registered_forward(module, form))
+                self._patch(module, "forward", RegisteredForward(module.forward, type(module).__name__, module, form))
             elif name in names:
                 for method, fn in _rebound_methods(type(module)).items():
                     self._patch(module, method, types.MethodType(fn, module))
@@ -1486,9 +1470,7 @@ def _row_boundaries(args: tuple, kwargs: dict) -> tuple[Tensor, int] | None:
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         return cu, int(kwargs.get("max_length_q") or 0)
-    if kwargs.get("attention_mask") is not None or kwargs.get("past_key_values") is not None:
-        return None
-    if kwargs.get("cache") is not None:
+    if any(kwargs.get(name) is not None for name in ("attention_mask", "past_key_values", "cache")):
         return None
     positions = kwargs.get("position_ids")
     if not isinstance(positions, Tensor) or positions.dim() not in (2, 3):
