@@ -28,7 +28,7 @@ import re
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,21 +259,22 @@ def _no_state(owner: str, **given: Any) -> None:
 # ---- Ulysses sequence parallelism for the state-carrying layers -------------------------------------
 # Heads are independent, so the all-to-all that serves attention (sequence-sharded -> head-sharded)
 # serves the gated delta rule and the SSD scan; the conv needs only the K - 1 inputs before each
-# rank's first token, all-gathered from the ranks' tails.
+# rank's first token, all-gathered from the ranks' tails. With no SP (one rank) the head helpers below
+# return their input itself: no op is added.
 
 
 def _to_heads(x: Tensor, call: _Call) -> Tensor:
     """(1, L, H, ...) this rank's tokens -> (1, L * W, H / W, ...) the whole row for this rank's heads."""
-    return all_to_all(x, call.group, scatter_dim=2, gather_dim=1)
+    return x if call.world == 1 else all_to_all(x, call.group, scatter_dim=2, gather_dim=1)
 
 
 def _to_tokens(x: Tensor, call: _Call) -> Tensor:
-    return all_to_all(x, call.group, scatter_dim=1, gather_dim=2)
+    return x if call.world == 1 else all_to_all(x, call.group, scatter_dim=1, gather_dim=2)
 
 
 def _heads_of_rank(x: Tensor, call: _Call) -> Tensor:
     """The per-head parameter ``x`` (H, ...) for this rank's heads."""
-    return x.chunk(call.world)[call.rank]
+    return x if call.world == 1 else x.chunk(call.world)[call.rank]
 
 
 def _rank_heads(call: _Call, owner: str, heads: list, grouped: list) -> tuple[list, list]:
@@ -362,12 +363,9 @@ class PackedGatedDeltaRule(Adapter):
             return self.original(query, key, value, g=g, beta=beta, **options, **rule, **kwargs)
         _no_state(self.owner, initial_state=initial_state, output_final_state=output_final_state)
         q, k, v, g, beta = (x.reshape(1, B * L, *x.shape[2:]) for x in (query, key, value, g, beta))
-        if call.world > 1:
-            (v, g, beta), (q, k) = _rank_heads(call, self.owner, [v, g, beta], [q, k])
+        (v, g, beta), (q, k) = _rank_heads(call, self.owner, [v, g, beta], [q, k])
         options = dict(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel)
-        out = gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], call.row, **options).unsqueeze(0)
-        if call.world > 1:
-            out = _to_tokens(out, call)
+        out = _to_tokens(gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], call.row, **options).unsqueeze(0), call)
         return out.view(B, L, *out.shape[2:]), None
 
 
@@ -402,13 +400,11 @@ class PackedSSDScan(Adapter):
         _no_state(self.owner, initial_states=initial_states, return_final_states=return_final_states)
         x, dt, B, C = (t.reshape(1, batch * L, *t.shape[2:]) for t in (hidden_states, dt, B, C))
         z = None if z is None else z.reshape(1, batch * L, *z.shape[2:])
-        if call.world > 1:
-            (x, dt, z), (B, C) = _rank_heads(call, self.owner, [x, dt, z], [B, C])
-            A, D, dt_bias = (None if p is None else _heads_of_rank(p, call) for p in (A, D, dt_bias))
+        (x, dt, z), (B, C) = _rank_heads(call, self.owner, [x, dt, z], [B, C])
+        A, D, dt_bias = (None if p is None else _heads_of_rank(p, call) for p in (A, D, dt_bias))
         options.update(D=D, z=None if z is None else z[0], dt_bias=dt_bias)
         out = ssd_scan(x[0], dt[0], A, B[0], C[0], call.row, chunk_size=chunk_size, **options).unsqueeze(0)
-        if call.world > 1:
-            out = _to_tokens(out, call)
+        out = _to_tokens(out, call)
         return out.view(batch, L, *out.shape[2:])
 
 
@@ -811,10 +807,11 @@ _ATTRIBUTE_PRIMITIVES = ("causal_conv1d_fn", "chunk_gated_delta_rule")
 _FAST_PATH = "cuda_kernels_forward"
 
 
-def _attribute_names(code: types.CodeType, *opnames: str) -> set[str]:
-    """The attribute names ``code`` stores (``STORE_ATTR``) or loads (``LOAD_ATTR``; a method call's
-    load is ``LOAD_METHOD`` before Python 3.12)."""
-    return {ins.argval for ins in dis.get_instructions(code) if ins.opname in opnames}
+def _attribute_names(functions: Iterable[Callable], *opnames: str) -> set[str]:
+    """The attribute names the code of ``functions`` stores (``STORE_ATTR``) or loads (``LOAD_ATTR``; a
+    method call's load is ``LOAD_METHOD`` before Python 3.12)."""
+    codes = [inspect.unwrap(fn).__code__ for fn in functions]
+    return {ins.argval for code in codes for ins in dis.get_instructions(code) if ins.opname in opnames}
 
 
 def _attribute_primitives(cls: type) -> tuple[str, ...]:
@@ -824,10 +821,8 @@ def _attribute_primitives(cls: type) -> tuple[str, ...]:
     init = methods.pop("__init__", None)
     if init is None:
         return ()
-    stored = _attribute_names(inspect.unwrap(init).__code__, "STORE_ATTR")
-    loaded: set[str] = set()
-    for method in methods.values():
-        loaded |= _attribute_names(inspect.unwrap(method).__code__, "LOAD_ATTR", "LOAD_METHOD")
+    stored = _attribute_names([init], "STORE_ATTR")
+    loaded = _attribute_names(methods.values(), "LOAD_ATTR", "LOAD_METHOD")
     return tuple(name for name in _ATTRIBUTE_PRIMITIVES if name in stored and name in loaded)
 
 
@@ -1101,13 +1096,10 @@ def _carriers_510(model: torch.nn.Module, names: list[str]) -> list[torch.nn.Mod
     those mixers without the row's boundaries, and activation checkpointing recomputes a decoder layer
     (given its kwargs again) outside the forward whose row the mixer would otherwise read. Each hands
     down what :func:`_scoped_row` says."""
-    modules = dict(model.named_modules())
-    found: dict[str, torch.nn.Module] = {}
-    for name in names:
-        parts = name.split(".")
-        for depth in range(1, len(parts)):
-            found.setdefault(".".join(parts[:depth]), modules[".".join(parts[:depth])])
-    return list(found.values())
+    above = dict.fromkeys(
+        ".".join(name.split(".")[:depth]) for name in names for depth in range(1, name.count(".") + 1)
+    )
+    return [model.get_submodule(name) for name in above]
 
 
 def _unserved_convs(module: torch.nn.Module) -> list[str]:
@@ -1326,12 +1318,11 @@ def _reads_positions(model: torch.nn.Module) -> bool:
     """Whether the packed row's ``position_ids`` reach the model's layers: some module past the
     embeddings (the model, its decoder, a layer) takes them. Where only a positional embedding takes
     them, the model derives its positions from the row's length instead (BART-style decoders)."""
-    for name, module in model.named_modules():
-        if _TOWER.search(name) or "Embedding" in type(module).__name__:
-            continue
-        if takes_keyword(module.forward, "position_ids", any_keyword=False):
-            return True
-    return False
+    return any(
+        takes_keyword(module.forward, "position_ids", any_keyword=False)
+        for name, module in model.named_modules()
+        if not _TOWER.search(name) and "Embedding" not in type(module).__name__
+    )
 
 
 # ---- the route -------------------------------------------------------------------------------------
