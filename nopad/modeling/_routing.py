@@ -973,6 +973,11 @@ class _NotTraining:
 _KEEP = object()
 
 
+def _checkpoints(module: torch.nn.Module) -> bool:
+    """Whether backward recomputes ``module`` or its children (a checkpoint wrapper, or checkpointing on)."""
+    return type(module).__name__ == "CheckpointWrapper" or getattr(module, "gradient_checkpointing", False) is True
+
+
 def _recomputes_itself(module: torch.nn.Module) -> bool:
     return type(module).__name__ == "CheckpointWrapper" or any(
         klass.__name__ == "GradientCheckpointingLayer" for klass in type(module).__mro__
@@ -985,9 +990,7 @@ def _scoped_row(module: torch.nn.Module, kwargs: dict) -> Any:
     forward's row, which is refused under checkpointing) where backward recomputes it or its children
     from their own arguments, which an outer row does not reach; else whatever its caller handed
     down (``_KEEP``)."""
-    checkpointed = (
-        type(module).__name__ == "CheckpointWrapper" or getattr(module, "gradient_checkpointing", False) is True
-    )
+    checkpointed = _checkpoints(module)
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None and (not checkpointed or _recomputes_itself(module)):
         return cu, kwargs.get(SP_GROUP_KWARG), kwargs.get("max_length_q")
@@ -1414,10 +1417,7 @@ def checkpointed(model: torch.nn.Module) -> bool:
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else ""
     if getattr(model, flag or "is_gradient_checkpointing", False):
         return True
-    return any(
-        type(m).__name__ == "CheckpointWrapper" or getattr(m, "gradient_checkpointing", False) is True
-        for m in model.modules()
-    )
+    return any(_checkpoints(m) for m in model.modules())
 
 
 _MISSING = object()
@@ -1467,7 +1467,8 @@ def _row_boundaries(args: tuple, kwargs: dict) -> tuple[Tensor, int] | None:
     if not isinstance(positions, Tensor) or positions.dim() not in (2, 3):
         return None
     text = positions[0] if positions.dim() == 3 else positions  # (B, T); mrope's row 0 is the text position
-    plan = _plan_of(text)
+    # kept on the tensor: the layers of one forward, and the forwards that reuse it, share one derivation
+    plan = memo(text, "position_plan", lambda: IndexPlan.from_position_ids(text))
     if plan.batch_size == text.shape[0]:  # one sequence per row: nothing to keep apart
         return None
     cu = plan.cu_seqlens
@@ -1475,12 +1476,6 @@ def _row_boundaries(args: tuple, kwargs: dict) -> tuple[Tensor, int] | None:
     if lengths is not None:
         remember_host_lengths(cu, lengths)
     return cu, plan.max_seqlen
-
-
-def _plan_of(positions: Tensor) -> IndexPlan:
-    """The plan of these position ids (the layers of one forward, and the forwards that reuse the
-    tensor, share one derivation)."""
-    return memo(positions, "position_plan", lambda: IndexPlan.from_position_ids(positions))
 
 
 def route(model: torch.nn.Module) -> Route:
