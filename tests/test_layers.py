@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import nopad.modeling._layers as layers
 from nopad.diagnostics import OpCounter
 from nopad.modeling import PackedRow, causal_conv1d, gated_delta_rule, ssd_scan
-from nopad.modeling._routing import torch_fallback
+from nopad.modeling._routing import callee
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.bamba import modeling_bamba  # noqa: E402
@@ -57,13 +57,13 @@ def _ssd_recurrence(x, dt, A, B, C, chunk_size, D=None, dt_bias=None, dt_softplu
 
 # transformers' reference implementations, one sequence at a time: the torch functions behind its
 # primitives, however this release wraps them (the routing's reader of those wrappers, which is private)
-HF_CONV = torch_fallback(modeling_qwen3_5.causal_conv1d_fn) if WRAPS_PRIMITIVES else _conv_as_5_10_layers_run_it
+HF_CONV = callee(modeling_qwen3_5.causal_conv1d_fn).function if WRAPS_PRIMITIVES else _conv_as_5_10_layers_run_it
 HF_GDN = (
-    torch_fallback(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    callee(modeling_qwen3_5.torch_chunk_gated_delta_rule).function
     if WRAPS_PRIMITIVES
     else modeling_qwen3_5.torch_chunk_gated_delta_rule
 )
-HF_SSD = torch_fallback(modeling_bamba.mamba2_chunk_scan) if WRAPS_PRIMITIVES else _ssd_recurrence
+HF_SSD = callee(modeling_bamba.mamba2_chunk_scan).function if WRAPS_PRIMITIVES else _ssd_recurrence
 
 # sequences of length 1, < the conv kernel, < a chunk, exactly a chunk (64 and 16), > a chunk
 MIXED = [70, 1, 3, 64, 9, 16, 130, 2]
@@ -634,5 +634,5 @@ def test_the_selective_scan_of_right_padded_rows_equals_each_sequence_alone_forw
     if WRAPS_PRIMITIVES:  # the torch function transformers 5.20 on has behind the primitive
         from transformers.models.mamba import modeling_mamba
 
-        hf = alone_of(0, lengths[0], scan=torch_fallback(modeling_mamba.mamba_selective_scan))
+        hf = alone_of(0, lengths[0], scan=callee(modeling_mamba.mamba_selective_scan).function)
         _assert_close(alone[0], hf, "transformers' torch selective scan")

@@ -28,7 +28,7 @@ import re
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,21 +259,22 @@ def _no_state(owner: str, **given: Any) -> None:
 # ---- Ulysses sequence parallelism for the state-carrying layers -------------------------------------
 # Heads are independent, so the all-to-all that serves attention (sequence-sharded -> head-sharded)
 # serves the gated delta rule and the SSD scan; the conv needs only the K - 1 inputs before each
-# rank's first token, all-gathered from the ranks' tails.
+# rank's first token, all-gathered from the ranks' tails. With no SP (one rank) the head helpers below
+# return their input itself: no op is added.
 
 
 def _to_heads(x: Tensor, call: _Call) -> Tensor:
     """(1, L, H, ...) this rank's tokens -> (1, L * W, H / W, ...) the whole row for this rank's heads."""
-    return all_to_all(x, call.group, scatter_dim=2, gather_dim=1)
+    return x if call.world == 1 else all_to_all(x, call.group, scatter_dim=2, gather_dim=1)
 
 
 def _to_tokens(x: Tensor, call: _Call) -> Tensor:
-    return all_to_all(x, call.group, scatter_dim=1, gather_dim=2)
+    return x if call.world == 1 else all_to_all(x, call.group, scatter_dim=1, gather_dim=2)
 
 
 def _heads_of_rank(x: Tensor, call: _Call) -> Tensor:
     """The per-head parameter ``x`` (H, ...) for this rank's heads."""
-    return x.chunk(call.world)[call.rank]
+    return x if call.world == 1 else x.chunk(call.world)[call.rank]
 
 
 def _rank_heads(call: _Call, owner: str, heads: list, grouped: list) -> tuple[list, list]:
@@ -362,12 +363,9 @@ class PackedGatedDeltaRule(Adapter):
             return self.original(query, key, value, g=g, beta=beta, **options, **rule, **kwargs)
         _no_state(self.owner, initial_state=initial_state, output_final_state=output_final_state)
         q, k, v, g, beta = (x.reshape(1, B * L, *x.shape[2:]) for x in (query, key, value, g, beta))
-        if call.world > 1:
-            (v, g, beta), (q, k) = _rank_heads(call, self.owner, [v, g, beta], [q, k])
+        (v, g, beta), (q, k) = _rank_heads(call, self.owner, [v, g, beta], [q, k])
         options = dict(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel)
-        out = gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], call.row, **options).unsqueeze(0)
-        if call.world > 1:
-            out = _to_tokens(out, call)
+        out = _to_tokens(gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], call.row, **options).unsqueeze(0), call)
         return out.view(B, L, *out.shape[2:]), None
 
 
@@ -402,29 +400,35 @@ class PackedSSDScan(Adapter):
         _no_state(self.owner, initial_states=initial_states, return_final_states=return_final_states)
         x, dt, B, C = (t.reshape(1, batch * L, *t.shape[2:]) for t in (hidden_states, dt, B, C))
         z = None if z is None else z.reshape(1, batch * L, *z.shape[2:])
-        if call.world > 1:
-            (x, dt, z), (B, C) = _rank_heads(call, self.owner, [x, dt, z], [B, C])
-            A, D, dt_bias = (None if p is None else _heads_of_rank(p, call) for p in (A, D, dt_bias))
+        (x, dt, z), (B, C) = _rank_heads(call, self.owner, [x, dt, z], [B, C])
+        A, D, dt_bias = (None if p is None else _heads_of_rank(p, call) for p in (A, D, dt_bias))
         options.update(D=D, z=None if z is None else z[0], dt_bias=dt_bias)
         out = ssd_scan(x[0], dt[0], A, B[0], C[0], call.row, chunk_size=chunk_size, **options).unsqueeze(0)
-        if call.world > 1:
-            out = _to_tokens(out, call)
+        out = _to_tokens(out, call)
         return out.view(batch, L, *out.shape[2:])
 
 
 @dataclass(frozen=True, eq=False)
 class UnfusedMamba2(Adapter):
-    """``mamba_split_conv1d_scan_combined``, mamba-ssm's fused conv + scan + norm + projection: a packed call
-    returns None, as the torch fallback does, so the layer takes its unfused path (conv and scan served)."""
+    """``mamba_split_conv1d_scan_combined``, mamba-ssm's fused conv + scan + norm + projection (zxbcdt
+    (B, L, ...)): a packed call returns None, as the torch fallback does, so the layer takes its unfused
+    path (conv and scan served)."""
 
-    def __call__(self, zxbcdt, *args, **kwargs):
-        if _packed_call(kwargs, self.owner, zxbcdt.shape[0] * zxbcdt.shape[1], kwargs.get("cu_seqlens")) is not None:
+    seq_dim = 1  # where the input's tokens are
+
+    def __call__(self, x, *args, **kwargs):
+        if _packed_call(kwargs, self.owner, x.shape[0] * x.shape[self.seq_dim], kwargs.get("cu_seqlens")) is not None:
             return None
-        return self.original(zxbcdt, *args, **kwargs)
+        return self.original(x, *args, **kwargs)
 
 
-# the kwargs naming a packed row's boundaries, which a primitive run one row per sequence is not handed
-_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+def _alone_kwargs(call: _Call, owner: str, what: str, kwargs: dict) -> dict:
+    """The kwargs of a primitive run one row per sequence (no SP: refused), less those naming a packed
+    row's boundaries, which such a run is not handed."""
+    if call.world > 1:
+        raise input_error(owner, None, f"no sequence parallelism ({what} under Ulysses)", f"SP {call.world}")
+    boundaries = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    return {k: v for k, v in kwargs.items() if k not in boundaries}
 
 
 def _by_sequence(x: Tensor, call: _Call, seq_dim: int) -> Tensor:
@@ -451,11 +455,7 @@ class PackedKDA(Adapter):
         if call is None:
             return self.original(query, key, value, g=g, beta=beta, **options, **kwargs)
         _no_state(self.owner, initial_state=initial_state, output_final_state=output_final_state)
-        if call.world > 1:
-            raise input_error(
-                self.owner, None, "no sequence parallelism (Kimi delta attention under Ulysses)", f"SP {call.world}"
-            )
-        kwargs = {k: v for k, v in kwargs.items() if k not in _BOUNDARY_KWARGS}
+        kwargs = _alone_kwargs(call, self.owner, "Kimi delta attention", kwargs)
         rows = [_by_sequence(t.reshape(1, B * L, *t.shape[2:]), call, 1) for t in (query, key, value, g, beta)]
         out, _ = self.original(*rows[:3], g=rows[3], beta=rows[4], **options, **kwargs)
         return _by_token(out, call, 1).view(B, L, *out.shape[2:]), None
@@ -488,30 +488,23 @@ class PackedSelectiveScan(Adapter):
                 hidden_states, dt, A, B, C, z=z, return_last_state=return_last_state, **options, **kwargs
             )
         _no_state(self.owner, return_last_state=return_last_state)
-        if call.world > 1:
-            raise input_error(
-                self.owner, None, "no sequence parallelism (Mamba's selective scan under Ulysses)", f"SP {call.world}"
-            )
+        kwargs = _alone_kwargs(call, self.owner, "Mamba's selective scan", kwargs)
         flat = [
             None if t is None else t.movedim(0, 1).reshape(1, t.shape[1], batch * L)
             for t in (hidden_states, dt, B, C, z)
         ]
         rows = [None if t is None else _by_sequence(t, call, 2) for t in flat]
-        kwargs = {k: v for k, v in kwargs.items() if k not in _BOUNDARY_KWARGS}
         out = self.original(*rows[:2], A, *rows[2:4], z=rows[4], return_last_state=False, **options, **kwargs)
         packed = _by_token(out, call, 2)  # (1, channels, T)
         return packed.reshape(packed.shape[1], batch, L).movedim(1, 0)
 
 
 @dataclass(frozen=True, eq=False)
-class UnfusedMamba(Adapter):
+class UnfusedMamba(UnfusedMamba2):
     """``mamba_inner_fn``, mamba-ssm's fused Mamba (xz (B, 2D, L)): a packed call returns None, so the layer
     takes its unfused path (conv and scan served)."""
 
-    def __call__(self, xz, *args, **kwargs):
-        if _packed_call(kwargs, self.owner, xz.shape[0] * xz.shape[-1]) is not None:
-            return None
-        return self.original(xz, *args, **kwargs)
+    seq_dim = -1
 
 
 # transformers' primitives (by the kernel name transformers registers them under) -> nopad's adapter
@@ -568,8 +561,9 @@ def _fallback_name(fn: Any) -> str | None:
 @dataclass(frozen=True)
 class Callee:
     """A global a layer's code calls, as transformers wrapped it: a sequence ``primitive`` (its kernel
-    name), a ``helper`` whose Python ``function`` may reach primitives, or ``opaque`` (a kernels function
-    module whose function nopad cannot read: its ``name`` says what it is)."""
+    name; ``function``, transformers' torch implementation behind it, what runs without the CUDA
+    package), a ``helper`` whose Python ``function`` may reach primitives, or ``opaque`` (a kernels
+    function module whose function nopad cannot read: its ``name`` says what it is)."""
 
     kind: str  # "primitive", "helper" or "opaque"
     name: str
@@ -586,30 +580,13 @@ def callee(obj: Any) -> Callee | None:
         if func is None:
             return Callee("opaque", layer_name)
         name = _fallback_name(func)
-        return Callee("primitive", name) if name is not None else Callee("helper", layer_name, _innermost(func))
+        return Callee("primitive" if name else "helper", name or layer_name, inspect.unwrap(func))
     name = _fallback_name(obj)
     if name is not None:
-        return Callee("primitive", name)
+        return Callee("primitive", name, inspect.unwrap(obj))
     if inspect.isfunction(obj):
-        return Callee("helper", obj.__name__, _innermost(obj))
+        return Callee("helper", obj.__name__, inspect.unwrap(obj))
     return None
-
-
-def primitive_name(obj: Any) -> str | None:
-    """The kernel name transformers registered a sequence primitive under, however it is wrapped (with or
-    without ``kernels``), or None when ``obj`` is not one."""
-    found = callee(obj)
-    return found.name if found is not None and found.kind == "primitive" else None
-
-
-def torch_fallback(obj: Any) -> Callable:
-    """transformers' torch implementation behind a primitive (what runs without the CUDA package)."""
-    found = callee(obj)
-    if found is None or found.kind != "primitive":
-        raise input_error("primitive", None, "a transformers sequence primitive", repr(obj))
-    fn = _kernels_function(obj) if isinstance(obj, torch.nn.Module) else obj
-    assert fn is not None  # callee read it
-    return _innermost(fn)
 
 
 def _transformers_version() -> str:
@@ -619,12 +596,6 @@ def _transformers_version() -> str:
 
 
 # ---- rebinding a layer's methods ------------------------------------------------------------------
-
-
-def _innermost(fn: Callable) -> Callable:
-    while hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    return fn
 
 
 def _replaced(fn: types.FunctionType, old: Callable, new: Callable) -> types.FunctionType:
@@ -695,13 +666,17 @@ POSITIONWISE_KERNELS = {"rotary_pos_emb"}
 _REACHES: dict[Callable, Reach] = {}  # by function: functions live as long as their module
 
 
-def _names_read(code: types.CodeType) -> set[str]:
-    """The global names ``code`` reads, with those of the functions defined inside it."""
-    names = set(code.co_names)
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code of the functions defined inside it."""
+    yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _names_read(const)
-    return names
+            yield from _codes(const)
+
+
+def _names_read(code: types.CodeType) -> set[str]:
+    """The global names ``code`` reads, with those of the functions defined inside it."""
+    return {name for inner in _codes(code) for name in inner.co_names}
 
 
 def _follows(helper: Callable, caller: Callable) -> bool:
@@ -770,7 +745,7 @@ def _class_survey(cls: type) -> ClassSurvey:
         return _SURVEYS[cls]
     survey = _SURVEYS[cls] = ClassSurvey(cls)
     for name, method in _methods(cls):
-        found = _reach(_innermost(method))
+        found = _reach(inspect.unwrap(method))
         if found.served:
             survey.rebinds[name] = found
         survey.unserved |= found.unserved
@@ -832,10 +807,11 @@ _ATTRIBUTE_PRIMITIVES = ("causal_conv1d_fn", "chunk_gated_delta_rule")
 _FAST_PATH = "cuda_kernels_forward"
 
 
-def _attribute_names(code: types.CodeType, *opnames: str) -> set[str]:
-    """The attribute names ``code`` stores (``STORE_ATTR``) or loads (``LOAD_ATTR``; a method call's
-    load is ``LOAD_METHOD`` before Python 3.12)."""
-    return {ins.argval for ins in dis.get_instructions(code) if ins.opname in opnames}
+def _attribute_names(functions: Iterable[Callable], *opnames: str) -> set[str]:
+    """The attribute names the code of ``functions`` stores (``STORE_ATTR``) or loads (``LOAD_ATTR``; a
+    method call's load is ``LOAD_METHOD`` before Python 3.12)."""
+    codes = [inspect.unwrap(fn).__code__ for fn in functions]
+    return {ins.argval for code in codes for ins in dis.get_instructions(code) if ins.opname in opnames}
 
 
 def _attribute_primitives(cls: type) -> tuple[str, ...]:
@@ -845,10 +821,8 @@ def _attribute_primitives(cls: type) -> tuple[str, ...]:
     init = methods.pop("__init__", None)
     if init is None:
         return ()
-    stored = _attribute_names(_innermost(init).__code__, "STORE_ATTR")
-    loaded: set[str] = set()
-    for method in methods.values():
-        loaded |= _attribute_names(_innermost(method).__code__, "LOAD_ATTR", "LOAD_METHOD")
+    stored = _attribute_names([init], "STORE_ATTR")
+    loaded = _attribute_names(methods.values(), "LOAD_ATTR", "LOAD_METHOD")
     return tuple(name for name in _ATTRIBUTE_PRIMITIVES if name in stored and name in loaded)
 
 
@@ -857,7 +831,7 @@ def _fast_path_globals(cls: type) -> tuple[str, ...]:
     method = dict(_methods(cls)).get(_FAST_PATH)
     if method is None:
         return ()
-    return tuple(sorted(_names_read(_innermost(method).__code__) & set(_FAST_PATH_ADAPTERS)))
+    return tuple(sorted(_names_read(inspect.unwrap(method).__code__) & set(_FAST_PATH_ADAPTERS)))
 
 
 def primitives_510(cls: type) -> tuple[str, ...]:
@@ -978,8 +952,8 @@ _FAST_PATH_FALLBACKS = {"selective_scan_fn": _torch_selective_scan_fn}  # where 
 def _clamps_at_minimum(torch_path: Callable, fast: Callable) -> bool:
     """Whether a 5.10 mixer's torch forward clamps its time steps at ``time_step_min``, which its CUDA
     forward does not (nemotron_h's and zamba2's: their two paths differ by that clamp)."""
-    return "time_step_min" in _names_read(_innermost(torch_path).__code__) and "time_step_min" not in _names_read(
-        _innermost(fast).__code__
+    return "time_step_min" in _names_read(inspect.unwrap(torch_path).__code__) and "time_step_min" not in _names_read(
+        inspect.unwrap(fast).__code__
     )
 
 
@@ -999,6 +973,11 @@ class _NotTraining:
 _KEEP = object()
 
 
+def _checkpoints(module: torch.nn.Module) -> bool:
+    """Whether backward recomputes ``module`` or its children (a checkpoint wrapper, or checkpointing on)."""
+    return type(module).__name__ == "CheckpointWrapper" or getattr(module, "gradient_checkpointing", False) is True
+
+
 def _recomputes_itself(module: torch.nn.Module) -> bool:
     return type(module).__name__ == "CheckpointWrapper" or any(
         klass.__name__ == "GradientCheckpointingLayer" for klass in type(module).__mro__
@@ -1011,9 +990,7 @@ def _scoped_row(module: torch.nn.Module, kwargs: dict) -> Any:
     forward's row, which is refused under checkpointing) where backward recomputes it or its children
     from their own arguments, which an outer row does not reach; else whatever its caller handed
     down (``_KEEP``)."""
-    checkpointed = (
-        type(module).__name__ == "CheckpointWrapper" or getattr(module, "gradient_checkpointing", False) is True
-    )
+    checkpointed = _checkpoints(module)
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None and (not checkpointed or _recomputes_itself(module)):
         return cu, kwargs.get(SP_GROUP_KWARG), kwargs.get("max_length_q")
@@ -1067,7 +1044,7 @@ def _fast_path_forward(module: torch.nn.Module, names: tuple[str, ...]) -> Mixer
     """The mixer's forward, its ``cuda_kernels_forward`` reading nopad's adapters for ``names``."""
     owner = type(module).__name__
     fast = getattr(type(module), _FAST_PATH)
-    globals_ = _innermost(fast).__globals__
+    globals_ = inspect.unwrap(fast).__globals__
     adapters = {n: _FAST_PATH_ADAPTERS[n](globals_.get(n) or _FAST_PATH_FALLBACKS.get(n), owner) for n in names}
     torch_path, scan = dict(_methods(type(module))).get("torch_forward"), "mamba_chunk_scan_combined"
     if scan in adapters and torch_path is not None and _clamps_at_minimum(torch_path, fast):
@@ -1122,13 +1099,10 @@ def _carriers_510(model: torch.nn.Module, names: list[str]) -> list[torch.nn.Mod
     those mixers without the row's boundaries, and activation checkpointing recomputes a decoder layer
     (given its kwargs again) outside the forward whose row the mixer would otherwise read. Each hands
     down what :func:`_scoped_row` says."""
-    modules = dict(model.named_modules())
-    found: dict[str, torch.nn.Module] = {}
-    for name in names:
-        parts = name.split(".")
-        for depth in range(1, len(parts)):
-            found.setdefault(".".join(parts[:depth]), modules[".".join(parts[:depth])])
-    return list(found.values())
+    above = dict.fromkeys(
+        ".".join(name.split(".")[:depth]) for name in names for depth in range(1, name.count(".") + 1)
+    )
+    return [model.get_submodule(name) for name in above]
 
 
 def _unserved_convs(module: torch.nn.Module) -> list[str]:
@@ -1164,10 +1138,6 @@ class RegisteredForward(Adapter):
         if call is None:
             return self.original(*args, **kwargs)
         return self.form(self.module, call.row, *args, **kwargs)
-
-
-def _registered_forward(module: torch.nn.Module, form: Callable) -> RegisteredForward:
-    return RegisteredForward(module.forward, type(module).__name__, module, form)
 
 
 # ---- the guard -------------------------------------------------------------------------------------
@@ -1259,11 +1229,7 @@ def survey(model: torch.nn.Module) -> Survey:
     for name, module in model.named_modules():  # parents before children
         if _TOWER.search(name):
             served.add(id(module))
-        if id(module) in served:
-            served.update(id(child) for child in module.children())
-            continue
-        cls = type(module)
-        if registered_form(cls) is not None or _class_survey(cls).served:
+        if id(module) in served or registered_form(type(module)) is not None or _class_survey(type(module)).served:
             served.update(id(child) for child in module.children())
     for name, module in reversed(list(model.named_modules())):  # children before parents
         cls = type(module)
@@ -1309,25 +1275,22 @@ _WINDOW_MASK = "create_sliding_window_causal_mask"
 def _builds_window_mask(model: torch.nn.Module) -> bool:
     """Whether some module of ``model`` builds transformers' sliding-window mask (its decoder's forward)."""
     classes = {type(m) for m in model.modules()}
-    return any(_WINDOW_MASK in _names_read(_innermost(fn).__code__) for cls in classes for _, fn in _methods(cls))
+    return any(_WINDOW_MASK in _names_read(inspect.unwrap(fn).__code__) for cls in classes for _, fn in _methods(cls))
 
 
 def _mentions(code: types.CodeType, name: str) -> bool:
     """Whether ``code`` (or a function defined inside it) reads ``name`` or passes it as a keyword."""
-    if name in code.co_names:
-        return True
-    for const in code.co_consts:
-        if const == name or (isinstance(const, tuple) and name in const):
-            return True
-        if isinstance(const, types.CodeType) and _mentions(const, name):
-            return True
-    return False
+    return any(
+        name in inner.co_names
+        or any(const == name or (isinstance(const, tuple) and name in const) for const in inner.co_consts)
+        for inner in _codes(code)
+    )
 
 
 def _passes_window(cls: type) -> bool:
     """Whether the class's code that calls the attention interface hands it a ``sliding_window``."""
     for _, method in _methods(cls):
-        code = _innermost(method).__code__
+        code = inspect.unwrap(method).__code__
         if "ALL_ATTENTION_FUNCTIONS" in _names_read(code) and _mentions(code, "sliding_window"):
             return True
     return False
@@ -1358,12 +1321,11 @@ def _reads_positions(model: torch.nn.Module) -> bool:
     """Whether the packed row's ``position_ids`` reach the model's layers: some module past the
     embeddings (the model, its decoder, a layer) takes them. Where only a positional embedding takes
     them, the model derives its positions from the row's length instead (BART-style decoders)."""
-    for name, module in model.named_modules():
-        if _TOWER.search(name) or "Embedding" in type(module).__name__:
-            continue
-        if takes_keyword(module.forward, "position_ids", any_keyword=False):
-            return True
-    return False
+    return any(
+        takes_keyword(module.forward, "position_ids", any_keyword=False)
+        for name, module in model.named_modules()
+        if not _TOWER.search(name) and "Embedding" not in type(module).__name__
+    )
 
 
 # ---- the route -------------------------------------------------------------------------------------
@@ -1382,7 +1344,7 @@ class Route:
         for name, module in model.named_modules():
             form = registered_form(type(module)) if name in registered else None
             if form is not None:
-                self._patch(module, "forward", _registered_forward(module, form))
+                self._patch(module, "forward", RegisteredForward(module.forward, type(module).__name__, module, form))
             elif name in names:
                 for method, fn in _rebound_methods(type(module)).items():
                     self._patch(module, method, types.MethodType(fn, module))
@@ -1455,10 +1417,7 @@ def checkpointed(model: torch.nn.Module) -> bool:
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else ""
     if getattr(model, flag or "is_gradient_checkpointing", False):
         return True
-    return any(
-        type(m).__name__ == "CheckpointWrapper" or getattr(m, "gradient_checkpointing", False) is True
-        for m in model.modules()
-    )
+    return any(_checkpoints(m) for m in model.modules())
 
 
 _MISSING = object()
@@ -1502,15 +1461,14 @@ def _row_boundaries(args: tuple, kwargs: dict) -> tuple[Tensor, int] | None:
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         return cu, int(kwargs.get("max_length_q") or 0)
-    if kwargs.get("attention_mask") is not None or kwargs.get("past_key_values") is not None:
-        return None
-    if kwargs.get("cache") is not None:
+    if any(kwargs.get(name) is not None for name in ("attention_mask", "past_key_values", "cache")):
         return None
     positions = kwargs.get("position_ids")
     if not isinstance(positions, Tensor) or positions.dim() not in (2, 3):
         return None
     text = positions[0] if positions.dim() == 3 else positions  # (B, T); mrope's row 0 is the text position
-    plan = _plan_of(text)
+    # kept on the tensor: the layers of one forward, and the forwards that reuse it, share one derivation
+    plan = memo(text, "position_plan", lambda: IndexPlan.from_position_ids(text))
     if plan.batch_size == text.shape[0]:  # one sequence per row: nothing to keep apart
         return None
     cu = plan.cu_seqlens
@@ -1518,12 +1476,6 @@ def _row_boundaries(args: tuple, kwargs: dict) -> tuple[Tensor, int] | None:
     if lengths is not None:
         remember_host_lengths(cu, lengths)
     return cu, plan.max_seqlen
-
-
-def _plan_of(positions: Tensor) -> IndexPlan:
-    """The plan of these position ids (the layers of one forward, and the forwards that reuse the
-    tensor, share one derivation)."""
-    return memo(positions, "position_plan", lambda: IndexPlan.from_position_ids(positions))
 
 
 def route(model: torch.nn.Module) -> Route:
