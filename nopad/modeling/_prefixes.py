@@ -56,7 +56,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import types
 from typing import Any
 
 import torch
@@ -69,7 +68,7 @@ from nopad.core._layout import device_to_host
 from nopad.core._memo import memo, recall, remember
 from nopad.modeling._attention import KERNELS, Needs, forced_kernel, kernel_for, mask_window, run_kernel
 from nopad.modeling._layers import SharedPrefixRow
-from nopad.modeling._routing import ADAPTERS, callee, packed_row_of, primitives_510, route, survey
+from nopad.modeling._routing import ADAPTERS, callee, names_read, packed_row_of, primitives_510, route, survey
 from nopad.parallel._ulysses import SP_GROUP_KWARG, set_attn_implementation
 
 IMPLEMENTATION = "nopad_shared"
@@ -272,15 +271,6 @@ def _hand_row(module: torch.nn.Module, args: tuple, kwargs: dict, *, stateful: b
     return args, kwargs
 
 
-def _code_names(code: types.CodeType) -> set[str]:
-    """The global names ``code`` reads, with those of the functions defined inside it."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _code_names(const)
-    return names
-
-
 _ADAPTED: dict[type, frozenset[str]] = {}
 
 
@@ -297,7 +287,7 @@ def _adapted_primitives(cls: type) -> frozenset[str]:
         if fn in seen or not inspect.isfunction(fn):
             return
         seen.add(fn)
-        for name in _code_names(fn.__code__):
+        for name in names_read(fn.__code__):
             what = callee(fn.__globals__.get(name))
             if what is None:
                 continue

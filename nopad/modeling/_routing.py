@@ -674,7 +674,7 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
             yield from _codes(const)
 
 
-def _names_read(code: types.CodeType) -> set[str]:
+def names_read(code: types.CodeType) -> set[str]:
     """The global names ``code`` reads, with those of the functions defined inside it."""
     return {name for inner in _codes(code) for name in inner.co_names}
 
@@ -690,7 +690,7 @@ def _reach(fn: Callable, visiting: frozenset = frozenset()) -> Reach:
     if fn in _REACHES:
         return _REACHES[fn]
     found = Reach()
-    for global_name in _names_read(fn.__code__):
+    for global_name in names_read(fn.__code__):
         if global_name == "ALL_ATTENTION_FUNCTIONS":
             found.attention_interface = True
         what = callee(fn.__globals__.get(global_name))
@@ -831,7 +831,7 @@ def _fast_path_globals(cls: type) -> tuple[str, ...]:
     method = dict(_methods(cls)).get(_FAST_PATH)
     if method is None:
         return ()
-    return tuple(sorted(_names_read(inspect.unwrap(method).__code__) & set(_FAST_PATH_ADAPTERS)))
+    return tuple(sorted(names_read(inspect.unwrap(method).__code__) & set(_FAST_PATH_ADAPTERS)))
 
 
 def primitives_510(cls: type) -> tuple[str, ...]:
@@ -952,7 +952,7 @@ _FAST_PATH_FALLBACKS = {"selective_scan_fn": _torch_selective_scan_fn}  # where 
 def _clamps_at_minimum(torch_path: Callable, fast: Callable) -> bool:
     """Whether a 5.10 mixer's torch forward clamps its time steps at ``time_step_min``, which its CUDA
     forward does not (nemotron_h's and zamba2's: their two paths differ by that clamp)."""
-    return "time_step_min" in _names_read(inspect.unwrap(torch_path).__code__) and "time_step_min" not in _names_read(
+    return "time_step_min" in names_read(inspect.unwrap(torch_path).__code__) and "time_step_min" not in names_read(
         inspect.unwrap(fast).__code__
     )
 
@@ -1275,7 +1275,7 @@ _WINDOW_MASK = "create_sliding_window_causal_mask"
 def _builds_window_mask(model: torch.nn.Module) -> bool:
     """Whether some module of ``model`` builds transformers' sliding-window mask (its decoder's forward)."""
     classes = {type(m) for m in model.modules()}
-    return any(_WINDOW_MASK in _names_read(inspect.unwrap(fn).__code__) for cls in classes for _, fn in _methods(cls))
+    return any(_WINDOW_MASK in names_read(inspect.unwrap(fn).__code__) for cls in classes for _, fn in _methods(cls))
 
 
 def _mentions(code: types.CodeType, name: str) -> bool:
@@ -1291,7 +1291,7 @@ def _passes_window(cls: type) -> bool:
     """Whether the class's code that calls the attention interface hands it a ``sliding_window``."""
     for _, method in _methods(cls):
         code = inspect.unwrap(method).__code__
-        if "ALL_ATTENTION_FUNCTIONS" in _names_read(code) and _mentions(code, "sliding_window"):
+        if "ALL_ATTENTION_FUNCTIONS" in names_read(code) and _mentions(code, "sliding_window"):
             return True
     return False
 
