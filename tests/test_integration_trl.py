@@ -568,7 +568,7 @@ def drive(kind: str, arch: str, tmp_path, packed: bool | str, monkeypatch, **ove
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             self.grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
-            assert _install._checkpointed(model)  # TRL's default: the layers recomputed in this backward
+            assert _install.checkpointed(model)  # TRL's default: the layers recomputed in this backward
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             self.weights.append({k: p.detach().clone() for k, p in model.named_parameters()})
